@@ -1,0 +1,91 @@
+"""One flag per config field: CLI flags and `LLM(**kwargs)` map onto the frozen configs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from fastserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
+# Flags whose public name differs from the field (issue-specified CLI names).
+_ALIASES = {"policy": "scheduler"}
+_HELP = {
+    "model": "Hugging Face model directory (default: the built-in tiny preset)",
+    "policy": "scheduling policy",
+    "kv_cache_gib": "device KV cache size in GiB (num_device_blocks overrides it)",
+    "max_batch_size": "most requests in one iteration",
+    "max_waiting": "most queued requests before new ones get 429 (0 = unbounded)",
+}
+
+
+def _field_owner() -> dict[str, str]:
+    owner: dict[str, str] = {}
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            owner[f.name] = section
+    return owner
+
+
+def engine_config(profile_path: str | None = None, **kwargs: Any) -> EngineConfig:
+    """Build an EngineConfig from flat keyword arguments (`LLM(max_batch_size=8, ...)`)."""
+    owner = _field_owner()
+    for field, public in _ALIASES.items():
+        if public in kwargs:
+            kwargs[field] = kwargs.pop(public)
+    parts: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    for key, value in kwargs.items():
+        if key not in owner:
+            raise TypeError(f"unknown engine option {key!r}; valid options: {sorted(owner)}")
+        parts[owner[key]][key] = value
+    return EngineConfig(
+        **{s: _SECTIONS[s](**v) for s, v in parts.items()},  # type: ignore[arg-type]
+        profile_path=profile_path,
+    )
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add `--field-name` for every config field (defaults left as None = config default)."""
+    for section, cls in _SECTIONS.items():
+        group = parser.add_argument_group(f"{section} options")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + _ALIASES.get(f.name, f.name).replace("_", "-")
+            kind = _arg_type(f.type)
+            default = f.default
+            help_ = _HELP.get(f.name, f.name.replace("_", " ")) + f" (default: {default})"
+            if kind is bool:
+                group.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_
+                )
+            else:
+                group.add_argument(flag, dest=f.name, type=kind, default=None, help=help_)
+    parser.add_argument("--profile", dest="profile_path", default=None,
+                        help="cost-model profile JSON (default: profile at start-up, cached)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    owner = _field_owner()
+    kwargs = {k: v for k, v in vars(args).items() if k in owner and v is not None}
+    return engine_config(profile_path=getattr(args, "profile_path", None), **kwargs)
+
+
+def _arg_type(annotation: object) -> type:
+    text = str(annotation)
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if text.startswith(name):
+            return kind
+    return str

@@ -1,0 +1,182 @@
+"""AsyncLLM: the engine stepping in a background thread, streaming tokens to asyncio callers.
+
+The engine is not thread-safe, so every mutation (add, abort) is a command the engine thread
+runs between iterations; callers await a future for its result. Outputs travel back through a
+per-request asyncio queue filled with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastserve.config import EngineConfig
+from fastserve.llm_engine import LLMEngine
+from fastserve.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a fatal error or shutdown); no new requests are taken."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        self.engine = engine or LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self.dead_reason: str | None = None
+        self._stats: dict[str, Any] = self.engine.stats()
+        # Callbacks run on the engine thread for every finished output (metrics).
+        self.on_finish: list[Callable[[RequestOutput], None]] = []
+        self._thread = threading.Thread(target=self._run, name="fastserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None and self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot taken by the engine thread after its latest iteration."""
+        return dict(self._stats)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        oracle_output_len: int | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as tokens come; the last has `finished=True`.
+
+        Raises ValueError for bad input and QueueFullError when the queue is full. Closing the
+        iterator early (a client that went away) aborts the request and frees its blocks.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+
+        def add() -> str:
+            limit = self.config.scheduler.max_waiting
+            if limit and self._stats_now()["num_waiting"] >= limit:
+                raise QueueFullError(f"{limit} requests are already waiting (max_waiting)")
+            req = self.engine.add_request(prompt, params, request_id, oracle_output_len=oracle_output_len)
+            self._streams[req.request_id] = stream
+            return req.request_id
+
+        rid = await self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort without waiting (safe from any thread)."""
+
+        def run() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._submit(run)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish within `grace_s`, then stop."""
+        self._stopping = True
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self._streams and asyncio.get_running_loop().time() < deadline and self.is_healthy:
+            await asyncio.sleep(0.05)
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+        self.dead_reason = self.dead_reason or "shut down"
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10)
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        if self._stopping or not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "the engine is shutting down")
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    def _run_commands(self) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for fn, fut in commands:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # reported to the caller that sent it
+                fut.set_exception(exc)
+
+    def _run(self) -> None:
+        try:
+            while self.dead_reason is None:
+                self._run_commands()
+                if not self.engine.has_unfinished:
+                    self._stats = self.engine.stats()
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out)
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # NOTE: a dead loop must not leave callers hanging
+            logger.exception("engine loop died")
+            self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
+            self._fail_all(EngineDeadError(self.dead_reason))
+        self._run_commands()  # resolve late commands (they raise EngineDeadError in _call)
+
+    def _stats_now(self) -> dict[str, Any]:
+        self._stats = self.engine.stats()
+        return self._stats
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+            for cb in self.on_finish:
+                cb(out)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            if not stream.loop.is_closed():
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

@@ -1,0 +1,104 @@
+"""`fastserve` command line: generate, serve, make-model, profile, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fastserve.args import add_engine_args, engine_config_from_args
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from fastserve.llm_engine import LLMEngine
+    from fastserve.request import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop or ()),
+    )
+    engine = LLMEngine(engine_config_from_args(args))
+    engine.add_request(args.prompt, params)
+    print(args.prompt, end="", flush=True)
+    final = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            print(out.new_text, end="", flush=True)
+            if out.finished:
+                final = out
+    print()
+    if final is not None:
+        ttft = final.ttft_s or 0.0
+        jct = final.jct_s or 0.0
+        print(
+            f"[{len(final.token_ids)} tokens, finish_reason={final.finish_reason}, "
+            f"ttft={ttft * 1e3:.1f} ms, total={jct * 1e3:.1f} ms]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from fastserve.model.make_model import make_model
+
+    path = make_model(args.preset, args.out, seed=args.seed)
+    print(f"wrote {args.preset} checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    mk = sub.add_parser("make-model", help="write a random-weight checkpoint in HF format")
+    mk.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_make_model)
+
+    for name in ("fastserve.server.cli", "fastserve.bench.cli", "fastserve.profiler"):
+        _add_optional(sub, name)
+    return parser
+
+
+def _add_optional(sub: argparse._SubParsersAction, module: str) -> None:  # type: ignore[type-arg]
+    """Subcommands that live with their feature (server, bench, profile)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        return
+    for attr in dir(mod):
+        if attr.startswith("add_") and attr.endswith("_parser"):
+            getattr(mod, attr)(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as exc:  # bad input: a clear message, no traceback
+        print(f"fastserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

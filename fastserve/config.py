@@ -1,0 +1,136 @@
+"""Engine configuration: frozen dataclasses checked on construction.
+
+CLI flags and `LLM(...)` keyword arguments map one to one onto these fields
+(see `fastserve.args`). Nothing here imports torch so `fastserve.core` and the
+simulator can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+POLICIES = (
+    "skip-join-mlfq",
+    "orca",
+    "fcfs",
+    "request-level",
+    "mlfq",
+    "mlfq-preempt",
+    "srpt-oracle",
+)
+KV_POLICIES = ("proactive", "reactive", "defer", "recompute")
+MLFQ_CHARGES = ("iteration", "own")
+MLFQ_VARIANTS = ("robust", "paper")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how."""
+
+    model: str | None = None  # HF directory; None = the built-in `tiny` preset
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # default seed for sampling requests that give none
+    warmup: bool = True  # run warm-up passes at start-up
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing. A block count, when given, overrides the GiB figure."""
+
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_device_blocks: int | None = None
+    swap_space_gib: float = 0.0
+    num_host_blocks: int | None = None
+    kv_policy: str = "defer"
+    kv_reserve_blocks: int = 0
+    burst_queues: int = 2
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
+        _check(self.kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        _check(
+            self.num_device_blocks is None or self.num_device_blocks > 0,
+            f"num_device_blocks must be > 0, got {self.num_device_blocks}",
+        )
+        _check(self.swap_space_gib >= 0, f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        _check(
+            self.num_host_blocks is None or self.num_host_blocks >= 0,
+            f"num_host_blocks must be >= 0, got {self.num_host_blocks}",
+        )
+        _check(
+            self.kv_policy in KV_POLICIES,
+            f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}",
+        )
+        _check(self.kv_reserve_blocks >= 0, "kv_reserve_blocks must be >= 0")
+        _check(self.burst_queues >= 0, "burst_queues must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Which requests run each iteration."""
+
+    policy: str = "fcfs"
+    max_batch_size: int = 16
+    # NOTE: a whole prompt is prefilled in one iteration, so this also bounds the prompt length.
+    max_num_batched_tokens: int = 4096
+    max_waiting: int = 0  # 0 = unbounded; the server answers 429 beyond it
+    base_quantum_ms: float = 0.0  # 0 = derive from the profile (one decode step's share)
+    quantum_ratio: float = 2.0
+    mlfq_levels: int = 4
+    mlfq_charge: str = "own"
+    starve_limit_s: float = 0.0  # 0 = no starvation promotion
+    mlfq_variant: str = "robust"
+
+    def __post_init__(self) -> None:
+        _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _check(self.max_batch_size > 0, f"max_batch_size must be > 0, got {self.max_batch_size}")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0")
+        _check(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
+        _check(self.base_quantum_ms >= 0, "base_quantum_ms must be >= 0")
+        _check(self.quantum_ratio > 1, f"quantum_ratio must be > 1, got {self.quantum_ratio}")
+        _check(self.mlfq_levels >= 1, f"mlfq_levels must be >= 1, got {self.mlfq_levels}")
+        _check(
+            self.mlfq_charge in MLFQ_CHARGES,
+            f"mlfq_charge must be one of {MLFQ_CHARGES}, got {self.mlfq_charge!r}",
+        )
+        _check(self.starve_limit_s >= 0, "starve_limit_s must be >= 0")
+        _check(
+            self.mlfq_variant in MLFQ_VARIANTS,
+            f"mlfq_variant must be one of {MLFQ_VARIANTS}, got {self.mlfq_variant!r}",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    worker_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
+        _check(self.worker_timeout_s > 0, "worker_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    profile_path: str | None = None  # fitted cost model; None = profile at start-up (cached)

@@ -1,0 +1,76 @@
+"""The typed plan that crosses from the scheduler to the executor, and the executor's answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastserve.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of an iteration."""
+
+    request_id: str
+    # Tokens fed to the model this iteration: the whole prompt (plus any tokens generated
+    # before a recompute preemption) for a prefill, the last sampled token for a decode.
+    token_ids: list[int]
+    # Position of token_ids[0]; the KV of every earlier position is already cached.
+    start_pos: int
+    # The request's device block table, covering start_pos + len(token_ids) tokens.
+    block_ids: list[int]
+    # Sampling needs the params, and min_tokens needs how many tokens came out already.
+    params: SamplingParams
+    num_output_tokens: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start_pos == 0
+
+    @property
+    def num_context_tokens(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the executor needs for one iteration."""
+
+    scheduled: list[ScheduledRequest]
+    # Requests that left the engine since the last plan: the executor drops their state
+    # (sampling generators) so nothing leaks.
+    finished_ids: list[str] = field(default_factory=list)
+    # KV copies to carry out before this iteration reads those blocks:
+    # (device_block, host_block) pairs.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests taken out of the batch this iteration (for metrics and tests).
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def num_decode_context_tokens(self) -> int:
+        return sum(s.num_context_tokens for s in self.scheduled if not s.is_prefill)
+
+
+@dataclass(frozen=True)
+class ExecutorOutput:
+    """What one iteration produced."""
+
+    # One sampled token per scheduled request, in plan order.
+    sampled_token_ids: list[int]
+    # How long the iteration took: measured by the real executor, predicted by the simulator.
+    duration_s: float
+    # Time the iteration spent waiting for KV copies (part of duration_s).
+    swap_wait_s: float = 0.0

@@ -1,0 +1,31 @@
+"""Scheduling policies: one class each, all over the shared `Scheduler` mechanism."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastserve.config import SchedulerConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.policies.fcfs import FCFSScheduler, OrcaScheduler
+from fastserve.core.scheduler import Scheduler
+
+POLICY_CLASSES: dict[str, type[Scheduler]] = {
+    "fcfs": FCFSScheduler,
+    "orca": OrcaScheduler,
+}
+
+
+def make_scheduler(
+    config: SchedulerConfig,
+    kv: KVCacheManager,
+    cost: CostModel,
+    eos_token_ids: Sequence[int] = (),
+) -> Scheduler:
+    try:
+        cls = POLICY_CLASSES[config.policy]
+    except KeyError:
+        raise ValueError(
+            f"scheduler policy {config.policy!r} is not available; choose from {sorted(POLICY_CLASSES)}"
+        ) from None
+    return cls(config, kv, cost, eos_token_ids)

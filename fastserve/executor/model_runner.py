@@ -1,0 +1,120 @@
+"""The real executor: turns a scheduler plan into tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fastserve.config import CacheConfig, ModelConfig
+from fastserve.core.block_pool import is_contiguous
+from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.executor.attention import AttentionMetadata, PagedAttention, SeqSlice
+from fastserve.executor.sampler import Sampler
+from fastserve.model.arch import ArchConfig
+from fastserve.model.llama import LlamaForCausalLM
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens] long
+    positions: torch.Tensor  # [num_tokens] long
+    last_token_idx: torch.Tensor  # [num_reqs] long: where each request's logits come from
+    metadata: AttentionMetadata
+
+
+def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one KV block across all layers (K and V) on one rank."""
+    kv_heads = max(1, arch.num_key_value_heads // tp_size)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_hidden_layers * kv_heads * arch.head_dim * block_size * elem
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the sampler on one device."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        arch: ArchConfig,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.model = model
+        self.arch = arch
+        self.dtype = TORCH_DTYPES[model_config.dtype]
+        self.device = torch.device(model_config.device)
+        self.block_size = cache_config.block_size
+        self.block_bytes = kv_block_bytes(arch, self.block_size, self.dtype)
+        self.num_blocks = cache_config.num_device_blocks or max(
+            1, int(cache_config.kv_cache_gib * (1 << 30)) // self.block_bytes
+        )
+        self.attn = PagedAttention(
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.sampler = Sampler(eos_token_ids, model_config.seed, self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        start = time.perf_counter()
+        self.sampler.drop(plan.finished_ids)
+        if plan.is_empty:
+            return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
+        batch = self._prepare(plan.scheduled)
+        self.attn.metadata = batch.metadata
+        hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
+        tokens = self.sampler.sample(logits, plan.scheduled)
+        self.attn.metadata = None
+        return ExecutorOutput(sampled_token_ids=tokens, duration_s=time.perf_counter() - start)
+
+    def _prepare(self, reqs: list[ScheduledRequest]) -> BatchInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        seqs: list[SeqSlice] = []
+        for r in reqs:
+            q_start = len(input_ids)
+            n = len(r.token_ids)
+            input_ids += r.token_ids
+            pos = range(r.start_pos, r.start_pos + n)
+            positions += pos
+            table = r.block_ids
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+            last.append(q_start + n - 1)
+            ctx = r.start_pos + n
+            contiguous = is_contiguous(table[: -(-ctx // bs)])
+            seqs.append(
+                SeqSlice(
+                    q_start=q_start,
+                    q_len=n,
+                    is_prefill=r.is_prefill,
+                    ctx_len=ctx,
+                    slot_start=table[0] * bs,
+                    slot_index=None
+                    if contiguous or r.is_prefill
+                    else self.attn.block_slots(table[: -(-ctx // bs)])[:ctx],
+                )
+            )
+        dev = self.device
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            last_token_idx=torch.tensor(last, dtype=torch.long).to(dev, non_blocking=True),
+            metadata=AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+                seqs=seqs,
+            ),
+        )

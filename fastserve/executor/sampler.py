@@ -1,0 +1,81 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from fastserve.core.plan import ScheduledRequest
+
+
+class Sampler:
+    """Samples one token per row. Seeded requests own a generator, so their tokens do not
+    depend on what else is in the batch."""
+
+    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self._default = torch.Generator(device=device)
+        self._default.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
+        # logits: [num_reqs, vocab] float32
+        self._mask_early_stop(logits, reqs)
+        greedy = [r.params.is_greedy for r in reqs]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+        out = logits.argmax(dim=-1).tolist()
+        rows = [i for i, g in enumerate(greedy) if not g]
+        sub = logits[rows]  # [n, vocab]
+        temps = torch.tensor([reqs[i].params.temperature for i in rows], device=sub.device)
+        probs = torch.softmax(_filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows), dim=-1)
+        for j, i in enumerate(rows):
+            gen = self._generator(reqs[i])
+            out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+        return out
+
+    def _generator(self, req: ScheduledRequest) -> torch.Generator:
+        if req.params.seed is None:
+            return self._default
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(req.params.seed)
+            self._generators[req.request_id] = gen
+        return gen
+
+    def _mask_early_stop(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+        """Before min_tokens, EOS and stop token ids may not be sampled."""
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_tokens:
+                ids = list(r.params.stop_token_ids)
+                if not r.params.ignore_eos:
+                    ids += self.eos_token_ids
+                if ids:
+                    logits[i, ids] = float("-inf")
+
+
+def _filter_top_k_top_p(
+    logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int]
+) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p nucleus to -inf."""
+    top_k = [reqs[i].params.top_k for i in rows]
+    top_p = [reqs[i].params.top_p for i in rows]
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [n, vocab]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
+    remove = ranks >= k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    cum_before = probs.cumsum(dim=-1) - probs
+    p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    remove |= cum_before >= p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)

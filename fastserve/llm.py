@@ -1,0 +1,53 @@
+"""The offline API, mirroring vLLM's: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from fastserve.args import engine_config
+from fastserve.llm_engine import LLMEngine
+from fastserve.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    """Every engine option is a keyword argument (`max_batch_size=`, `kv_cache_gib=`, ...)."""
+
+    def __init__(self, model: str | None = None, profile: str | None = None, **kwargs: Any) -> None:
+        self.config = engine_config(profile_path=profile, model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt together; returns one final output per prompt, in order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
+                )
+        ids = []
+        for prompt, p in zip(prompt_list, param_list):
+            ids.append(self.engine.add_request(prompt, p).request_id)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]

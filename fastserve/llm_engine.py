@@ -1,0 +1,178 @@
+"""The synchronous engine: a model, a tokenizer, the scheduler and the step loop."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+
+from fastserve.clock import Clock, WallClock
+from fastserve.config import EngineConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
+from fastserve.core.plan import ScheduledRequest, SchedulerOutput
+from fastserve.core.policies import make_scheduler
+from fastserve.engine import EngineCore
+from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
+from fastserve.model.loader import load_model
+from fastserve.model.make_model import default_model_path
+from fastserve.model.tokenizer import Tokenizer
+from fastserve.output import OutputProcessor
+from fastserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A model directory, or the built-in `tiny` preset (made once into the cache)."""
+    return default_model_path() if model is None else Path(model)
+
+
+class LLMEngine:
+    """Add requests, call `step()`, get `RequestOutput`s. Not thread-safe (AsyncLLM wraps it)."""
+
+    def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or WallClock()
+        path = resolve_model_path(config.model.model)
+        if config.model.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
+        self.model_path = path
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        dtype = TORCH_DTYPES[config.model.dtype]
+        model, self.arch = load_model(path, dtype, config.model.device)
+        self.max_model_len = self.arch.max_position_embeddings
+        self.eos_token_ids = list(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
+        if config.model.warmup:
+            self._warmup()
+        self.cost = self._cost_model()
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = make_scheduler(config.scheduler, self.kv, self.cost, self.eos_token_ids)
+        self.core = EngineCore(self.scheduler, self.runner, self.clock)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._aborted: list[Request] = []
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+        oracle_output_len: int | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError naming what is wrong."""
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_s=self.clock.now() if arrival_s is None else arrival_s,
+            oracle_output_len=oracle_output_len,
+            max_model_len=self.max_model_len,
+        )
+        need = num_blocks_for(req.max_total_tokens, self.kv.block_size)
+        if need > self.kv.num_total_blocks:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{need} KV blocks but the cache has {self.kv.num_total_blocks}; "
+                "lower max_tokens or raise kv_cache_gib"
+            )
+        self.outputs.add(req, prompt if isinstance(prompt, str) else None)
+        self.scheduler.add_request(req, self.clock.now())
+        return req
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.arch.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one character or token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but the model's maximum context length is "
+                f"{self.max_model_len} (the prompt must leave room for at least one new token)"
+            )
+        limit = self.config.scheduler.max_num_batched_tokens
+        if len(token_ids) > limit:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens={limit}"
+            )
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; its final output comes from `step()`."""
+        req = self.scheduler.abort(request_id, self.clock.now())
+        if req is not None:
+            self._aborted.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._aborted)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        touched = self.core.step()
+        for req in touched:
+            if self.outputs.detokenize(req) and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+        touched += self._aborted
+        self._aborted = []
+        return [self.outputs.output(r) for r in touched]
+
+    def stats(self) -> dict[str, object]:
+        s = self.scheduler
+        return {
+            "queue_lengths": s.queue_lengths(),
+            "num_running": s.count(RequestStatus.RUNNING),
+            "num_waiting": s.count(RequestStatus.WAITING),
+            "num_preempted": s.count(RequestStatus.PREEMPTED),
+            "num_swapped": s.count(RequestStatus.SWAPPED),
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_total": self.kv.num_total_blocks,
+            "num_preemptions": s.num_preemptions,
+            "num_recomputes": s.num_recomputes,
+            "num_iterations": self.core.num_iterations,
+        }
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _cost_model(self) -> CostModel:
+        if self.config.profile_path:
+            return CostModel.from_json(self.config.profile_path)
+        return CostModel()
+
+    def _warmup(self) -> None:
+        """Run a few real iterations so the first requests don't pay first-call costs."""
+        bs = self.config.cache.block_size
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        prompt_len = min(64, self.max_model_len - 8)
+        blocks_per = num_blocks_for(prompt_len + 8, bs)
+        num = max(1, min(4, self.runner.num_blocks // blocks_per))
+        tables = [list(range(i * blocks_per, (i + 1) * blocks_per)) for i in range(num)]
+        plans = [
+            [ScheduledRequest(f"warmup-{i}", [1] * prompt_len, 0, t, params, 0) for i, t in enumerate(tables)]
+        ] + [
+            [ScheduledRequest(f"warmup-{i}", [1], prompt_len + k, t, params, k + 1) for i, t in enumerate(tables)]
+            for k in range(3)
+        ]
+        for scheduled in plans:
+            self.runner.execute(SchedulerOutput(scheduled=scheduled))
+        self.runner.execute(SchedulerOutput(scheduled=[], finished_ids=[f"warmup-{i}" for i in range(num)]))

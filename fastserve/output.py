@@ -1,0 +1,79 @@
+"""Turns engine requests into `RequestOutput`s: incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from fastserve.request import Request, RequestOutput
+
+
+@dataclass
+class _Stream:
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    text: str = ""
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    num_detok_tokens: int = 0
+
+
+class OutputProcessor:
+    """Per-request text state. `process` returns the output and whether a stop string hit."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, req: Request, prompt: str | None) -> None:
+        self._streams[req.request_id] = _Stream(prompt, IncrementalDetokenizer(self.tokenizer))
+
+    def discard(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def detokenize(self, req: Request) -> bool:
+        """Take the request's new tokens into its text; True when a stop string was reached."""
+        st = self._streams[req.request_id]
+        stops = req.params.stop
+        start = len(st.text)
+        for tok in req.output_token_ids[st.num_detok_tokens :]:
+            st.text += st.detok.add(tok)
+        st.num_detok_tokens = req.num_output_tokens
+        if not stops:
+            return False
+        window = max(0, start - max(len(s) for s in stops) + 1)
+        hits = [(i, s) for s in stops if (i := st.text.find(s, window)) >= 0]
+        if not hits:
+            return False
+        idx, stop = min(hits)
+        st.text = st.text[: idx + len(stop)] if req.params.include_stop_str_in_output else st.text[:idx]
+        return True
+
+    def output(self, req: Request) -> RequestOutput:
+        """The request's current output; the delta covers what earlier outputs did not."""
+        st = self._streams[req.request_id]
+        text = st.text
+        if not req.is_finished and req.params.stop:
+            # Hold back a tail that may be the start of a stop string.
+            text = text[: max(st.num_sent_chars, len(text) - max(len(s) for s in req.params.stop) + 1)]
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=st.text if req.is_finished else text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            arrival_s=req.arrival_s,
+            first_token_s=req.first_token_s,
+            finish_s=req.finish_s,
+            new_token_ids=req.output_token_ids[st.num_sent_tokens :],
+            new_text=(st.text if req.is_finished else text)[st.num_sent_chars :],
+            error=req.error,
+            num_preemptions=req.num_preemptions,
+        )
+        st.num_sent_tokens = req.num_output_tokens
+        st.num_sent_chars = len(out.text)
+        if req.is_finished:
+            del self._streams[req.request_id]
+        return out
