@@ -84,16 +84,18 @@ class CacheConfig:
 class SchedulerConfig:
     """Which requests run each iteration."""
 
-    policy: str = "fcfs"
+    policy: str = "skip-join-mlfq"
     max_batch_size: int = 16
     # NOTE: a whole prompt is prefilled in one iteration, so this also bounds the prompt length.
     max_num_batched_tokens: int = 4096
     max_waiting: int = 0  # 0 = unbounded; the server answers 429 beyond it
-    base_quantum_ms: float = 0.0  # 0 = derive from the profile (one decode step's share)
+    # MLFQ knobs. None = the variant's default (see fastserve.core.policies.mlfq_settings).
+    base_quantum_ms: float = 0.0  # Q1's quantum; 0 = quantum_decode_steps decode steps' charge
+    quantum_decode_steps: float | None = None  # robust 2; paper 1
     quantum_ratio: float = 2.0
-    mlfq_levels: int = 4
-    mlfq_charge: str = "own"
-    starve_limit_s: float = 0.0  # 0 = no starvation promotion
+    mlfq_levels: int | None = None  # robust 4; paper enough that Q_lowest outlasts any job
+    mlfq_charge: str | None = None  # robust "own"; paper "iteration"
+    starve_limit_s: float | None = None  # robust 0 (off); paper 10 s; 0 = no promotion
     mlfq_variant: str = "robust"
 
     def __post_init__(self) -> None:
@@ -102,13 +104,23 @@ class SchedulerConfig:
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0")
         _check(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
         _check(self.base_quantum_ms >= 0, "base_quantum_ms must be >= 0")
-        _check(self.quantum_ratio > 1, f"quantum_ratio must be > 1, got {self.quantum_ratio}")
-        _check(self.mlfq_levels >= 1, f"mlfq_levels must be >= 1, got {self.mlfq_levels}")
         _check(
-            self.mlfq_charge in MLFQ_CHARGES,
+            self.quantum_decode_steps is None or self.quantum_decode_steps > 0,
+            f"quantum_decode_steps must be > 0, got {self.quantum_decode_steps}",
+        )
+        _check(self.quantum_ratio > 1, f"quantum_ratio must be > 1, got {self.quantum_ratio}")
+        _check(
+            self.mlfq_levels is None or self.mlfq_levels >= 1,
+            f"mlfq_levels must be >= 1, got {self.mlfq_levels}",
+        )
+        _check(
+            self.mlfq_charge is None or self.mlfq_charge in MLFQ_CHARGES,
             f"mlfq_charge must be one of {MLFQ_CHARGES}, got {self.mlfq_charge!r}",
         )
-        _check(self.starve_limit_s >= 0, "starve_limit_s must be >= 0")
+        _check(
+            self.starve_limit_s is None or self.starve_limit_s >= 0,
+            f"starve_limit_s must be >= 0 (0 = off), got {self.starve_limit_s}",
+        )
         _check(
             self.mlfq_variant in MLFQ_VARIANTS,
             f"mlfq_variant must be one of {MLFQ_VARIANTS}, got {self.mlfq_variant!r}",

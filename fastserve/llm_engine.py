@@ -40,7 +40,7 @@ class LLMEngine:
         if config.model.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
         self.model_path = path
-        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.tokenizer = Tokenizer(path)
         dtype = TORCH_DTYPES[config.model.dtype]
         model, self.arch = load_model(path, dtype, config.model.device)
         self.max_model_len = self.arch.max_position_embeddings

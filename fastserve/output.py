@@ -39,6 +39,8 @@ class OutputProcessor:
         for tok in req.output_token_ids[st.num_detok_tokens :]:
             st.text += st.detok.add(tok)
         st.num_detok_tokens = req.num_output_tokens
+        if req.is_finished:
+            st.text += st.detok.finish()  # flush a held-back partial character
         if not stops:
             return False
         window = max(0, start - max(len(s) for s in stops) + 1)

@@ -119,6 +119,8 @@ class Scheduler(ABC):
             req = self.requests.get(sched.request_id)
             if req is None:  # aborted while the iteration ran
                 continue
+            if not self._keeps_result(sched):  # the policy abandoned this job's iteration
+                continue
             req.num_computed_tokens = sched.num_context_tokens
             req.output_token_ids.append(token)
             if req.first_token_s is None:
@@ -147,6 +149,14 @@ class Scheduler(ABC):
 
     def _on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
         """Accounting after an iteration (MLFQ charges attained service here)."""
+
+    def _keeps_result(self, sched: ScheduledRequest) -> bool:
+        """Whether the job keeps this iteration's token (called after `_on_iteration`).
+
+        False leaves the request as if the iteration had not run for it (its time is still
+        spent): `mlfq-preempt` abandons iterations that overrun a quantum.
+        """
+        return True
 
     def _make_room(self, victims: list[Request], now: float) -> bool:
         """Free blocks by giving up the KV of the last (least urgent) victim.

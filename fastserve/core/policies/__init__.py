@@ -8,11 +8,23 @@ from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.policies.fcfs import FCFSScheduler, OrcaScheduler
+from fastserve.core.policies.mlfq import (
+    MLFQPreemptScheduler,
+    MLFQScheduler,
+    SkipJoinMLFQScheduler,
+)
+from fastserve.core.policies.oracle import SRPTOracleScheduler
+from fastserve.core.policies.request_level import RequestLevelScheduler
 from fastserve.core.scheduler import Scheduler
 
 POLICY_CLASSES: dict[str, type[Scheduler]] = {
+    "skip-join-mlfq": SkipJoinMLFQScheduler,
+    "mlfq": MLFQScheduler,
+    "mlfq-preempt": MLFQPreemptScheduler,
     "fcfs": FCFSScheduler,
     "orca": OrcaScheduler,
+    "request-level": RequestLevelScheduler,
+    "srpt-oracle": SRPTOracleScheduler,
 }
 
 

@@ -1,0 +1,285 @@
+"""The MLFQ family: skip-join MLFQ (FastServe; the default policy) and two plain-MLFQ baselines.
+
+Queues Q1..Qn have quanta q1 * ratio^(i-1). After every iteration each batched job is charged
+its service (`ChargeModel`); a job that has used up its level's quantum is demoted at least one
+level, to the level whose quantum covers its next iteration, down to the lowest level, which it
+never leaves by demotion. The order is by level, then by the variant's tie rule
+(`MLFQSettings`). With starvation promotion on, a job that has not run for `starve_limit_s`
+moves to Q1.
+
+- `skip-join-mlfq`: a new job joins the highest level whose quantum covers its first
+  iteration (prefill), skipping the levels above; iteration-level preemption.
+- `mlfq`: every job joins Q1, and a running job keeps its slot until it finishes: new jobs get
+  the slots that free up.
+- `mlfq-preempt`: every job joins Q1, with preemption, and an iteration that would overrun the
+  job's remaining quantum is abandoned: it runs (its time is spent and charged) but its token is
+  dropped and the job is demoted, to redo the iteration later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fastserve.config import SchedulerConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.core.policies.keyed_order import Key, KeyedOrder
+from fastserve.core.policies.mlfq_settings import ChargeModel, MLFQSettings
+from fastserve.core.scheduler import Scheduler
+from fastserve.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class _Job:
+    """A request's MLFQ state."""
+
+    req: Request
+    seq: int  # arrival order: the last, unique element of every priority key
+    level: int  # 0 = Q1, the highest priority
+    allowance_s: float  # service it may attain in this level (inf in the lowest level)
+    attained_s: float = 0.0  # service charged since it entered this level
+    last_run_s: float = 0.0  # end of its last iteration, or its arrival (paper's turn-taking)
+    starve_clock_s: float = 0.0  # since when it has waited, for starvation promotion
+    is_started: bool = False  # has run an iteration (robust: it stays ahead of new jobs)
+
+
+class MLFQBase(Scheduler):
+    """Levels, charges, demotion and starvation promotion shared by the MLFQ policies."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost: CostModel,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        super().__init__(config, kv, cost, eos_token_ids)
+        self.settings = MLFQSettings.from_config(config, cost)
+        self.charge = ChargeModel(cost, self.settings.charge, config.max_batch_size)
+        self._quanta_s = self.settings.quanta_s
+        self._lowest = len(self._quanta_s) - 1
+        self._jobs: dict[str, _Job] = {}
+        self._queue: KeyedOrder[Request] = KeyedOrder()
+        # Jobs by starve_clock_s, oldest first (only kept when promotion is on): the scan
+        # for starving jobs stops at the first one that is not.
+        self._waiting: OrderedDict[str, _Job] = OrderedDict()
+        self._num_added = 0
+        self.num_demotions = 0
+        self.num_promotions = 0
+
+    def level_of(self, request_id: str) -> int | None:
+        """The request's queue (0 = Q1), or None when it is not here."""
+        job = self._jobs.get(request_id)
+        return None if job is None else job.level
+
+    # -- policy hooks ---------------------------------------------------------------------
+
+    def _join_level(self, req: Request) -> int:
+        """Where a new job starts. Plain MLFQ: Q1."""
+        return 0
+
+    def _on_add(self, req: Request, now: float) -> None:
+        level = self._join_level(req)
+        job = _Job(req, self._num_added, level, self._allowance_s(level),
+                   last_run_s=now, starve_clock_s=now)
+        self._num_added += 1
+        self._jobs[req.request_id] = job
+        if self.settings.starve_limit_s > 0:
+            self._waiting[req.request_id] = job
+        self._rekey(job)
+
+    def _on_finish(self, req: Request, now: float) -> None:
+        self._jobs.pop(req.request_id, None)
+        self._queue.remove(req.request_id)
+        self._waiting.pop(req.request_id, None)
+
+    def _order(self, now: float) -> list[Request]:
+        if self.settings.starve_limit_s > 0:
+            self._promote_starved(now)
+        return self._queue.items()
+
+    def _on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
+        charges = self.charge.charges(plan, out.duration_s)
+        for sched, charge_s in zip(plan.scheduled, charges, strict=True):
+            job = self._jobs.get(sched.request_id)
+            if job is not None:  # None: aborted while the iteration ran
+                self._charge(job, sched, charge_s, now)
+
+    # -- accounting -----------------------------------------------------------------------
+
+    def _charge(self, job: _Job, sched: ScheduledRequest, charge_s: float, now: float) -> None:
+        self._account(job, charge_s, now)
+        if job.attained_s >= job.allowance_s:
+            # NOTE: demoted before `update` knows whether this token finished the job; a
+            # finished job leaves in `_on_finish`, so the order is never wrong.
+            self._demote(job, self.charge.decode_s(sched.num_context_tokens + 1))
+        self._rekey(job)
+
+    def _account(self, job: _Job, charge_s: float, now: float) -> None:
+        job.attained_s += charge_s
+        job.is_started = True
+        job.last_run_s = job.starve_clock_s = now
+        if self.settings.starve_limit_s > 0:
+            self._waiting.move_to_end(job.req.request_id)
+
+    def _demote(self, job: _Job, next_charge_s: float) -> None:
+        """At least one level down, to the first level whose quantum covers the next iteration."""
+        self._move(job, max(job.level + 1, self._level_for(next_charge_s)))
+        self.num_demotions += 1
+
+    def _promote_starved(self, now: float) -> None:
+        limit_s = self.settings.starve_limit_s
+        while self._waiting:
+            job = next(iter(self._waiting.values()))
+            if now - job.starve_clock_s <= limit_s:
+                break
+            # Restart its clock: a job still not run after another limit is looked at again.
+            job.starve_clock_s = now
+            self._waiting.move_to_end(job.req.request_id)
+            if job.level > 0:
+                self._promote(job)
+
+    def _promote(self, job: _Job) -> None:
+        next_s = self._next_charge_s(job.req)
+        self._move(job, 0)
+        if next_s > self._quanta_s[0]:
+            # An extra quantum the size of its next iteration: without it a job whose next
+            # iteration outgrows Q1 would be demoted again by that one iteration (or, under
+            # mlfq-preempt, have it abandoned), and the promotion would buy nothing.
+            job.allowance_s += next_s
+        self.num_promotions += 1
+        self._rekey(job)
+
+    # -- levels and keys ------------------------------------------------------------------
+
+    def _level_for(self, charge_s: float) -> int:
+        """The highest level whose quantum covers `charge_s` (the lowest when none does)."""
+        return min(bisect.bisect_left(self._quanta_s, charge_s), self._lowest)
+
+    def _allowance_s(self, level: int) -> float:
+        return math.inf if level >= self._lowest else self._quanta_s[level]
+
+    def _move(self, job: _Job, level: int) -> None:
+        job.level = min(level, self._lowest)
+        job.attained_s = 0.0
+        job.allowance_s = self._allowance_s(job.level)
+
+    def _next_charge_s(self, req: Request) -> float:
+        """Predicted charge of the request's next iteration, from its current KV state."""
+        num_new = req.num_tokens - req.num_computed_tokens
+        if req.num_computed_tokens == 0 or num_new > 1:
+            return self.charge.prefill_s(num_new)
+        return self.charge.decode_s(req.num_tokens)
+
+    def _key(self, job: _Job) -> Key:
+        if self.settings.is_arrival_order:
+            return (job.level, 0 if job.is_started else 1, job.seq)
+        return (job.level, job.attained_s, job.last_run_s, job.seq)
+
+    def _rekey(self, job: _Job) -> None:
+        self._queue.put(job.req.request_id, self._key(job), job.req)
+
+
+class SkipJoinMLFQScheduler(MLFQBase):
+    """FastServe's skip-join MLFQ: a job starts in the level that fits its prefill.
+
+    A long prompt's first iteration would use up the top quanta at once, so the job skips
+    them and cannot delay the short jobs that the top levels are for.
+    """
+
+    def _join_level(self, req: Request) -> int:
+        return self._level_for(self.charge.prefill_s(req.num_tokens))
+
+
+class MLFQScheduler(MLFQBase):
+    """MLFQ without preemption: every job joins Q1; a running job is never taken out.
+
+    Demotion still happens, so the level decides which waiting job gets a slot that frees up
+    (and which started job gives up its KV when blocks run out).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost: CostModel,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        super().__init__(config, kv, cost, eos_token_ids)
+        # Last plan's batch. Being in it is the first element of the key, so running jobs
+        # lead the order; only jobs that join or leave the batch are re-keyed.
+        self._running: set[str] = set()
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        plan = super().schedule(now)
+        batch = {s.request_id for s in plan.scheduled}
+        changed = batch ^ self._running
+        self._running = batch
+        for rid in changed:
+            job = self._jobs.get(rid)
+            if job is not None:
+                self._rekey(job)
+        return plan
+
+    def _on_finish(self, req: Request, now: float) -> None:
+        self._running.discard(req.request_id)
+        super()._on_finish(req, now)
+
+    def _key(self, job: _Job) -> Key:
+        return (0 if job.req.request_id in self._running else 1, *super()._key(job))
+
+
+class MLFQPreemptScheduler(MLFQBase):
+    """MLFQ with preemption and no skip-join: every job joins Q1.
+
+    An iteration cannot be stopped halfway, so an iteration that the cost model predicts would
+    overrun the job's remaining quantum is abandoned: the job still runs in the batch (the
+    time is spent and charged to it), its token is discarded before it is appended
+    (`_keeps_result`), and it is demoted to the level whose quantum covers that iteration, at
+    least one down. Its KV blocks and `num_computed_tokens` are left as they were, so it redoes
+    exactly the same iteration later; an abandoned prefill computed nothing worth keeping, so
+    its blocks are freed at once. The lowest level has no quantum, so every job finishes.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost: CostModel,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        super().__init__(config, kv, cost, eos_token_ids)
+        # This iteration's abandoned jobs -> the predicted charge of the iteration to redo.
+        self._abandoned: dict[str, float] = {}
+        self.num_abandoned = 0
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        plan = super().schedule(now)
+        self._abandoned = {}
+        for sched, predicted_s in zip(plan.scheduled, self.charge.predict(plan), strict=True):
+            job = self._jobs[sched.request_id]
+            if job.attained_s + predicted_s > job.allowance_s:
+                self._abandoned[sched.request_id] = predicted_s
+        return plan
+
+    def _charge(self, job: _Job, sched: ScheduledRequest, charge_s: float, now: float) -> None:
+        redo_s = self._abandoned.get(sched.request_id)
+        if redo_s is None:
+            super()._charge(job, sched, charge_s, now)
+            return
+        self._account(job, charge_s, now)  # paid and lost
+        if sched.is_prefill:
+            # Nothing it computed is kept, so its blocks would hold no KV: give them back.
+            self.kv.free(sched.request_id)
+            job.req.status = RequestStatus.WAITING
+        self._demote(job, redo_s)
+        self.num_abandoned += 1
+        self._rekey(job)
+
+    def _keeps_result(self, sched: ScheduledRequest) -> bool:
+        return sched.request_id not in self._abandoned

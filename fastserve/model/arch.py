@@ -1,0 +1,207 @@
+"""`ArchConfig`: the model shape read from a Hugging Face `config.json`.
+
+Only the fields the forward pass needs are kept. Both the classic layout
+(`rope_theta` + `rope_scaling`) and the transformers v5 layout
+(`rope_parameters` holding `rope_theta` and the scaling keys) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architectures that share the Llama block (pre-norm, RoPE, SwiGLU, GQA).
+# Qwen2 differs only by q/k/v bias; Mistral only by an optional sliding window.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """Architecture hyper-parameters of one checkpoint."""
+
+    architecture: str  # HF class name, one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # < num_attention_heads means grouped-query attention
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE; otherwise a dict with "rope_type" in ("linear", "llama3")
+    # and that type's keys. Excluded from the hash because dicts are unhashable.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (always on for Qwen2)
+    o_proj_bias: bool = False  # Llama's `attention_bias` also covers o_proj; Qwen2's does not
+    # Mistral-style local attention: a query sees only the last `sliding_window` keys.
+    # The attention backend must honour it; None means full causal attention.
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None  # dtype the checkpoint was saved in, informative only
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config field {name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * (q + 2 * kv) + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.o_proj_bias:
+            attn += h
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_hidden_layers * per_layer + h
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
+        """Parse a `config.json` dict. Raises ValueError naming any unsupported feature."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(
+                "config.json has no 'architectures' entry; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu' is supported"
+            )
+        if cfg.get("mlp_bias", False):
+            raise ValueError("unsupported config: mlp_bias=True")
+
+        hidden = _require_int(cfg, "hidden_size")
+        heads = _require_int(cfg, "num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+
+        rope_theta, rope_scaling = _parse_rope(cfg)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        bias = bool(cfg.get("attention_bias", False))
+
+        sliding_window: int | None = None
+        if arch == "MistralForCausalLM":
+            sliding_window = cfg.get("sliding_window")
+        elif is_qwen2 and cfg.get("use_sliding_window", False):
+            # Qwen2 applies the window only to layers >= max_window_layers; not implemented.
+            raise ValueError("unsupported config: Qwen2 use_sliding_window=True")
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+        return cls(
+            architecture=arch,
+            vocab_size=_require_int(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_require_int(cfg, "intermediate_size"),
+            num_hidden_layers=_require_int(cfg, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=True if is_qwen2 else bias,
+            o_proj_bias=False if is_qwen2 else bias,
+            sliding_window=sliding_window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ArchConfig:
+        """Read and parse a `config.json` file."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_config(json.load(f))
+
+
+def _require_int(cfg: dict[str, Any], name: str) -> int:
+    if name not in cfg:
+        raise ValueError(f"config.json is missing required field {name!r}")
+    return int(cfg[name])
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Return (rope_theta, rope_scaling or None for plain RoPE)."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    theta = cfg.get("rope_theta") or params.pop("rope_theta", None) or 10000.0
+    params.pop("rope_theta", None)
+    if (
+        params.get("partial_rotary_factor", 1.0) != 1.0
+        or cfg.get("partial_rotary_factor", 1.0) != 1.0
+    ):
+        raise ValueError("unsupported config: partial_rotary_factor != 1")
+    params.pop("partial_rotary_factor", None)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    params["rope_type"] = rope_type
+    params.pop("type", None)
+    if rope_type == "llama3":
+        # HF falls back to max_position_embeddings when the original length is absent.
+        params.setdefault(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)
+        )
+    return float(theta), params
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    required = ("factor",) if rope_type == "linear" else _LLAMA3_ROPE_KEYS
+    missing = [k for k in required if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} is missing {', '.join(missing)}")

@@ -1,0 +1,447 @@
+"""Building blocks of the Llama family: norms, rotary embedding, activations and linear layers.
+
+The linear layers are laid out for tensor parallelism the way vLLM / nano-vllm do it:
+each layer owns only its (tp_rank, tp_size) shard and every parameter carries a
+`weight_loader(param, loaded_weight, shard_id=None)` that copies the matching slice
+of a full Hugging Face tensor. With tp_size == 1 (the default) every loader copies
+the whole tensor and no collective is ever called, so the model's math is exactly
+the single-device math.
+
+NOTE: all parameters are created with `torch.empty`: the loader (or `make_model`)
+fills them. Build the model under `torch.device(...)` and a default dtype to avoid
+a second allocation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+AllReduce = Callable[[Tensor], None]
+AllGather = Callable[[Tensor], list[Tensor]]
+WeightLoader = Callable[..., None]
+
+
+def default_all_reduce(x: Tensor) -> None:
+    """Sum `x` in place over the tensor-parallel group; a no-op without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(x)
+
+
+def default_all_gather(x: Tensor) -> list[Tensor]:
+    """Every rank's `x`, in rank order; requires torch.distributed when tp_size > 1."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return parts
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    # Inference only: no grad means no autograd bookkeeping even outside inference_mode.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _set_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def _copy(param: Tensor, loaded: Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
+        )
+    param.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None) -> None:
+    """Loader for replicated parameters (norm weights, biases of row-parallel layers)."""
+    _copy(param.data, loaded_weight)
+
+
+# --------------------------------------------------------------------------- norms / activations
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm with HF's rounding: normalise in float32, cast back, then scale.
+
+    `forward(x, residual)` fuses the residual add that precedes every norm in the
+    decoder: it returns (norm(x + residual), x + residual), the add done in the
+    model dtype exactly as HF does it.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_param(hidden_size)
+        _set_loader(self.weight, default_weight_loader)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        # x: [num_tokens, hidden]
+        xf = x.float()  # no-op for float32 models
+        variance = xf.pow(2).mean(-1, keepdim=True)  # [num_tokens, 1]
+        xf = xf * variance.add_(self.eps).rsqrt_()
+        return self.weight * xf.to(x.dtype)
+
+    @overload
+    def forward(self, x: Tensor, residual: None = None) -> Tensor: ...
+
+    @overload
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU activation on a fused [gate | up] tensor: silu(gate) * up."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+# --------------------------------------------------------------------------- rotary embedding
+
+
+def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, bit-for-bit as transformers computes them."""
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim)
+    )
+    if rope_scaling is None:
+        return inv_freq
+    rope_type = rope_scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half / GPT-NeoX layout) with a cos|sin cache.
+
+    The cache is computed once in float32 as HF computes it per call
+    (positions * inv_freq, then cos/sin), so looking it up gives identical values.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)  # [head_dim // 2]
+        t = torch.arange(max_position_embeddings, dtype=torch.int64).float()  # [max_pos]
+        freqs = t[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_pos, head_dim]
+        # Non-persistent: rebuilt from the config, never read from a checkpoint.
+        # A model-wide .to(dtype) casts it, which is the same rounding HF applies per call.
+        self.cos_sin_cache: Tensor
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def get_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin for `positions` [num_tokens], each [num_tokens, 1, head_dim // 2] in `dtype`.
+
+        Computed once per forward pass and shared by every layer.
+        """
+        cos_sin = self.cos_sin_cache[positions].to(dtype)  # [num_tokens, head_dim]
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim]."""
+        cos, sin = self.get_cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [num_tokens, num_heads, head_dim] rotated by cos/sin [num_tokens, 1, head_dim // 2].
+
+    NOTE: x1*cos - x2*sin equals HF's x*cos + rotate_half(x)*sin bit for bit
+    (negation is exact), in every dtype.
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # views, [num_tokens, num_heads, head_dim // 2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# --------------------------------------------------------------------------- linear layers
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) for this rank's shard of W [output_size_local, input_size_local]."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _new_param(output_size, input_size)
+        _set_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = _new_param(output_size)
+            _set_loader(self.bias, self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication in forward."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(input_size, divide(output_size, tp_size), bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
+    ) -> None:
+        size = param.shape[0]
+        _copy(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers fused into one matmul (e.g. gate_proj | up_proj).
+
+    `shard_id` is the index into `output_sizes` of the HF tensor being loaded.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
+    ) -> None:
+        if not isinstance(shard_id, int):
+            raise ValueError(f"MergedColumnParallelLinear needs an int shard_id, got {shard_id!r}")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        _copy(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused into one matmul; output is [q | k | v] per rank.
+
+    Heads are split across ranks; when there are fewer kv heads than ranks each
+    kv head is replicated on tp_size // num_kv_heads ranks (as vLLM does).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
+    ) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        elif shard_id == "k":
+            offset, size, rank = q_size, kv_size, self.tp_rank // self.num_kv_head_replicas
+        elif shard_id == "v":
+            offset, size, rank = (
+                q_size + kv_size,
+                kv_size,
+                self.tp_rank // self.num_kv_head_replicas,
+            )
+        else:
+            raise ValueError(
+                f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
+            )
+        _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed with `all_reduce`.
+
+    The bias is added on rank 0 only so that the sum counts it once.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce: AllReduce = default_all_reduce,
+    ) -> None:
+        super().__init__(divide(input_size, tp_size), output_size, bias, tp_rank, tp_size)
+        self.all_reduce = all_reduce
+        if self.bias is not None:
+            _set_loader(self.bias, default_weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
+    ) -> None:
+        size = param.shape[1]
+        _copy(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            self.all_reduce(y)
+        return y
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows are split across ranks.
+
+    Each rank holds ceil(vocab / tp_size) rows (the last shard zero-padded), looks
+    up the ids it owns, zeroes the others and all-reduces.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_reduce: AllReduce = default_all_reduce,
+    ) -> None:
+        super().__init__()
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
+        self.vocab_start_idx = tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_idx = min(
+            self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings
+        )
+        self.all_reduce = all_reduce
+        self.weight = _new_param(self.num_embeddings_per_partition, embedding_dim)
+        _set_loader(self.weight, self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
+    ) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"shape mismatch: vocab {self.num_embeddings} vs checkpoint {tuple(loaded_weight.shape)}"
+            )
+        num_rows = self.vocab_end_idx - self.vocab_start_idx
+        _copy(param.data[:num_rows], loaded_weight.narrow(0, self.vocab_start_idx, num_rows))
+        param.data[num_rows:].zero_()
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, hidden]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
+        y = F.embedding((input_ids - self.vocab_start_idx) * mask, self.weight)
+        y = y * mask.unsqueeze(1).to(y.dtype)
+        self.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary; every rank ends with the full logits."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        all_gather: AllGather = default_all_gather,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        self.all_gather = all_gather
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [n, hidden] -> [n, vocab]
+        logits = F.linear(x, self.weight)  # [n, vocab_per_partition]
+        if self.tp_size > 1:
+            logits = torch.cat(self.all_gather(logits), dim=-1)
+        if logits.shape[-1] != self.num_embeddings:
+            logits = logits[..., : self.num_embeddings]  # drop the zero padding of the last shard
+        return logits

@@ -1,0 +1,173 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens.
+
+The model sees one flat batch: the tokens of many sequences concatenated, each
+with its absolute position. How tokens group into sequences, and what each may
+attend to, is the attention backend's business, so prefill and decode steps of
+different requests mix freely in one call.
+
+Parameter names follow HF's with two fusions: q/k/v_proj -> qkv_proj and
+gate/up_proj -> gate_up_proj (`packed_modules_mapping` tells the loader).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from fastserve.model.arch import ArchConfig
+from fastserve.model.attention import AttentionBackend
+from fastserve.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    apply_rotary,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            bias=arch.attention_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.num_heads = self.qkv_proj.num_heads  # local to this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * arch.head_dim,
+            arch.hidden_size,
+            bias=arch.o_proj_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        num_tokens = x.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        # q and k are adjacent in the fused output: rotate both in one pass.
+        qk = apply_rotary(
+            qkv[:, :num_qk_heads], cos, sin
+        )  # [num_tokens, heads + kv_heads, head_dim]
+        q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
+        k = qk[:, self.num_heads :]  # [num_tokens, num_kv_heads, head_dim]
+        v = qkv[:, num_qk_heads:]  # [num_tokens, num_kv_heads, head_dim]
+        o = attn.forward(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ArchConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [arch.intermediate_size] * 2, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(
+            arch.intermediate_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: Tensor) -> Tensor:
+        # [num_tokens, hidden] -> [num_tokens, 2 * intermediate_local] -> [num_tokens, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_idx, tp_rank, tp_size)
+        self.mlp = LlamaMLP(arch, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[Tensor, Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it).
+
+        NOTE: the residual add is deferred into the next norm (fused add + norm),
+        so the caller owes one final `residual + x`, done by the final norm.
+        """
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            arch.vocab_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, tp_rank, tp_size) for i in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)  # [num_tokens, 1, head_dim // 2]
+        residual: Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM. Parameters are uninitialised until loaded."""
+
+    # HF checkpoint name -> (fused parameter name, shard id for its weight_loader)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ArchConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(
+            arch.vocab_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] in float32.
+
+        Pass only the rows that need sampling (e.g. each sequence's last token):
+        the vocabulary projection is the largest matmul of a decode step.
+        """
+        return self.lm_head(hidden).float()

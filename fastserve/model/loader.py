@@ -1,0 +1,172 @@
+"""Load a Hugging Face checkpoint directory into `LlamaForCausalLM`.
+
+Reads `config.json` and safetensors files only (never pickle). Each checkpoint
+tensor is routed to its (possibly fused, possibly sharded) parameter through that
+parameter's `weight_loader`, so the same code serves every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from fastserve.model.arch import ArchConfig
+from fastserve.model.layers import default_weight_loader
+from fastserve.model.llama import LlamaForCausalLM
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Buffers some old checkpoints saved; we recompute them.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint directory cannot be loaded; the message names the problem."""
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> tuple[LlamaForCausalLM, ArchConfig]:
+    """Build the model for `path`'s config.json and fill it from its safetensors files.
+
+    Returns the model in eval mode, in `dtype` on `device`, holding the
+    (tp_rank, tp_size) shard of every parallel layer.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory {str(root)!r} does not exist")
+    arch = read_arch_config(root)
+    files = find_safetensors_files(root)
+    with _default_dtype(dtype), torch.device(device):
+        model = LlamaForCausalLM(arch, tp_rank=tp_rank, tp_size=tp_size)
+    load_weights(model, iter_safetensors(files))
+    return model.eval(), arch
+
+
+def read_arch_config(root: Path) -> ArchConfig:
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{str(root)!r} has no config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        return ArchConfig.from_hf_config(cfg)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
+    except ValueError as e:
+        raise ModelLoadError(f"{config_path}: {e}") from e
+
+
+def find_safetensors_files(root: Path) -> list[Path]:
+    """The checkpoint's shard files: those named by the index, else model.safetensors, else *.safetensors."""
+    index_path = root / SAFETENSORS_INDEX
+    if index_path.is_file():
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f).get("weight_map", {})
+        if not weight_map:
+            raise ModelLoadError(f"{index_path} has an empty weight_map")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{index_path.name} names missing shard file(s): {', '.join(missing)}"
+            )
+        return files
+    if (root / SAFETENSORS_FILE).is_file():
+        return [root / SAFETENSORS_FILE]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors files in {str(root)!r} (pickle checkpoints are not supported)"
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, CPU tensor) for every tensor of every file, one tensor in memory at a time."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, Tensor]]) -> None:
+    """Copy HF-named tensors into `model`; raise naming any weight the model needs but did not get."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.arch.tie_word_embeddings
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = _map_name(model, name)
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            with torch.no_grad():
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ModelLoadError(f"cannot load checkpoint tensor {name!r}: {e}") from e
+        loaded.add(name)
+    if unexpected:
+        raise ModelLoadError(
+            f"checkpoint has tensor(s) this {model.arch.architecture} does not use: {', '.join(unexpected[:5])}"
+        )
+    missing = [n for n in expected_weight_names(model) if n not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"checkpoint is missing weight(s): {shown}")
+
+
+def expected_weight_names(model: LlamaForCausalLM) -> list[str]:
+    """The HF tensor names a complete checkpoint for `model` must contain."""
+    unfused: dict[str, list[str]] = {
+        fused: [] for fused, _ in model.packed_modules_mapping.values()
+    }
+    for hf_name, (fused, _) in model.packed_modules_mapping.items():
+        unfused[fused].append(hf_name)
+    names: list[str] = []
+    for name, _ in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+        module_path, _, param_kind = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf not in unfused:
+            names.append(name)
+            continue
+        names.extend(f"{parent}.{hf_leaf}.{param_kind}" for hf_leaf in unfused[leaf])
+    return names
+
+
+def _map_name(model: LlamaForCausalLM, hf_name: str) -> tuple[str, str | int | None]:
+    module_path, _, param_kind = hf_name.rpartition(".")
+    parent, _, leaf = module_path.rpartition(".")
+    packed = model.packed_modules_mapping.get(leaf)
+    if packed is None:
+        return hf_name, None
+    fused, shard_id = packed
+    return f"{parent}.{fused}.{param_kind}", shard_id
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created directly in the target dtype: no float32 copy first.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

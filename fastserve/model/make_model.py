@@ -1,0 +1,353 @@
+"""Random-weight checkpoints in exact Hugging Face format, for tests and benchmarks.
+
+No weights can be downloaded, so presets are generated: a byte-level BPE tokenizer
+trained on a generated English-like corpus, and a Llama model whose random weights
+are scaled so that greedy generation wanders through many tokens (a std-0.02 init
+repeats one token forever, which would make token-equality tests meaningless).
+Everything is deterministic for a given (preset, seed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from fastserve.model.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+# --------------------------------------------------------------------------- corpus
+
+# The tokenizer corpus: sentences drawn from common English words (Zipf-weighted,
+# so frequent words become single tokens) mixed with pronounceable made-up words
+# (so BPE has enough distinct pieces to reach a large vocabulary), numbers,
+# punctuation and a little non-ASCII text.
+_COMMON_WORDS = """
+the of and to a in is it you that he was for on are with as I his they be at one have this from
+or had by hot word but what some we can out other were all there when up use your how said an each
+she which do their time if will way about many then them write would like so these her long make
+thing see him two has look more day could go come did number sound no most people my over know
+water than call first who may down side been now find any new work part take get place made live
+where after back little only round man year came show every good me give our under name very
+through just form sentence great think say help low line differ turn cause much mean before move
+right boy old too same tell does set three want air well also play small end put home read hand
+port large spell add even land here must big high such follow act why ask men change went light
+kind off need house picture try us again animal point mother world near build self earth father
+head stand own page should country found answer school grow study still learn plant cover food sun
+four between state keep eye never last let thought city tree cross farm hard start might story saw
+far sea draw left late run while press close night real life few north open seem together next
+white children begin got walk example ease paper group always music those both mark often letter
+until mile river car feet care second book carry took science eat room friend began idea fish
+mountain stop once base hear horse cut sure watch color face wood main enough plain girl usual
+young ready above ever red list though feel talk bird soon body dog family direct pose leave song
+measure door product black short numeral class wind question happen complete ship area half rock
+order fire south problem piece told knew pass since top whole king space heard best hour better
+true during hundred five remember step early hold west ground interest reach fast verb sing listen
+six table travel less morning ten simple several vowel toward war lay against pattern slow center
+love person money serve appear road map rain rule govern pull cold notice voice unit power town
+fine certain fly fall lead cry dark machine note wait plan figure star box noun field rest correct
+able pound done beauty drive stood contain front teach week final gave green quick develop ocean
+warm free minute strong special mind behind clear tail produce fact street inch multiply nothing
+course stay wheel full force blue object decide surface deep moon island foot system busy test
+record boat common gold possible plane stead dry wonder laugh thousand ago ran check game shape
+equate miss brought heat snow tire bring yes distant fill east paint language among grand ball yet
+wave drop heart present heavy dance engine position arm wide sail material size vary settle speak
+weight general ice matter circle pair include divide syllable felt perhaps pick sudden count
+square reason length represent art subject region energy hunt probable bed brother egg ride cell
+believe fraction forest sit race window store summer train sleep prove lone exercise wall catch
+mount wish sky board joy winter sat written wild instrument kept glass grass cow job edge sign
+visit past soft fun bright gas weather month million bear finish happy hope flower clothe strange
+gone jump baby eight village meet root buy raise solve metal whether push seven paragraph third
+shall held hair describe cook floor either result burn hill safe cat century consider type law bit
+coast copy phrase silent tall sand soil roll temperature finger industry value fight lie beat
+excite natural view sense ear else quite broke case middle kill son lake moment scale loud spring
+observe child straight consonant nation dictionary milk speed method organ pay age section dress
+cloud surprise quiet stone tiny climb cool design poor lot experiment bottom key iron single stick
+flat twenty skin smile crease hole trade melody trip office receive row mouth exact symbol die
+least trouble shout except wrote seed tone join suggest clean break lady yard rise bad blow oil
+blood touch grew cent mix team wire cost lost brown wear garden equal sent choose fell fit flow
+fair bank collect save control decimal gentle woman captain practice separate difficult doctor
+please protect noon whose locate ring character insect caught period indicate radio spoke atom
+human history effect electric expect crop modern element hit student corner party supply bone
+rail imagine provide agree thus capital chair danger fruit rich thick soldier process operate
+guess necessary sharp wing create neighbor wash bat rather crowd corn compare poem string bell
+depend meat rub tube famous dollar stream fear sight thin triangle planet hurry chief colony clock
+mine tie enter major fresh search send yellow gun allow print dead spot desert suit current lift
+rose arrive master track parent shore division sheet substance favor connect post spend chord fat
+glad original share station dad bread charge proper bar offer segment slave duck instant market
+degree populate chick dear enemy reply drink occur support speech nature range steam motion path
+liquid log meant quotient teeth shell neck oxygen sugar death pretty skill women season solution
+magnet silver thank branch match suffix especially fig afraid huge sister steel discuss forward
+similar guide experience score apple bought led pitch coat mass card band rope slip win dream
+evening condition feed tool total basic smell valley nor double seat continue block chart hat sell
+success company subtract event particular deal swim term opposite wife shoe shoulder spread
+arrange camp invent cotton born determine quart nine truck noise level chance gather shop stretch
+throw shine property column molecule select wrong gray repeat require broad prepare salt nose
+plural anger claim continent model server request token cache memory engine schedule queue batch
+"""
+
+_ONSETS = "b c d f g h j k l m n p r s t v w z bl br ch cl cr dr fl fr gl gr pl pr sc sh sk sl sp st str th tr".split()
+_VOWELS = "a e i o u ai ea ee ie oa oo ou".split()
+_CODAS = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "rk", "x"]
+_SUFFIXES = ["", "", "", "s", "ed", "ing", "er", "ly", "tion", "ness", "ment", "able"]
+_PUNCT = [".", ".", ".", ",", ",", "!", "?", ";", ":"]
+_NON_ASCII = [
+    "café",
+    "naïve",
+    "über",
+    "señor",
+    "façade",
+    "héllo",
+    "wörld",
+    "你好",
+    "世界",
+    "日本語",
+    "🙂",
+    "🚀",
+    "€",
+    "—",
+]
+
+
+def _made_up_words(rng: random.Random, count: int) -> list[str]:
+    words: set[str] = set()
+    while len(words) < count:
+        syllables = rng.choice((1, 2, 2, 3, 3, 4))
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
+        )
+        words.add(word + rng.choice(_SUFFIXES))
+    return sorted(words)
+
+
+def generate_corpus(num_sentences: int, num_made_up_words: int, seed: int = 0) -> list[str]:
+    """`num_sentences` lines of text; the same arguments always give the same text."""
+    rng = random.Random(seed)
+    common = _COMMON_WORDS.split()
+    vocab = common + _made_up_words(rng, num_made_up_words)
+    # Zipf weights: the head of the list (common words first) dominates the text.
+    cum_weights = list(itertools.accumulate(1.0 / (rank + 1) ** 0.9 for rank in range(len(vocab))))
+    lines = []
+    for _ in range(num_sentences):
+        words = rng.choices(vocab, cum_weights=cum_weights, k=rng.randint(4, 18))
+        words[0] = words[0].capitalize()
+        if rng.random() < 0.1:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 10_000)))
+        if rng.random() < 0.05:
+            words.insert(rng.randrange(len(words)), rng.choice(_NON_ASCII))
+        if rng.random() < 0.15:
+            i = rng.randrange(len(words))
+            words[i] += ","
+        lines.append(" ".join(words) + rng.choice(_PUNCT))
+    return lines
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Shape of a generated model and of the corpus its tokenizer is trained on."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+    target_vocab_size: int  # BPE target; the model gets what the tokenizer actually has
+    dtype: str  # safetensors dtype, also written as config.json's torch_dtype
+    num_sentences: int  # tokenizer corpus size; enough distinct words to reach the target
+    num_made_up_words: int
+    max_position_embeddings: int = 2048
+
+
+PRESETS: dict[str, Preset] = {
+    # 4 layers, GQA (8 query heads over 4 kv heads), untied: ~5.0M params, float32.
+    "tiny": Preset(4, 256, 688, 8, 4, False, 4096, "float32", 10_000, 3_000),
+    # 12 layers, MHA, tied, Llama-2-sized vocabulary: ~110M params, bfloat16.
+    "small": Preset(12, 768, 2048, 12, 12, True, 32_000, "bfloat16", 40_000, 30_000),
+}
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, as in Llama 2
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+
+# Init scales, chosen so greedy continuations vary (checked by the tests). Projections
+# at gain/sqrt(fan_in) keep activations O(1). With tied embeddings the residual stream
+# still holds the current token's own embedding, so the model would predict that token
+# again forever unless the layers' outputs outweigh it: hence the v/o/mlp gain of 2.
+EMBED_STD = 1.0
+QK_GAIN = 1.0  # attention sharpness; larger makes logits needlessly sensitive to rounding
+PROJ_GAIN = 2.0  # v/o/mlp: layer outputs must outweigh the token's own (tied) embedding
+LOGIT_STD = 4.0  # set through the final norm's weight; gives a peaked but not one-hot softmax
+
+
+def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
+    """Write the `preset` checkpoint (weights from `seed`) into directory `out`; return `out`.
+
+    The checkpoint is built in a temporary sibling directory and renamed into place,
+    so a concurrent reader never sees half of it. If `out` already holds a
+    checkpoint (e.g. another process won the race) it is kept as is.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tokenizer = train_tokenizer(p)
+        vocab_size = tokenizer.get_vocab_size()
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        config = hf_config(p, vocab_size)
+        _write_json(tmp / "config.json", config)
+        _write_json(
+            tmp / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+        )
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
+        weights = random_weights(p, vocab_size, seed)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            os.rename(tmp, out)  # atomic; fails if another writer got there first
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def cache_dir() -> Path:
+    """`$FASTSERVE_CACHE`, else ~/.cache/fastserve."""
+    env = os.environ.get("FASTSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "fastserve"
+
+
+def cached_model_path(preset: str = "tiny", seed: int = 0) -> Path:
+    """Path of `<cache>/models/<preset>-seed<seed>`, generating it on first use."""
+    return make_model(preset, cache_dir() / "models" / f"{preset}-seed{seed}", seed)
+
+
+def default_model_path() -> Path:
+    """The `tiny` preset (seed 0), generated into the cache on first use."""
+    return cached_model_path("tiny", 0)
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def train_tokenizer(p: Preset) -> Tokenizer:
+    """Byte-level BPE (GPT-2 / Llama 3 style) trained on the generated corpus."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=p.target_vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(generate_corpus(p.num_sentences, p.num_made_up_words), trainer)
+    # Prepend BOS as Llama 3's tokenizer.json does, so transformers' AutoTokenizer agrees.
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+            ),
+        ]
+    )
+    return tokenizer
+
+
+def hf_config(p: Preset, vocab_size: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "head_dim": p.hidden_size // p.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": p.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": p.dtype,
+        "use_cache": True,
+    }
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": DEFAULT_CHAT_TEMPLATE,
+    }
+
+
+def random_weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """HF-named random tensors in the preset's dtype, drawn in a fixed order from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, d = p.hidden_size, p.intermediate_size, p.hidden_size // p.num_attention_heads
+    q_size, kv_size = p.num_attention_heads * d, p.num_key_value_heads * d
+
+    def normal(std: float, *shape: int) -> torch.Tensor:
+        return torch.empty(*shape).normal_(0.0, std, generator=gen)
+
+    weights = {"model.embed_tokens.weight": normal(EMBED_STD, vocab_size, h)}
+    for i in range(p.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        weights[pre + "self_attn.q_proj.weight"] = normal(QK_GAIN / h**0.5, q_size, h)
+        weights[pre + "self_attn.k_proj.weight"] = normal(QK_GAIN / h**0.5, kv_size, h)
+        weights[pre + "self_attn.v_proj.weight"] = normal(PROJ_GAIN / h**0.5, kv_size, h)
+        weights[pre + "self_attn.o_proj.weight"] = normal(PROJ_GAIN / q_size**0.5, h, q_size)
+        weights[pre + "mlp.gate_proj.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
+        weights[pre + "mlp.up_proj.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
+        weights[pre + "mlp.down_proj.weight"] = normal(PROJ_GAIN / inter**0.5, h, inter)
+        weights[pre + "input_layernorm.weight"] = torch.ones(h)
+        weights[pre + "post_attention_layernorm.weight"] = torch.ones(h)
+    # logits = norm(x) * w . lm_head with norm(x) of unit rms, so their std is
+    # w * sqrt(h) * std(lm_head); pick w to hit LOGIT_STD.
+    head_std = EMBED_STD if p.tie_word_embeddings else 1.0 / h**0.5
+    weights["model.norm.weight"] = torch.full((h,), LOGIT_STD / (h**0.5 * head_std))
+    if not p.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(head_std, vocab_size, h)
+    dtype = getattr(torch, p.dtype)
+    return {name: t.to(dtype) for name, t in weights.items()}
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")

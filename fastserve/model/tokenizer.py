@@ -1,0 +1,224 @@
+"""Tokenizer for a Hugging Face checkpoint directory, without transformers.
+
+Wraps the `tokenizers` library (tokenizer.json) and reads the special tokens,
+BOS policy and chat template from tokenizer_config.json, and the stop ids from
+generation_config.json. Chat templates render in a sandboxed jinja2 environment
+configured like transformers' (trim_blocks, lstrip_blocks, raise_exception).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+# Used when the checkpoint ships no template: role-tagged turns, each closed by EOS.
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# How many prompt tokens before the first generated one give the detokenizer context
+# (SentencePiece decoders drop a leading space at the start of a decode).
+_DETOKENIZER_CONTEXT = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        root = Path(path)
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{str(root)!r} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(tokenizer_file))
+        config = _read_json(root / "tokenizer_config.json")
+        generation = _read_json(root / "generation_config.json")
+        model_config = _read_json(root / "config.json")
+
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.bos_token_id: int | None = self._id_of(self.bos_token)
+        if self.bos_token_id is None:
+            self.bos_token_id = generation.get("bos_token_id", model_config.get("bos_token_id"))
+        self.eos_token_ids: list[int] = _stop_ids(
+            self._id_of(self.eos_token),
+            generation.get("eos_token_id", model_config.get("eos_token_id")),
+        )
+        # None: trust tokenizer.json's post-processor; True/False: enforce.
+        self.add_bos_token: bool | None = config.get("add_bos_token")
+        self._post_processor_adds_bos = self.bos_token_id is not None and self._tok.encode(
+            "", add_special_tokens=True
+        ).ids[:1] == [self.bos_token_id]
+        own_template = _chat_template(root, config)
+        self.has_own_chat_template = own_template is not None
+        self.chat_template: str = own_template or DEFAULT_CHAT_TEMPLATE
+        self._compiled_template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (added tokens included)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, exactly one leading BOS when the checkpoint wants one."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if not add_special_tokens or bos is None:
+            return ids
+        if self.add_bos_token and not self._post_processor_adds_bos and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        elif self.add_bos_token is False and self._post_processor_adds_bos and ids[:1] == [bos]:
+            ids.pop(0)
+        if ids[:2] == [bos, bos]:
+            # A chat template that starts with bos_token, plus the post-processor's BOS.
+            ids.pop(0)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) to prompt text.
+
+        NOTE: the text usually starts with the BOS token already; `encode` does not
+        add a second one.
+        """
+        if self._compiled_template is None:
+            self._compiled_template = _jinja_env().from_string(self.chat_template)
+        return self._compiled_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A streaming decoder for tokens generated after `prompt_ids`."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text deltas.
+
+    Each step decodes a short window of recent ids twice (with and without the
+    new token) and emits the difference, as vLLM and TGI do. Text ending in an
+    incomplete UTF-8 sequence (decoded as U+FFFD) is held back until a later
+    token completes it; `finish()` releases whatever is still held.
+
+    NOTE: without prompt ids, the deltas plus `finish()` concatenate to exactly
+    `tokenizer.decode(all_ids)`.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids)
+        self._prefix_offset = max(len(self._ids) - _DETOKENIZER_CONTEXT, 0)  # window start
+        self._read_offset = len(self._ids)  # ids before this are already emitted
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        self.text = ""  # everything emitted so far
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id; return the new text it completes (often "", never partial characters)."""
+        self._ids.append(token_id)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Release held-back text (e.g. a trailing incomplete character) at the end of the stream."""
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = ""
+        self.text += delta
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(
+            self._ids[start:end], skip_special_tokens=self._skip_special_tokens
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(token: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or serialized AddedToken dicts.
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _stop_ids(*sources: Any) -> list[int]:
+    ids: list[int] = []
+    for source in sources:
+        for i in source if isinstance(source, list) else [source]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def _chat_template(root: Path, config: dict[str, Any]) -> str | None:
+    template_file = root / "chat_template.jinja"  # newer checkpoints keep it in its own file
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env

@@ -1,0 +1,42 @@
+"""Paged attention reads the same context whether its blocks are contiguous or scattered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastserve.executor.attention import AttentionMetadata, PagedAttention, SeqSlice
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # q [1, H, D]; k, v [ctx, Hkv, D]: the last query attends to every key.
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocks", [[4, 5, 6], [9, 2, 7]], ids=["contiguous", "scattered"])
+def test_decode_reads_through_block_table(device: str, blocks: list[int]) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 8, 4, 16, 4
+    attn = PagedAttention(1, kv_heads, dim, num_blocks=12, block_size=bs,
+                          dtype=torch.float32, device=torch.device(device))
+    ctx = 10
+    k = torch.randn(ctx, kv_heads, dim, device=device)
+    v = torch.randn(ctx, kv_heads, dim, device=device)
+    slots = attn.block_slots(blocks)[:ctx]
+    # Prefill the first ctx-1 tokens, then decode the last one through the cache.
+    attn.metadata = AttentionMetadata(slots[: ctx - 1], [SeqSlice(0, ctx - 1, True, ctx - 1, blocks[0] * bs, None)])
+    attn.forward(0, torch.randn(ctx - 1, heads, dim, device=device), k[:-1], v[:-1])
+    contiguous = blocks == sorted(blocks) and blocks[-1] - blocks[0] == len(blocks) - 1
+    q = torch.randn(1, heads, dim, device=device)
+    attn.metadata = AttentionMetadata(
+        slots[ctx - 1 :], [SeqSlice(0, 1, False, ctx, blocks[0] * bs, None if contiguous else slots)]
+    )
+    out = attn.forward(0, q, k[-1:], v[-1:])
+    torch.testing.assert_close(out, _reference(q, k, v), rtol=1e-5, atol=1e-5)

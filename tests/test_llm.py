@@ -1,0 +1,96 @@
+"""The offline engine against Hugging Face transformers, and its behaviour on bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastserve import LLM, SamplingParams
+from fastserve.llm_engine import LLMEngine
+from fastserve.args import engine_config
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PROMPT_LENS = [3, 7, 12, 20, 33, 50, 64, 100]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _hf_greedy(path: Path, prompts: list[list[int]], n: int, device: str) -> list[list[int]]:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model = model.to(device).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+            )
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def llm(request: pytest.FixtureRequest) -> LLM:
+    # Small blocks so each request spans many; batch 3 so requests join and leave.
+    return LLM(dtype="float32", device=request.param, max_batch_size=3, block_size=4,
+               kv_cache_gib=0.05, policy="fcfs")
+
+
+def test_greedy_batch_matches_hf(llm: LLM) -> None:
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected = _hf_greedy(llm.engine.model_path, prompts, 32, llm.config.model.device)
+    for out, exp, p in zip(outs, expected, prompts):
+        assert out.prompt_token_ids == p
+        assert out.token_ids == exp
+        assert out.finish_reason == "length"
+    assert len({tuple(o.token_ids) for o in outs}) == len(outs)  # generations vary
+    assert all(len(set(o.token_ids)) > 4 for o in outs)
+
+
+def test_mixed_prefill_decode_and_alone_agree(llm: LLM) -> None:
+    """Requests joining mid-run prefill in the same iteration as others decode."""
+    prompts = _prompts(llm.engine.arch.vocab_size)
+    engine = LLMEngine(engine_config(dtype="float32", device=llm.config.model.device,
+                                     max_batch_size=8, block_size=4, kv_cache_gib=0.05,
+                                     warmup=False, policy="fcfs"))
+    plans = []
+    execute = engine.runner.execute
+    engine.core.executor = type("Recorder", (), {"execute": lambda _, p: (plans.append(p), execute(p))[1]})()
+    results = {}
+    for i in range(4):
+        engine.add_request(prompts[i], GREEDY, request_id=str(i))
+    step = 0
+    while engine.has_unfinished:
+        if step == 5:
+            for i in range(4, 8):
+                engine.add_request(prompts[i], GREEDY, request_id=str(i))
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.token_ids
+        step += 1
+    assert any(p.num_prefill_tokens and p.num_decodes for p in plans)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    assert [results[str(i)] for i in range(8)] == alone
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_blocks_freed_after_generate(llm: LLM) -> None:
+    llm.generate(_prompts(llm.engine.arch.vocab_size)[:4], GREEDY, use_tqdm=False)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_total_blocks
+    assert llm.engine.kv.peak_used_blocks > 0
+
+
+def test_text_prompt_and_timings(llm: LLM) -> None:
+    out = llm.generate("Hello, world", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert out.prompt == "Hello, world"
+    assert len(out.token_ids) <= 8 and out.text == llm.tokenizer.decode(out.token_ids)
+    assert out.arrival_s <= out.first_token_s <= out.finish_s
