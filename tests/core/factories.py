@@ -1,0 +1,140 @@
+"""CPU factories for scheduler tests: real schedulers, KV managers, engine loop and requests.
+
+No model runs: the simulator's executor (`SimExecutor`) returns placeholder tokens and the cost
+model's iteration time, and `EngineCore` steps the scheduler on a `VirtualClock` exactly as the
+server and the simulator do. The scheduler is the unit under test.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastserve.clock import VirtualClock
+from fastserve.config import SchedulerConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+from fastserve.core.policies import make_scheduler as build_scheduler
+from fastserve.core.scheduler import Scheduler
+from fastserve.engine import EngineCore
+from fastserve.request import Request, SamplingParams
+from fastserve.sim.executor import SimExecutor
+
+# Round numbers so tests can reason in milliseconds: 1 ms per prefill token and per decode.
+UNIT_COST = CostModel(
+    fixed_s=0.0, per_prefill_token_s=1e-3, per_decode_s=1e-3, per_context_token_s=0.0
+)
+
+
+def make_scheduler(
+    policy: str = "fcfs",
+    *,
+    num_blocks: int = 4096,
+    block_size: int = 16,
+    cost: CostModel | None = None,
+    **config: Any,
+) -> Scheduler:
+    """A real scheduler of `policy` over a fresh KV manager; `config` sets SchedulerConfig."""
+    kv = KVCacheManager(num_blocks, block_size)
+    return build_scheduler(SchedulerConfig(policy=policy, **config), kv, cost or CostModel())
+
+
+def make_requests(
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    arrivals: Sequence[float] | None = None,
+    *,
+    oracle_lens: Sequence[int | None] | None = None,
+    request_cls: type[Request] = Request,
+    prefix: str = "r",
+) -> list[Request]:
+    """One request per length pair, finishing by length (`ignore_eos`) after its output_len.
+
+    The oracle is told the true output length unless `oracle_lens` says otherwise. Prompt token
+    ids differ per request so a recompute's re-prefill can be checked token by token.
+    """
+    arrivals = arrivals if arrivals is not None else [0.0] * len(prompt_lens)
+    oracle_lens = oracle_lens if oracle_lens is not None else list(output_lens)
+    reqs = []
+    for i, (p, o, t, k) in enumerate(zip(prompt_lens, output_lens, arrivals, oracle_lens, strict=True)):
+        params = SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
+        prompt = [(i * 7 + j) % 1000 + 1 for j in range(p)]
+        reqs.append(request_cls(f"{prefix}{i}", prompt, params, t, oracle_output_len=k))
+    return reqs
+
+
+def random_workload(
+    n: int, seed: int, max_prompt: int = 60, max_output: int = 40, rate: float = 200.0
+) -> tuple[list[int], list[int], list[float]]:
+    """Prompt lengths, output lengths and Poisson arrival times (seconds)."""
+    rng = random.Random(seed)
+    prompts = [rng.randint(1, max_prompt) for _ in range(n)]
+    outputs = [rng.randint(1, max_output) for _ in range(n)]
+    t, arrivals = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    return prompts, outputs, arrivals
+
+
+class RecordingExecutor:
+    """The simulator's executor, keeping every plan and output it saw."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.inner = SimExecutor(cost)
+        self.steps: list[tuple[SchedulerOutput, ExecutorOutput]] = []
+
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        out = self.inner.execute(plan)
+        self.steps.append((plan, out))
+        return out
+
+
+def make_engine(scheduler: Scheduler) -> tuple[EngineCore, RecordingExecutor]:
+    executor = RecordingExecutor(scheduler.cost)
+    return EngineCore(scheduler, executor, VirtualClock()), executor
+
+
+@dataclass
+class Run:
+    """What a run to completion produced."""
+
+    scheduler: Scheduler
+    finished: list[Request]  # in finish order
+    steps: list[tuple[SchedulerOutput, ExecutorOutput]] = field(default_factory=list)
+
+    def trace(self) -> list[tuple[tuple[tuple[str, int, int], ...], float]]:
+        """Per iteration: (request id, start position, tokens fed) of each job, and the time."""
+        return [
+            (tuple((s.request_id, s.start_pos, len(s.token_ids)) for s in plan.scheduled),
+             out.duration_s)
+            for plan, out in self.steps
+        ]
+
+
+def serve(scheduler: Scheduler, requests: Sequence[Request], max_iterations: int = 200_000) -> Run:
+    """Add each request at its arrival time and step the engine until all have finished."""
+    core, executor = make_engine(scheduler)
+    clock = core.clock
+    assert isinstance(clock, VirtualClock)
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    finished: list[Request] = []
+    i = 0
+    for _ in range(max_iterations):
+        while i < len(pending) and pending[i].arrival_s <= clock.now():
+            scheduler.add_request(pending[i], clock.now())
+            i += 1
+        if not scheduler.has_unfinished:
+            if i == len(pending):
+                return Run(scheduler, finished, executor.steps)
+            clock.advance_to(pending[i].arrival_s)
+            continue
+        num_iterations = core.num_iterations
+        finished += [r for r in core.step() if r.is_finished]
+        if core.num_iterations == num_iterations:
+            assert i < len(pending), "the scheduler ran nothing and no request is left to arrive"
+            clock.advance_to(pending[i].arrival_s)
+    raise AssertionError(f"not finished after {max_iterations} iterations")
