@@ -62,8 +62,9 @@ class PagedAttention:
         md = self.metadata
         assert md is not None, "attention metadata must be set before the forward pass"
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        k_cache.index_copy_(1, md.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, md.slot_mapping, v.transpose(0, 1))
+        cdt = k_cache.dtype  # may be wider than the model's (see CacheConfig.kv_cache_dtype)
+        k_cache.index_copy_(1, md.slot_mapping, k.transpose(0, 1).to(cdt))
+        v_cache.index_copy_(1, md.slot_mapping, v.transpose(0, 1).to(cdt))
         num_heads = q.shape[1]
         group = num_heads // self.num_kv_heads
         outs = []
@@ -91,11 +92,11 @@ class PagedAttention:
                 # One query token: the `group` query heads sharing a KV head become `group`
                 # query rows against it, so GQA needs no expanded K/V.
                 o = F.scaled_dot_product_attention(
-                    qs.view(1, self.num_kv_heads, group, self.head_dim),
+                    qs.reshape(1, self.num_kv_heads, group, self.head_dim).to(cdt),
                     kc.unsqueeze(0),  # [1, num_kv_heads, ctx_len, head_dim]
                     vc.unsqueeze(0),
                 )  # [1, num_kv_heads, group, head_dim]
-                outs.append(o.view(1, num_heads, self.head_dim))
+                outs.append(o.view(1, num_heads, self.head_dim).to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # -- swaps (block copies between this cache and a host cache of the same layout) --------

@@ -33,6 +33,14 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_siz
     return 2 * arch.num_hidden_layers * kv_heads * arch.head_dim * block_size * elem
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return TORCH_DTYPES[name]
+    if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return model_dtype
+
+
 class ModelRunner:
     """Owns the model, the KV tensors and the sampler on one device."""
 
@@ -49,7 +57,8 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.device = torch.device(model_config.device)
         self.block_size = cache_config.block_size
-        self.block_bytes = kv_block_bytes(arch, self.block_size, self.dtype)
+        self.cache_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
+        self.block_bytes = kv_block_bytes(arch, self.block_size, self.cache_dtype)
         self.num_blocks = cache_config.num_device_blocks or max(
             1, int(cache_config.kv_cache_gib * (1 << 30)) // self.block_bytes
         )
@@ -59,7 +68,7 @@ class ModelRunner:
             head_dim=arch.head_dim,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            dtype=self.dtype,
+            dtype=self.cache_dtype,
             device=self.device,
         )
         self.sampler = Sampler(eos_token_ids, model_config.seed, self.device)

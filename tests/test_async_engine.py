@@ -1,0 +1,74 @@
+"""AsyncLLM: requests join while the engine runs, tokens stream as produced, aborts free KV."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fastserve.args import engine_config
+from fastserve.async_engine import AsyncLLM
+from fastserve.request import RequestOutput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm() -> AsyncLLM:
+    return AsyncLLM(engine_config(dtype="float32", max_batch_size=4, policy="skip-join-mlfq"))
+
+
+async def _collect(llm: AsyncLLM, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    return [out async for out in llm.generate(prompt, params)]
+
+
+def test_streams_token_by_token_and_matches_offline(llm: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(10, 60)), [9] * 20]
+
+    async def run() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(_collect(llm, p, params) for p in prompts))
+
+    streams = asyncio.run(run())
+    for stream in streams:
+        assert [len(o.new_token_ids) for o in stream] == [1] * 12  # one output per token
+        assert stream[-1].finished and stream[-1].finish_reason == "length"
+        assert [t for o in stream for t in o.new_token_ids] == stream[-1].token_ids
+        assert "".join(o.new_text for o in stream) == stream[-1].text
+    offline = [llm.engine.tokenizer.decode(s[-1].token_ids) for s in streams]
+    assert offline == [s[-1].text for s in streams]
+
+
+def test_abort_by_closing_the_stream_frees_blocks(llm: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def run() -> int:
+        got = 0
+        gen = llm.generate(list(range(3, 40)), params)
+        async for _ in gen:
+            got += 1
+            if got == 3:
+                break
+        await gen.aclose()
+        for _ in range(100):  # the abort lands within an iteration
+            if llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]:
+                break
+            await asyncio.sleep(0.02)
+        return got
+
+    assert asyncio.run(run()) == 3
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["num_running"] == 0
+
+
+def test_bad_request_fails_alone(llm: AsyncLLM) -> None:
+    good = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[RequestOutput], str]:
+        task = asyncio.create_task(_collect(llm, [4, 5, 6], good))
+        with pytest.raises(ValueError) as err:
+            await _collect(llm, list(range(3, 3000)), good)
+        return await task, str(err.value)
+
+    outs, message = asyncio.run(run())
+    assert "maximum context length" in message
+    assert outs[-1].finished and len(outs[-1].token_ids) == 8
