@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastserve.executor.cpu_kernels import decode_attention_kernel
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -28,9 +30,19 @@ class SeqSlice:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """All decoding requests of an iteration, for the one-call CPU kernel."""
+
+    token_idx: torch.Tensor  # [num_decodes] long: their rows in the flattened batch
+    block_table: torch.Tensor  # [num_decodes, max_blocks] int32
+    ctx_lens: torch.Tensor  # [num_decodes] int32
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
     seqs: list[SeqSlice]
+    decodes: DecodeBatch | None = None  # set when the decode kernel will be used
 
 
 class PagedAttention:
@@ -54,6 +66,11 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.metadata: AttentionMetadata | None = None
+        self.scale = head_dim**-0.5
+        # One call per layer for all decodes (CPU, float32 cache); None = per-request ops.
+        self.decode_kernel = (
+            decode_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+        )
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -65,39 +82,68 @@ class PagedAttention:
         cdt = k_cache.dtype  # may be wider than the model's (see CacheConfig.kv_cache_dtype)
         k_cache.index_copy_(1, md.slot_mapping, k.transpose(0, 1).to(cdt))
         v_cache.index_copy_(1, md.slot_mapping, v.transpose(0, 1).to(cdt))
+        if md.decodes is not None and self.decode_kernel is not None:
+            return self._forward_with_kernel(md, md.decodes, q, k, v, k_cache, v_cache)
+        outs = [
+            self._prefill(s, q, k, v) if s.is_prefill else self._decode(s, q, k_cache, v_cache)
+            for s in md.seqs
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _forward_with_kernel(
+        self,
+        md: AttentionMetadata,
+        dec: DecodeBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        assert self.decode_kernel is not None
+        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        qd = q.index_select(0, dec.token_idx).float()  # [num_decodes, num_heads, head_dim]
+        od = self.decode_kernel.decode_attention(
+            qd, k_cache, v_cache, dec.block_table, dec.ctx_lens, self.block_size, self.scale
+        )
+        out.index_copy_(0, dec.token_idx, od.to(q.dtype))
+        for s in md.seqs:
+            if s.is_prefill:
+                out[s.q_start : s.q_start + s.q_len] = self._prefill(s, q, k, v)
+        return out
+
+    def _prefill(self, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Prefills start at position 0: attend over the fresh K/V, causally."""
+        sl = slice(s.q_start, s.q_start + s.q_len)
+        o = F.scaled_dot_product_attention(
+            q[sl].transpose(0, 1).unsqueeze(0),
+            k[sl].transpose(0, 1).unsqueeze(0),
+            v[sl].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [1, num_heads, q_len, head_dim]
+        return o[0].transpose(0, 1)
+
+    def _decode(
+        self, s: SeqSlice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """One query token against the cached context, as a view when blocks are contiguous."""
+        if s.slot_index is None:
+            kc = k_cache[:, s.slot_start : s.slot_start + s.ctx_len]
+            vc = v_cache[:, s.slot_start : s.slot_start + s.ctx_len]
+        else:
+            kc = k_cache.index_select(1, s.slot_index)
+            vc = v_cache.index_select(1, s.slot_index)
         num_heads = q.shape[1]
         group = num_heads // self.num_kv_heads
-        outs = []
-        for s in md.seqs:
-            qs = q[s.q_start : s.q_start + s.q_len]  # [q_len, num_heads, head_dim]
-            if s.is_prefill:
-                # Prefills start at position 0: attend over the fresh K/V, causally.
-                ks = k[s.q_start : s.q_start + s.q_len]
-                vs = v[s.q_start : s.q_start + s.q_len]
-                o = F.scaled_dot_product_attention(
-                    qs.transpose(0, 1).unsqueeze(0),
-                    ks.transpose(0, 1).unsqueeze(0),
-                    vs.transpose(0, 1).unsqueeze(0),
-                    is_causal=True,
-                    enable_gqa=group > 1,
-                )  # [1, num_heads, q_len, head_dim]
-                outs.append(o[0].transpose(0, 1))
-            else:
-                if s.slot_index is None:
-                    kc = k_cache[:, s.slot_start : s.slot_start + s.ctx_len]
-                    vc = v_cache[:, s.slot_start : s.slot_start + s.ctx_len]
-                else:
-                    kc = k_cache.index_select(1, s.slot_index)
-                    vc = v_cache.index_select(1, s.slot_index)
-                # One query token: the `group` query heads sharing a KV head become `group`
-                # query rows against it, so GQA needs no expanded K/V.
-                o = F.scaled_dot_product_attention(
-                    qs.reshape(1, self.num_kv_heads, group, self.head_dim).to(cdt),
-                    kc.unsqueeze(0),  # [1, num_kv_heads, ctx_len, head_dim]
-                    vc.unsqueeze(0),
-                )  # [1, num_kv_heads, group, head_dim]
-                outs.append(o.view(1, num_heads, self.head_dim).to(q.dtype))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        # The `group` query heads sharing a KV head become `group` query rows against it,
+        # so GQA needs no expanded K/V.
+        o = F.scaled_dot_product_attention(
+            q[s.q_start].reshape(1, self.num_kv_heads, group, self.head_dim).to(k_cache.dtype),
+            kc.unsqueeze(0),  # [1, num_kv_heads, ctx_len, head_dim]
+            vc.unsqueeze(0),
+        )  # [1, num_kv_heads, group, head_dim]
+        return o.view(1, num_heads, self.head_dim).to(q.dtype)
 
     # -- swaps (block copies between this cache and a host cache of the same layout) --------
 

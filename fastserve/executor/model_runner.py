@@ -10,8 +10,9 @@ import torch
 from fastserve.config import CacheConfig, ModelConfig
 from fastserve.core.block_pool import is_contiguous
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
-from fastserve.executor.attention import AttentionMetadata, PagedAttention, SeqSlice
+from fastserve.executor.attention import AttentionMetadata, DecodeBatch, PagedAttention, SeqSlice
 from fastserve.executor.sampler import Sampler
+from fastserve.executor.swap import host_pool_blocks, make_swapper
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
 
@@ -72,20 +73,30 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler(eos_token_ids, model_config.seed, self.device)
+        # KV copies to/from host memory, beside the compute (this rank's shards only).
+        self.num_host_blocks = host_pool_blocks(cache_config, self.block_bytes)
+        self.swapper = make_swapper(self.attn, self.num_host_blocks)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         start = time.perf_counter()
         self.sampler.drop(plan.finished_ids)
+        self.swapper.submit(plan.swap_out, plan.swap_in)
         if plan.is_empty:
             return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
         batch = self._prepare(plan.scheduled)
+        # Only the copies into or out of this batch's blocks hold it up; the rest overlap.
+        swap_wait_s = self.swapper.wait_for(s.block_ids for s in plan.scheduled)
         self.attn.metadata = batch.metadata
         hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
         tokens = self.sampler.sample(logits, plan.scheduled)
         self.attn.metadata = None
-        return ExecutorOutput(sampled_token_ids=tokens, duration_s=time.perf_counter() - start)
+        return ExecutorOutput(
+            sampled_token_ids=tokens,
+            duration_s=time.perf_counter() - start,
+            swap_wait_s=swap_wait_s,
+        )
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> BatchInputs:
         bs = self.block_size
@@ -118,6 +129,7 @@ class ModelRunner:
                 )
             )
         dev = self.device
+        decodes = self._decode_batch(reqs) if self.attn.decode_kernel is not None else None
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
@@ -125,5 +137,26 @@ class ModelRunner:
             metadata=AttentionMetadata(
                 slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
                 seqs=seqs,
+                decodes=decodes,
             ),
+        )
+
+    def _decode_batch(self, reqs: list[ScheduledRequest]) -> DecodeBatch | None:
+        """Block tables of the decoding requests, for the one-call decode kernel."""
+        idx, tables, lens = [], [], []
+        q_start = 0
+        for r in reqs:
+            if not r.is_prefill:
+                idx.append(q_start)
+                tables.append(r.block_ids)
+                lens.append(r.num_context_tokens)
+            q_start += len(r.token_ids)
+        if not idx:
+            return None
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return DecodeBatch(
+            token_idx=torch.tensor(idx, dtype=torch.long),
+            block_table=torch.tensor(padded, dtype=torch.int32),
+            ctx_lens=torch.tensor(lens, dtype=torch.int32),
         )
