@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -12,6 +13,7 @@ from fastserve.clock import Clock, WallClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
+from fastserve.core.kv_policy import make_kv_policy
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.policies import make_scheduler
 from fastserve.engine import EngineCore
@@ -40,17 +42,23 @@ class LLMEngine:
         if config.model.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
         self.model_path = path
-        self.tokenizer = Tokenizer(path)
         dtype = TORCH_DTYPES[config.model.dtype]
-        model, self.arch = load_model(path, dtype, config.model.device)
+        model, self.arch = load_model(path, dtype, config.model.device)  # names what is missing
+        try:
+            self.tokenizer = Tokenizer(path)
+        except FileNotFoundError as exc:
+            raise ValueError(f"cannot load the tokenizer: {exc}") from None
         self.max_model_len = self.arch.max_position_embeddings
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
         if config.model.warmup:
             self._warmup()
         self.cost = self._cost_model()
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
-        self.scheduler = make_scheduler(config.scheduler, self.kv, self.cost, self.eos_token_ids)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.cache.block_size, self.runner.num_host_blocks
+        )
+        self.scheduler = make_scheduler(config.scheduler, self.kv, self.cost, self.eos_token_ids,
+                                        kv_policy=make_kv_policy(config.cache))
         self.core = EngineCore(self.scheduler, self.runner, self.clock)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -147,6 +155,14 @@ class LLMEngine:
             "num_swapped": s.count(RequestStatus.SWAPPED),
             "kv_blocks_free": self.kv.num_free_blocks,
             "kv_blocks_total": self.kv.num_total_blocks,
+            "host_kv_blocks_free": self.kv.num_free_host_blocks,
+            "host_kv_blocks_total": self.kv.num_total_host_blocks,
+            "peak_kv_blocks": self.kv.peak_used_blocks,
+            "swap_out_blocks": self.kv.num_swap_out_blocks,
+            "swap_in_blocks": self.kv.num_swap_in_blocks,
+            "swap_wait_s": self.core.swap_wait_s,
+            "num_offloads": s.num_offloads,
+            "num_uploads": s.num_uploads,
             "num_preemptions": s.num_preemptions,
             "num_recomputes": s.num_recomputes,
             "num_iterations": self.core.num_iterations,
@@ -155,9 +171,11 @@ class LLMEngine:
     # -- start-up -------------------------------------------------------------------------
 
     def _cost_model(self) -> CostModel:
-        if self.config.profile_path:
-            return CostModel.from_json(self.config.profile_path)
-        return CostModel()
+        cost = CostModel.from_json(self.config.profile_path) if self.config.profile_path \
+            else CostModel()
+        if cost.kv_block_bytes == 0:  # what a swap costs: the proactive KV policy's copy budget
+            cost = dataclasses.replace(cost, kv_block_bytes=self.runner.block_bytes)
+        return cost
 
     def _warmup(self) -> None:
         """Run a few real iterations so the first requests don't pay first-call costs."""

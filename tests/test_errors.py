@@ -1,0 +1,83 @@
+"""Bad input gets a clear error naming the problem; running requests are unaffected."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fastserve import LLM, SamplingParams
+from fastserve.args import engine_config
+from fastserve.llm_engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(engine_config(dtype="float32", max_batch_size=4, warmup=False))
+
+
+def test_bad_requests_do_not_disturb_running_ones(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    reference = LLM(dtype="float32", warmup=False).generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    engine.add_request([5, 6, 7], params, request_id="good")
+    engine.step()
+    bad_inputs = [
+        ("", "empty"),
+        ([], "empty"),
+        ([1] * engine.max_model_len, "maximum context length"),
+        ([engine.arch.vocab_size + 5], "token ids"),
+    ]
+    for prompt, message in bad_inputs:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, params)
+        engine.step()
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2], params, request_id="good")
+    final = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            final = out if out.finished else final
+    assert final is not None and final.token_ids == reference.token_ids
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_too_many_tokens_for_the_cache_is_refused() -> None:
+    engine = LLMEngine(engine_config(dtype="float32", num_device_blocks=4, block_size=4, warmup=False))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request([3] * 10, SamplingParams(max_tokens=20))
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture_is_named(tiny_model_path: Path, tmp_path: Path) -> None:
+    path = _copy_model(tiny_model_path, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
+        LLM(model=str(path), warmup=False)
+
+
+def test_missing_weights_are_named(tiny_model_path: Path, tmp_path: Path) -> None:
+    path = _copy_model(tiny_model_path, tmp_path / "m")
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(model=str(path), warmup=False)
+
+
+def test_missing_model_directory_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nope"):
+        LLM(model=str(tmp_path / "nope"), warmup=False)
+
+
+def test_unknown_option_is_named() -> None:
+    with pytest.raises(TypeError, match="max_batchsize"):
+        LLM(max_batchsize=3)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        LLM(max_batch_size=0)

@@ -1,0 +1,113 @@
+"""Sampling parameters as a user sees them: seeds, top-k/top-p, stops, min/max tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fastserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_batch_size=8, warmup=False)
+
+
+PROMPT = [1, 400, 401, 402, 403, 404]
+
+
+def _gen(llm: LLM, params: SamplingParams | list[SamplingParams], n: int = 1) -> list:
+    return llm.generate([PROMPT] * n, params, use_tqdm=False)
+
+
+def test_seed_reproducible_regardless_of_batch(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    alone = _gen(llm, p)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 3
+    batched = llm.generate([PROMPT] * 4, [*others, p], use_tqdm=False)[-1].token_ids
+    assert alone == batched
+    different = _gen(llm, SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True))
+    assert different[0].token_ids != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm: LLM) -> None:
+    greedy = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    top_k = _gen(llm, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=1, ignore_eos=True))
+    top_p = _gen(llm, SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=2, ignore_eos=True))
+    assert top_k[0].token_ids == greedy
+    assert top_p[0].token_ids == greedy
+
+
+def test_top_k_restricts_to_k_most_likely(llm: LLM) -> None:
+    """With top_k=2, each sampled token is one of the two most likely (checked by greedy)."""
+    outs = _gen(llm, SamplingParams(max_tokens=1, temperature=5.0, top_k=2, ignore_eos=True), n=40)
+    assert 1 <= len({o.token_ids[0] for o in outs}) <= 2
+    wide = _gen(llm, SamplingParams(max_tokens=1, temperature=5.0, ignore_eos=True), n=40)
+    assert len({o.token_ids[0] for o in wide}) > 2
+
+
+def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
+    greedy = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    stop_at = greedy.token_ids[4]
+    out = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    first = greedy.token_ids.index(stop_at)
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert out.finish_reason == "stop"
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12
+
+
+def test_min_tokens_defers_stop_tokens(llm: LLM) -> None:
+    greedy = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    stop_at = greedy.token_ids[0]
+    out = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at], min_tokens=5))[0]
+    assert len(out.token_ids) >= 5
+    assert stop_at not in out.token_ids[:5]
+
+
+def test_stop_string_truncates_text(llm: LLM) -> None:
+    greedy = _gen(llm, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    text = greedy.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), "need a visible stop string"
+    out = _gen(llm, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    kept = _gen(llm, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop],
+                                    include_stop_str_in_output=True))[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_eos_ends_generation_unless_ignored(llm: LLM, tiny_model_path: Path, tmp_path: Path) -> None:
+    """A checkpoint whose generation_config names an EOS that greedy decoding reaches."""
+    greedy = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    eos = greedy[3]
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_path, path)
+    gen_cfg = json.loads((path / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [2, eos]
+    (path / "generation_config.json").write_text(json.dumps(gen_cfg))
+    llm2 = LLM(model=str(path), dtype="float32", warmup=False)
+    out = llm2.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+    assert out.token_ids == greedy[: greedy.index(eos) + 1] and out.finish_reason == "stop"
+    forced = llm2.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert forced.token_ids == greedy and forced.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_bad_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
