@@ -91,7 +91,7 @@ def main() -> None:
     path = Path(args.model) if args.model else cached_model_path("small")
     dtype = getattr(torch, args.dtype)
     llm = LLM(model=str(path), dtype=args.dtype, device=args.device, max_batch_size=args.batch,
-              kv_cache_gib=1.0, policy="fcfs")
+              kv_cache_gib=3.0, policy="fcfs")
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.arch.vocab_size
     prompts = torch.randint(3, vocab, (args.batch, args.input_len), generator=g).tolist()
