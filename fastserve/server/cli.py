@@ -1,0 +1,174 @@
+"""`fastserve serve [MODEL]`: start-up, the uvicorn main loop, and a graceful shutdown.
+
+Start-up binds the address (so a taken port fails at once), loads the model, then listens and
+prints the URL. SIGTERM or Ctrl-C stops accepting connections, lets running requests finish
+within `--grace-period-s`, stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from fastserve.args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastserve -h` fast)
+    from fastapi import FastAPI
+
+    from fastserve.async_engine import AsyncLLM
+
+DEFAULT_HOST = "127.0.0.1"  # NOTE: never all interfaces unless asked (`--host 0.0.0.0`)
+DEFAULT_PORT = 8000
+API_KEY_ENV = "FASTSERVE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The HTTP side of `fastserve serve` (the engine has its own EngineConfig)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0 = any free port (the printed URL shows which)
+    served_model_name: str | None = None  # None = the model directory, or "tiny"
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    grace_period_s: float = 30.0
+    log_level: str = "info"
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (omit it to serve without a key)")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+    )
+    p.add_argument(
+        "model", nargs="?", default=None,
+        help="Hugging Face model directory (default: the built-in tiny preset)",
+    )
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 = any free port")
+    p.add_argument(
+        "--served-model-name", default=None,
+        help="the model name clients send (default: MODEL as given, or 'tiny')",
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="refuse larger request bodies with 413 (default: 1 MiB)")
+    p.add_argument("--grace-period-s", type=float, default=30.0,
+                   help="on SIGTERM, how long running requests may take to finish (default: 30)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per HTTP request (default: on)")
+    add_engine_args(p, skip=("model",))
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    opts = ServeOptions(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        grace_period_s=args.grace_period_s,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return serve(opts, args)
+
+
+def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
+    """Start-up, main loop, shutdown. Returns the process exit code."""
+    from fastserve.async_engine import AsyncLLM
+    from fastserve.server.app import build_app
+
+    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(engine_args)
+    name = opts.served_model_name or config.model.model or "tiny"
+    sock = _bind(opts.host, opts.port)  # before the slow part: a taken port fails at once
+    try:
+        print(f"fastserve: loading {config.model.model or 'the built-in tiny model'} ...", flush=True)
+        llm = AsyncLLM(config)
+        app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes)
+        return asyncio.run(_main_loop(app, llm, sock, name, opts))
+    finally:
+        sock.close()
+
+
+async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str, opts: ServeOptions) -> int:
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=opts.log_level,
+            access_log=opts.access_log,
+            lifespan="off",
+            # NOTE: a float works (it feeds asyncio.wait_for); None would mean "wait forever".
+            timeout_graceful_shutdown=opts.grace_period_s,  # type: ignore[arg-type]
+        )
+    )
+    # uvicorn handles SIGTERM/SIGINT while serving and re-raises the signal afterwards so the
+    # previous handler runs; make that handler a no-op so a graceful shutdown exits 0.
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            host, port = sock.getsockname()[:2]
+            print(f"fastserve: serving {name!r} at http://{_url_host(host)}:{port}/v1 "
+                  f"(health: /health, metrics: /metrics, docs: /docs)", flush=True)
+        await serving  # returns once a signal has stopped the server and requests drained
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    await llm.shutdown(grace_s=opts.grace_period_s)
+    print("fastserve: shut down", flush=True)
+    return 0 if server.started else 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket's address, bound now (uvicorn listens on it once the model is up)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _ignore(sig: int, frame: FrameType | None) -> None:
+    """Stands in for the default handler while uvicorn owns the signals (see `_main_loop`)."""

@@ -1,0 +1,108 @@
+"""Prometheus metrics for one app: engine gauges read at scrape time, per-request histograms.
+
+Each app gets its own `CollectorRegistry`, so several apps (tests) never share or clash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from fastserve.async_engine import AsyncLLM
+from fastserve.request import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Seconds; from a tiny model on a CPU (ms) to a long job behind a full queue (minutes).
+_LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine-side counters from `llm.stats()`, read when Prometheus scrapes."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+
+    def collect(self) -> Iterator[Metric]:
+        s: dict[str, Any] = self.llm.stats()
+        for name, key, doc in (
+            ("fastserve_requests_running", "num_running", "requests in the current batch"),
+            ("fastserve_requests_waiting", "num_waiting", "requests queued with no KV cache"),
+            ("fastserve_requests_preempted", "num_preempted", "started requests paused, KV kept"),
+            ("fastserve_requests_swapped", "num_swapped", "requests whose KV is in host memory"),
+            ("fastserve_kv_blocks_free", "kv_blocks_free", "free device KV-cache blocks"),
+            ("fastserve_kv_blocks_total", "kv_blocks_total", "device KV-cache blocks"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=s.get(key, 0))
+        queues = GaugeMetricFamily(
+            "fastserve_queue_length", "requests per scheduler queue level", labels=["level"]
+        )
+        for level, count in sorted(s.get("queue_lengths", {}).items()):
+            queues.add_metric([str(level)], count)
+        yield queues
+        healthy = GaugeMetricFamily("fastserve_engine_healthy", "1 while the engine loop runs")
+        healthy.add_metric([], 1.0 if self.llm.is_healthy else 0.0)
+        yield healthy
+        for name, key, doc in (
+            ("fastserve_preemptions", "num_preemptions", "requests preempted by the scheduler"),
+            ("fastserve_recomputes", "num_recomputes", "preemptions that dropped KV to recompute"),
+            ("fastserve_iterations", "num_iterations", "engine iterations run"),
+        ):
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+
+
+class ServerMetrics:
+    """Everything `/metrics` shows. `observe_finished` runs on the engine thread (thread-safe)."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(llm))
+        self.finished = Counter(
+            "fastserve_requests_finished",
+            "finished requests by finish reason (stop, length, abort, error)",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.http_errors = Counter(
+            "fastserve_http_errors",
+            "error responses by HTTP status (429: queue full; a stream's error event is not one)",
+            ["status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "fastserve_ttft_seconds",
+            "time from arrival to the first output token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.jct = Histogram(
+            "fastserve_jct_seconds",
+            "job completion time: arrival to the last token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.output_tokens = Counter(
+            "fastserve_output_tokens", "tokens generated", registry=self.registry
+        )
+        self.prompt_tokens = Counter(
+            "fastserve_prompt_tokens", "prompt tokens of finished requests", registry=self.registry
+        )
+        llm.on_finish.append(self.observe_finished)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self.finished.labels(out.finish_reason or "unknown").inc()
+        self.output_tokens.inc(len(out.token_ids))
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if out.ttft_s is not None:
+            self.ttft.observe(out.ttft_s)
+        # An aborted request's duration is the client's patience, not a completion time.
+        if out.jct_s is not None and out.finish_reason in ("stop", "length"):
+            self.jct.observe(out.jct_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

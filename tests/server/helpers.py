@@ -1,0 +1,99 @@
+"""Real `fastserve serve` processes for the HTTP tests, and the OpenAI response schemas."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMAS = json.loads((Path(__file__).with_name("openai_schemas.json")).read_text())
+_URL_RE = re.compile(r"serving .* at (http://127\.0\.0\.1:\d+)/v1")
+START_TIMEOUT_S = 180.0
+
+
+def validate(instance: Any, schema_name: str) -> None:
+    """Check `instance` against a schema of the OpenAI API reference (openai_schemas.json)."""
+    schema = {"$ref": f"#/$defs/{schema_name}", "$defs": SCHEMAS["$defs"]}
+    jsonschema.validate(instance, schema, cls=jsonschema.Draft202012Validator)
+
+
+@dataclass
+class ServerProcess:
+    """A `fastserve serve --port 0` subprocess; `url` is read from its start-up line."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    url: str = ""
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """`/metrics` as {sample name with labels: value}."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `python -m fastserve.cli serve --port 0 --dtype float32 ARGS` and wait for /health."""
+    log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
+    cmd = [sys.executable, "-m", "fastserve.cli", "serve", "--port", "0", "--dtype", "float32",
+           "--no-access-log", *args]
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    log = log_path.open("wb")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    server = ServerProcess(proc, log_path, args=list(args))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        match = _URL_RE.search(server.log())
+        if match:
+            server.url = match.group(1)
+            if httpx.get(server.url + "/health", timeout=10).status_code == 200:
+                return server
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"server did not start within {START_TIMEOUT_S} s:\n{server.log()}")
+
+
+def managed(server: ServerProcess) -> Iterator[ServerProcess]:
+    try:
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, f"server exited with {code}:\n{server.log()[-3000:]}"

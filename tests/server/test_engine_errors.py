@@ -1,0 +1,92 @@
+"""An exception inside the engine fails only the requests it concerns; the server keeps serving.
+
+Fault injection needs the engine in this process: a real AsyncLLM whose executor raises for
+requests whose prompt holds a poison token, served by a real uvicorn on a local port.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from fastserve.args import engine_config
+from fastserve.async_engine import AsyncLLM
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+from fastserve.server.app import build_app
+from tests.server.helpers import validate
+
+POISON = 4  # a prompt holding this token id fails on its 3rd decode step
+FAIL_AT_OUTPUT = 3
+
+
+class _FailingExecutor:
+    """Wraps the real executor; raises for any batch with a poisoned request in it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.poisoned: set[str] = set()
+
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        for s in plan.scheduled:
+            if s.is_prefill and POISON in s.token_ids:
+                self.poisoned.add(s.request_id)
+            if s.request_id in self.poisoned and s.num_output_tokens >= FAIL_AT_OUTPUT:
+                raise RuntimeError("injected device fault")
+        return self.inner.execute(plan)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model_ready: Any) -> Iterator[str]:
+    llm = AsyncLLM(engine_config(dtype="float32", warmup=False))
+    llm.engine.core.executor = _FailingExecutor(llm.engine.core.executor)  # type: ignore[assignment]
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, "tiny"), host="127.0.0.1", port=0,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    server.should_exit = True
+    thread.join(30)
+
+
+def _body(prompt: list[int], **kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 8, "ignore_eos": True, **kw}
+
+
+def test_engine_error_fails_only_that_request(url: str) -> None:
+    resp = httpx.post(url + "/completions", json=_body([5, POISON, 6]), timeout=60)
+    assert resp.status_code == 500
+    validate(resp.json(), "ErrorResponse")
+    assert "injected device fault" in resp.json()["error"]["message"]
+
+    ok = httpx.post(url + "/completions", json=_body([5, 6, 7]), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+    assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+
+
+def test_engine_error_mid_stream_is_an_error_event(url: str) -> None:
+    events: list[Any] = []
+    with httpx.stream("POST", url + "/completions", json=_body([POISON, 9], stream=True),
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    assert events[-1] == "[DONE]"
+    error = events[-2]
+    validate(error, "ErrorResponse")
+    assert "injected device fault" in error["error"]["message"]
+    assert all("choices" in e for e in events[:-2]) and len(events) > 2
+
+    chat = httpx.post(url + "/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4})
+    assert chat.status_code == 200, chat.text
