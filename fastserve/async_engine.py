@@ -120,6 +120,7 @@ class AsyncLLM:
         self.dead_reason = self.dead_reason or "shut down"
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self.engine.shutdown)  # distributed workers, if any
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -147,6 +148,7 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while self.dead_reason is None:
+                self.engine.check_health()  # a distributed rank lost while idle stops the loop
                 self._run_commands()
                 if not self.engine.has_unfinished:
                     self._stats = self.engine.stats()

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from fastserve.args import add_engine_args, engine_config_from_args
+from fastserve.executor.distributed.env import is_torchrun_worker
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -94,6 +95,11 @@ def _add_optional(sub: argparse._SubParsersAction, module: str) -> None:  # type
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if is_torchrun_worker() and args.command in ("serve", "generate"):
+            # Ranks > 0 of a `torchrun` launch serve rank 0's plans instead of the command.
+            from fastserve.executor.distributed.launch import run_torchrun_worker
+
+            return run_torchrun_worker(args)
         return int(args.func(args))
     except ValueError as exc:  # bad input: a clear message, no traceback
         print(f"fastserve: error: {exc}", file=sys.stderr)

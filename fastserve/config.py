@@ -38,9 +38,13 @@ class ModelConfig:
     device: str = "cpu"
     seed: int = 0  # default seed for sampling requests that give none
     warmup: bool = True  # run warm-up passes at start-up
+    # torch intra-op threads on CPU (0 = torch's default). One per core; fewer when the cores
+    # are shared, since oversubscribed OpenMP threads spin and stall each other.
+    num_threads: int = 0
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
         _check(
             self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
@@ -54,14 +58,14 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_gib: float = 1.0
     num_device_blocks: int | None = None
-    swap_space_gib: float = 0.0
+    swap_space_gib: float = 4.0  # host pool (pinned on CUDA); unused by defer / recompute
     num_host_blocks: int | None = None
-    kv_policy: str = "defer"
+    kv_policy: str = "proactive"
     # "auto": the model's dtype, except float32 on CPU for half types (CPU half-precision
     # attention kernels cost ~7x more per decode call than float32 ones).
     kv_cache_dtype: str = "auto"
-    kv_reserve_blocks: int = 0
-    burst_queues: int = 2
+    kv_reserve_blocks: int = 0  # K: device blocks `proactive` keeps free at least
+    burst_queues: int = 2  # K': top queues whose non-resident jobs `proactive` keeps room for
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")

@@ -1,8 +1,10 @@
-"""The step loop: schedule -> execute -> update."""
+"""The step loop: schedule -> execute -> update (and its pipelined form)."""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from fastserve.clock import Clock
@@ -19,6 +21,37 @@ class Executor(Protocol):
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput: ...
 
 
+class ExecutorDeadError(RuntimeError):
+    """The executor can run no more iterations (a distributed rank died or stopped answering):
+    the engine must stop, not just fail the batch."""
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """A batch back from the pipeline."""
+
+    out: ExecutorOutput
+    # How long the engine waited for it: a virtual clock advances by this (the wall clock
+    # moves by itself).
+    wait_s: float
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that keeps up to `max_in_flight` batches in its pipeline stages at once.
+    Batches come back in the order they were submitted."""
+
+    max_in_flight: int
+
+    def submit(self, plan: SchedulerOutput, now: float) -> None:
+        """Start a plan. One with no batch (only swaps and finished ids) is done at once and is
+        not collected."""
+        ...
+
+    def collect(self, now: float) -> PipelineResult:
+        """Wait for the oldest batch in flight."""
+        ...
+
+
 class EngineCore:
     """Scheduler + executor + clock. Both the real engine and the simulator step this."""
 
@@ -30,11 +63,18 @@ class EngineCore:
         self.busy_s = 0.0  # time spent in iterations
         self.swap_wait_s = 0.0
 
+    @property
+    def num_in_flight(self) -> int:
+        """Batches started but not yet back (only the pipelined loop has any)."""
+        return 0
+
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that got a token or failed."""
         plan = self.scheduler.schedule(self.clock.now())
         try:
             out = self.executor.execute(plan)
+        except ExecutorDeadError:
+            raise
         except Exception as exc:  # NOTE: one failing batch must not take the engine down
             return self._fail(plan, exc)
         self.clock.advance(out.duration_s)
@@ -54,3 +94,61 @@ class EngineCore:
                 req.error = f"{type(exc).__name__}: {exc}"
                 failed.append(req)
         return failed
+
+
+class PipelinedEngineCore(EngineCore):
+    """The step loop with up to `max_in_flight` batches in the pipeline, each stage working on
+    a different one (pipeline parallelism).
+
+    A step launches a batch while a pipeline slot is free and there is work to run; otherwise
+    it waits for the oldest batch and hands its tokens to the scheduler. Jobs of batches in
+    flight are running: the scheduler leaves them out (`Scheduler.in_flight`), so batch k+1 is
+    scheduled without waiting for batch k.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: PipelinedExecutor,
+        clock: Clock,
+        max_in_flight: int | None = None,
+    ) -> None:
+        super().__init__(scheduler, executor, clock)
+        self.pipeline = executor
+        self.max_in_flight = max_in_flight or executor.max_in_flight
+        scheduler.pipeline_depth = self.max_in_flight
+        self._in_flight: deque[SchedulerOutput] = deque()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def step(self) -> list[Request]:
+        """Launch a batch, or finish the oldest; returns the requests that got a token or failed."""
+        if len(self._in_flight) < self.max_in_flight:
+            plan = self.scheduler.schedule(self.clock.now())
+            try:
+                self.pipeline.submit(plan, self.clock.now())
+            except ExecutorDeadError:
+                raise
+            except Exception as exc:
+                return self._fail(plan, exc)
+            if not plan.is_empty:
+                self._in_flight.append(plan)
+                self.scheduler.in_flight.update(s.request_id for s in plan.scheduled)
+                self.num_iterations += 1
+                return []
+        if not self._in_flight:
+            return []
+        plan = self._in_flight.popleft()
+        self.scheduler.in_flight.difference_update(s.request_id for s in plan.scheduled)
+        try:
+            result = self.pipeline.collect(self.clock.now())
+        except ExecutorDeadError:
+            raise
+        except Exception as exc:
+            return self._fail(plan, exc)
+        self.clock.advance(result.wait_s)
+        self.busy_s += result.out.duration_s
+        self.swap_wait_s += result.out.swap_wait_s
+        return self.scheduler.update(plan, result.out, self.clock.now())

@@ -16,9 +16,10 @@ from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_policy import make_kv_policy
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.policies import make_scheduler
-from fastserve.engine import EngineCore
+from fastserve.engine import EngineCore, PipelinedEngineCore
+from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
-from fastserve.model.loader import load_model
+from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.make_model import default_model_path
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.output import OutputProcessor
@@ -42,15 +43,28 @@ class LLMEngine:
         if config.model.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
         self.model_path = path
+        if config.model.num_threads:
+            torch.set_num_threads(config.model.num_threads)
         dtype = TORCH_DTYPES[config.model.dtype]
-        model, self.arch = load_model(path, dtype, config.model.device)  # names what is missing
+        parallel = config.parallel
+        is_distributed = parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
+        if is_distributed:
+            self.arch = read_arch_config(path)  # every rank loads its own shard (start_executor)
+        else:
+            model, self.arch = load_model(path, dtype, config.model.device)  # names what is missing
         try:
             self.tokenizer = Tokenizer(path)
         except FileNotFoundError as exc:
             raise ValueError(f"cannot load the tokenizer: {exc}") from None
         self.max_model_len = self.arch.max_position_embeddings
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
+        self.runner: ModelRunner | DistributedExecutor
+        if is_distributed:
+            from fastserve.executor.distributed.launch import start_executor
+
+            self.runner = start_executor(config, path, self.eos_token_ids)
+        else:
+            self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
         if config.model.warmup:
             self._warmup()
         self.cost = self._cost_model()
@@ -59,7 +73,11 @@ class LLMEngine:
         )
         self.scheduler = make_scheduler(config.scheduler, self.kv, self.cost, self.eos_token_ids,
                                         kv_policy=make_kv_policy(config.cache))
-        self.core = EngineCore(self.scheduler, self.runner, self.clock)
+        self.core = (
+            PipelinedEngineCore(self.scheduler, self.runner, self.clock)
+            if isinstance(self.runner, DistributedExecutor) and self.runner.max_in_flight > 1
+            else EngineCore(self.scheduler, self.runner, self.clock)
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._aborted: list[Request] = []
@@ -129,6 +147,17 @@ class LLMEngine:
         req = self.scheduler.abort(request_id, self.clock.now())
         if req is not None:
             self._aborted.append(req)
+
+    def check_health(self) -> None:
+        """Raise `ExecutorDeadError` once the executor can run no more (a distributed rank
+        died or stopped answering)."""
+        if isinstance(self.runner, DistributedExecutor):
+            self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the distributed workers, if any (safe to call more than once)."""
+        if isinstance(self.runner, DistributedExecutor):
+            self.runner.shutdown()
 
     @property
     def has_unfinished(self) -> bool:

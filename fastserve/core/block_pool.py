@@ -117,3 +117,21 @@ def is_contiguous(block_ids: list[int]) -> bool:
     return not block_ids or block_ids[-1] - block_ids[0] == len(block_ids) - 1 and (
         len(block_ids) < 3 or all(b - a == 1 for a, b in zip(block_ids, block_ids[1:]))
     )
+
+
+def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block copies grouped into (src_start, dst_start, num_blocks) runs.
+
+    A run is consecutive on both sides, so an executor moves it as one slice (one DMA) and
+    tracks its completion with one event; the pools hand out consecutive ids, so a request's
+    KV is usually one run. Order is kept.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs:
+            s, d, n = runs[-1]
+            if src == s + n and dst == d + n:
+                runs[-1] = (s, d, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs

@@ -14,7 +14,15 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class CostModel:
-    """iteration_s = fixed + per prefill token + per decoding job + per decode context token."""
+    """iteration_s = fixed + per prefill token + per decoding job + per decode context token.
+
+    The coefficients are the whole model on one device. A parallel deployment of
+    `tensor_parallel_size` T x `pipeline_parallel_size` P devices splits that compute T x P
+    ways and adds communication: two all-reduces per layer when T > 1 (after attention and
+    after the MLP), and the hand-over of activations to the next stage when P > 1. A batch
+    passes the P stages one after another (`iteration_s`: what a job waits for each token),
+    but with P batches in flight one leaves the pipeline every `stage_s`.
+    """
 
     fixed_s: float = 2e-3
     per_prefill_token_s: float = 1e-4
@@ -24,11 +32,61 @@ class CostModel:
     per_prefill_token2_s: float = 0.0
     # Host<->device copy bandwidth for KV swaps, and the bytes of one KV block.
     swap_bytes_per_s: float = 25e9
-    kv_block_bytes: int = 0
+    kv_block_bytes: int = 0  # on one device: each device copies its own shard, all at once
+    # Parallel deployment (see the class docstring). Defaults: one device, no communication.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_layers: int = 1  # decoder layers: 2 all-reduces each under tensor parallelism
+    hidden_bytes: int = 0  # one token's activations: hidden_size x bytes per element
+    allreduce_latency_s: float = 0.0
+    allreduce_bus_bytes_per_s: float = 100e9  # the TP group's all-reduce bus bandwidth (NCCL's busbw)
+    p2p_latency_s: float = 0.0
+    p2p_bytes_per_s: float = 10e9  # one rank to its peer in the next stage
+    stage_overhead_s: float = 0.0  # per stage and batch, not split: launches, host work
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.pipeline_parallel_size > self.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size ({self.pipeline_parallel_size}) exceeds num_layers "
+                f"({self.num_layers})"
+            )
 
     def iteration_s(
         self, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int,
         sum_prefill_sq: int = 0,
+    ) -> float:
+        """One batch through the whole model (every pipeline stage, one after another)."""
+        compute_s = self._compute_s(num_prefill_tokens, num_decodes, num_context_tokens,
+                                    sum_prefill_sq)
+        if self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1:
+            return compute_s + self.stage_overhead_s
+        return self.pipeline_parallel_size * self._stage_s(
+            compute_s, num_prefill_tokens + num_decodes)
+
+    def stage_s(
+        self, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int,
+        sum_prefill_sq: int = 0,
+    ) -> float:
+        """Time one pipeline stage spends on a batch (all of `iteration_s` when P = 1)."""
+        compute_s = self._compute_s(num_prefill_tokens, num_decodes, num_context_tokens,
+                                    sum_prefill_sq)
+        return self._stage_s(compute_s, num_prefill_tokens + num_decodes)
+
+    def allreduce_s(self, num_tokens: int) -> float:
+        """One ring all-reduce of the batch's activations over the tensor-parallel group."""
+        t = self.tensor_parallel_size
+        nbytes = num_tokens * self.hidden_bytes
+        return self.allreduce_latency_s + 2 * (t - 1) / t * nbytes / self.allreduce_bus_bytes_per_s
+
+    def p2p_s(self, num_tokens: int) -> float:
+        """Handing the batch's activations to the next stage."""
+        return self.p2p_latency_s + num_tokens * self.hidden_bytes / self.p2p_bytes_per_s
+
+    def _compute_s(
+        self, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int,
+        sum_prefill_sq: int,
     ) -> float:
         return (
             self.fixed_s
@@ -37,6 +95,15 @@ class CostModel:
             + self.per_decode_s * num_decodes
             + self.per_context_token_s * num_context_tokens
         )
+
+    def _stage_s(self, compute_s: float, num_tokens: int) -> float:
+        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        stage_s = compute_s / (t * p) + self.stage_overhead_s
+        if t > 1:
+            stage_s += 2 * self.num_layers / p * self.allreduce_s(num_tokens)
+        if p > 1:
+            stage_s += self.p2p_s(num_tokens)
+        return stage_s
 
     def prefill_s(self, num_tokens: int) -> float:
         """A job's first iteration alone (what skip-join uses to place it)."""

@@ -1,9 +1,13 @@
-"""KV block manager: which device blocks each request holds.
+"""KV block manager: where each request's KV lives (device or host pool) and in which blocks.
 
-Pure bookkeeping over block ids; the executor owns the tensors these ids index.
+Pure bookkeeping over block ids; the executor owns the tensors these ids index and carries out
+the copies that `offload` / `upload` return. A request's KV moves as a whole, block by block,
+and its block table follows it from one pool to the other.
 """
 
 from __future__ import annotations
+
+import enum
 
 from fastserve.core.block_pool import BlockPool
 
@@ -12,14 +16,35 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class KVCacheManager:
-    """Per-request block tables over one device block pool."""
+class KVLocation(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
 
-    def __init__(self, num_device_blocks: int, block_size: int) -> None:
+
+class KVCacheManager:
+    """Per-request block tables over a device block pool and a host (swap) block pool.
+
+    NOTE: host blocks read by an upload are released only at `end_iteration()`. The executor
+    runs an iteration's swap-outs before its swap-ins, so a swap-out of the same iteration must
+    not be given a host block that a swap-in has yet to read. Likewise an offload may keep its
+    device blocks out of the pool until `end_iteration()` (`release_now=False`), so that no
+    computation of this iteration writes a block that is still being copied out: until then
+    only uploads (whose copies run after the swap-outs) may take them.
+    """
+
+    def __init__(self, num_device_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.device = BlockPool(num_device_blocks)
-        self._tables: dict[str, list[int]] = {}
-        self.peak_used_blocks = 0
+        self.host = BlockPool(num_host_blocks)
+        self._tables: dict[str, list[int]] = {}  # device block tables
+        self._host_tables: dict[str, list[int]] = {}
+        self._host_releasing: list[int] = []  # read by this iteration's uploads
+        self._device_releasing: list[int] = []  # being copied out by this iteration's offloads
+        self.peak_used_blocks = 0  # most device blocks in use at once
+        self.num_swap_out_blocks = 0  # blocks copied device -> host, all time
+        self.num_swap_in_blocks = 0  # blocks copied host -> device, all time
+
+    # -- sizes ------------------------------------------------------------------------------
 
     @property
     def num_total_blocks(self) -> int:
@@ -29,19 +54,61 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.device.num_free
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+    @property
+    def num_free_soon(self) -> int:
+        """Device blocks free once this iteration's offloads have been copied out."""
+        return self.device.num_free + len(self._device_releasing)
+
+    @property
+    def num_total_host_blocks(self) -> int:
+        return self.host.num_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Host blocks free now; those still being read by this iteration's uploads are not."""
+        return self.host.num_free
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose KV is on the host."""
+        return len(self._host_tables)
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def where(self, request_id: str) -> KVLocation | None:
+        """Which pool holds the request's KV; None when it holds no blocks."""
+        if request_id in self._tables:
+            return KVLocation.DEVICE
+        if request_id in self._host_tables:
+            return KVLocation.HOST
+        return None
 
     def has_blocks(self, request_id: str) -> bool:
+        """True when the request's KV is on the device."""
         return request_id in self._tables
 
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._host_tables
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's device blocks (empty when it has none there)."""
+        return self._tables.get(request_id, [])
+
+    def host_table(self, request_id: str) -> list[int]:
+        return self._host_tables.get(request_id, [])
+
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks still missing for the request to hold `num_tokens` tokens."""
+        """Device blocks still missing for the request to hold `num_tokens` tokens."""
         have = len(self._tables.get(request_id, ()))
         return max(0, num_blocks_for(num_tokens, self.block_size) - have)
 
+    # -- device allocation ------------------------------------------------------------------
+
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grow the request's table to hold `num_tokens` tokens; None (nothing taken) if short."""
+        """Grow the request's device table to hold `num_tokens` tokens; None (nothing taken)
+        if short. NOTE: a swapped request must be uploaded first."""
+        if request_id in self._host_tables:
+            raise ValueError(f"request {request_id!r} is swapped out; upload it before allocating")
         need = self.num_new_blocks(request_id, num_tokens)
         table = self._tables.setdefault(request_id, [])
         if need == 0:
@@ -52,11 +119,98 @@ class KVCacheManager:
                 del self._tables[request_id]
             return None
         table += new
-        self.peak_used_blocks = max(self.peak_used_blocks, self.device.num_used)
+        self._note_peak()
         return new
 
     def free(self, request_id: str) -> int:
-        """Release every block the request holds; returns how many."""
-        table = self._tables.pop(request_id, [])
-        self.device.free(table)
-        return len(table)
+        """Release every block the request holds, on either pool; returns how many."""
+        table = self._tables.pop(request_id, None)
+        if table is not None:
+            self.device.free(table)
+            return len(table)
+        host = self._host_tables.pop(request_id, [])
+        self.host.free(host)
+        return len(host)
+
+    # -- moves between pools ----------------------------------------------------------------
+
+    def can_offload(self, request_id: str, num_cached_tokens: int) -> bool:
+        return self.host.can_allocate(self._num_valid(request_id, num_cached_tokens))
+
+    def offload(
+        self, request_id: str, num_cached_tokens: int, release_now: bool = True
+    ) -> list[tuple[int, int]] | None:
+        """Move the request's KV to the host pool: (device_block, host_block) copies to run.
+
+        Only the blocks that hold its `num_cached_tokens` tokens are copied (Orca-style
+        reservations beyond them hold nothing). Returns None, moving nothing, when the host
+        pool is short; the request must hold device blocks. `release_now=False` keeps its
+        device blocks from this iteration's allocations (see the class docstring).
+        """
+        table = self._tables.get(request_id)
+        if table is None:
+            raise ValueError(f"request {request_id!r} holds no device blocks to offload")
+        valid = table[: self._num_valid(request_id, num_cached_tokens)]
+        host = self.host.allocate(len(valid))
+        if host is None:
+            return None
+        del self._tables[request_id]
+        if release_now:
+            self.device.free(table)
+        else:
+            self._device_releasing += table
+        self._host_tables[request_id] = host
+        self.num_swap_out_blocks += len(valid)
+        return list(zip(valid, host, strict=True))
+
+    def can_upload(self, request_id: str, num_tokens: int = 0) -> bool:
+        """Whether the device has room for the request's KV and then for `num_tokens` tokens."""
+        return self.upload_shortfall(request_id, num_tokens) <= 0
+
+    def upload_shortfall(self, request_id: str, num_tokens: int = 0) -> int:
+        """Device blocks missing to upload the request and grow it to `num_tokens` tokens
+        (blocks beyond its KV come from the pool: they are written this iteration)."""
+        have = len(self._host_tables.get(request_id, ()))
+        from_pool = have - min(have, len(self._device_releasing))
+        grow = max(0, num_blocks_for(num_tokens, self.block_size) - have)
+        return from_pool + grow - self.device.num_free
+
+    def upload(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's KV back to the device: (host_block, device_block) copies to run.
+
+        Blocks still being copied out this iteration are used first (the copy engine runs the
+        swap-outs first). Returns None, moving nothing, when the device pool is short.
+        """
+        host = self._host_tables.get(request_id)
+        if host is None:
+            raise ValueError(f"request {request_id!r} is not swapped out")
+        reuse = self._device_releasing[: len(host)]
+        rest = self.device.allocate(len(host) - len(reuse))
+        if rest is None:
+            return None
+        del self._device_releasing[: len(reuse)]
+        device = reuse + rest
+        del self._host_tables[request_id]
+        self._tables[request_id] = device
+        self._host_releasing += host
+        self.num_swap_in_blocks += len(host)
+        self._note_peak()
+        return list(zip(host, device, strict=True))
+
+    def end_iteration(self) -> None:
+        """The plan is complete: host blocks read by its uploads may be reused from now on."""
+        if self._host_releasing:
+            self.host.free(self._host_releasing)
+            self._host_releasing = []
+        if self._device_releasing:
+            self.device.free(self._device_releasing)
+            self._device_releasing = []
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _num_valid(self, request_id: str, num_cached_tokens: int) -> int:
+        have = len(self._tables.get(request_id, ()))
+        return min(have, num_blocks_for(num_cached_tokens, self.block_size))
+
+    def _note_peak(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.device.num_used)

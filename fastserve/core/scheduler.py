@@ -3,10 +3,11 @@
 Every iteration the batch is chosen afresh: the policy orders the unfinished requests by
 priority (`_order`), and the base class walks that order filling the batch up to the batch size,
 the token budget and the KV blocks. A request that ran last iteration and is not picked now is
-preempted between tokens and keeps its KV cache. When a started request cannot get the block
-for its next token, the lowest-priority started request outside the batch gives its blocks up
-(`_make_room`); by default its KV is dropped and recomputed later, so the engine never deadlocks
-and never drops a job.
+preempted between tokens and keeps its KV cache. When a request cannot get its blocks, the
+KV policy (`fastserve.core.kv_policy`) may take them from started requests less urgent than it
+and outside the batch: their KV is offloaded to host memory or dropped for recompute, so the
+engine never deadlocks and never drops a job. A swapped request is uploaded before it runs, and
+the KV policy may move KV ahead of need once the batch is chosen; the plan carries the copies.
 
 Pure Python over ints and floats: no torch and no clock; `now` is passed in.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from fastserve.config import SchedulerConfig
+from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import KVPolicy, make_kv_policy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.request import FinishReason, Request, RequestStatus
 
@@ -43,6 +46,20 @@ class Scheduler(ABC):
         self._batch_ids: list[str] = []  # last plan's batch
         self.num_preemptions = 0  # times a started request was taken out of the batch
         self.num_recomputes = 0  # times a request's KV was dropped for recompute
+        self.num_offloads = 0  # times a request's KV was moved to host memory
+        self.num_uploads = 0  # times it was moved back
+        # What gives way when device blocks run short; `make_scheduler` sets the configured one.
+        self.kv_policy: KVPolicy = make_kv_policy(CacheConfig())
+        self._moves = _Moves()  # this iteration's KV copies
+        self._order_now: Sequence[Request] = ()  # this iteration's order, for ENST
+        self._now = 0.0
+        self._enst: dict[str, float] | None = None  # ENST per request, computed when asked
+        # Pipeline parallelism: jobs of batches still in the pipeline are running. They are
+        # not scheduled, taken as victims or counted as preempted until their batch is back
+        # (`PipelinedEngineCore` keeps this set). With `pipeline_depth` batches in flight, a
+        # batch takes at most 1/depth of the unfinished jobs, so that every stage has one.
+        self.in_flight: set[str] = set()
+        self.pipeline_depth = 1
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -78,6 +95,10 @@ class Scheduler(ABC):
     def count(self, status: RequestStatus) -> int:
         return sum(1 for r in self.requests.values() if r.status is status)
 
+    @property
+    def num_swapped(self) -> int:
+        return self.kv.num_swapped
+
     def queue_lengths(self) -> dict[int, int]:
         """Unfinished requests per priority queue (1 = most urgent). One queue by default;
         the MLFQ policies report one entry per level."""
@@ -86,16 +107,21 @@ class Scheduler(ABC):
     # -- one iteration ------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """Pick this iteration's batch."""
+        """Pick this iteration's batch, and the KV copies it needs."""
+        self._moves = _Moves()
+        self._enst = None
+        self._now = now
+        self.kv_policy.begin(self, now)
         batch: list[Request] = []
         in_batch: set[str] = set()
         num_tokens = 0
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
-        order = self._order(now)
+        order = self._order_now = self._not_in_flight(self._order(now))
+        max_jobs = self._max_jobs()
         for i, req in enumerate(order):
-            if len(batch) >= self.config.max_batch_size:
+            if len(batch) >= max_jobs:
                 break
-            started = self.kv.has_blocks(req.request_id)
+            started = self.kv.where(req.request_id) is not None
             if not started and not admitting:
                 continue
             num_new = req.num_tokens - req.num_computed_tokens
@@ -109,7 +135,19 @@ class Scheduler(ABC):
             batch.append(req)
             in_batch.add(req.request_id)
             num_tokens += num_new
+        self.kv_policy.plan_ahead(self, order, batch, now)
         return self._plan(batch, in_batch)
+
+    def _not_in_flight(self, order: Sequence[Request]) -> Sequence[Request]:
+        if not self.in_flight:
+            return order
+        return [r for r in order if r.request_id not in self.in_flight]
+
+    def _max_jobs(self) -> int:
+        if self.pipeline_depth == 1:
+            return self.config.max_batch_size
+        share = -(-len(self.requests) // self.pipeline_depth)
+        return max(1, min(self.config.max_batch_size, share))
 
     def update(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> list[Request]:
         """Take the sampled tokens; returns the requests that got a token (finished ones too)."""
@@ -141,6 +179,22 @@ class Scheduler(ABC):
         """Tokens of KV to allocate when a request (re)starts. Orca reserves the maximum."""
         return req.num_tokens
 
+    def level_of(self, request_id: str) -> int | None:
+        """The request's priority queue (0 = the most urgent), or None when it is not here.
+        One queue by default; the MLFQ policies have one per level."""
+        return 0 if request_id in self.requests else None
+
+    def estimate_next_run_s(self, order: Sequence[Request], now: float) -> list[float]:
+        """Estimated next scheduled time (ENST) of each request of `order`, in seconds from
+        `now`: the KV policies offload the largest first and upload the smallest first.
+
+        Default: the request's place in the order times a full batch's per-job decode step,
+        which only ranks them (a policy without levels cannot say more). MLFQ overrides it.
+        """
+        b = self.config.max_batch_size
+        step_s = self.cost.iteration_s(0, b, 0) / b
+        return [i / b * step_s for i in range(len(order))]
+
     def _on_add(self, req: Request, now: float) -> None:
         pass
 
@@ -158,16 +212,6 @@ class Scheduler(ABC):
         """
         return True
 
-    def _make_room(self, victims: list[Request], now: float) -> bool:
-        """Free blocks by giving up the KV of the last (least urgent) victim.
-
-        Default: drop it for recompute. Returns False when there is no victim.
-        """
-        if not victims:
-            return False
-        self.recompute(victims[-1])
-        return True
-
     # -- shared mechanism -----------------------------------------------------------------
 
     def recompute(self, req: Request) -> None:
@@ -178,27 +222,120 @@ class Scheduler(ABC):
         req.num_preemptions += 1
         self.num_recomputes += 1
 
+    def offload(self, req: Request, release_now: bool = True) -> bool:
+        """Move a request's KV to host memory (the copies go in this plan); False when the
+        host pool is short. `release_now=False`: its device blocks serve no allocation before
+        the next iteration (see `KVCacheManager`), so no computation waits for the copy."""
+        rid = req.request_id
+        if rid in self._moves.uploaded_ids:
+            raise ValueError(f"request {rid!r} was uploaded this iteration; it cannot go back")
+        pairs = self.kv.offload(rid, req.num_computed_tokens, release_now)
+        if pairs is None:
+            return False
+        self._moves.swap_out += pairs
+        self._moves.offloaded_ids.add(rid)
+        req.status = RequestStatus.SWAPPED
+        self.num_offloads += 1
+        return True
+
+    def upload(self, req: Request) -> bool:
+        """Move a swapped request's KV back to the device; False when the device is short."""
+        rid = req.request_id
+        if rid in self._moves.offloaded_ids:
+            raise ValueError(f"request {rid!r} was offloaded this iteration; it cannot come back")
+        pairs = self.kv.upload(rid)
+        if pairs is None:
+            return False
+        self._moves.swap_in += pairs
+        self._moves.uploaded_ids.add(rid)
+        req.status = RequestStatus.PREEMPTED
+        self.num_uploads += 1
+        return True
+
+    def can_offload(self, req: Request) -> bool:
+        """Whether the request could be a victim: its started KV is on the device and it did
+        not just come back (no job moves both ways in one iteration)."""
+        rid = req.request_id
+        return (
+            req.num_computed_tokens > 0
+            and self.kv.has_blocks(rid)
+            and rid not in self._moves.uploaded_ids
+            and rid not in self.in_flight
+        )
+
+    def can_upload(self, req: Request) -> bool:
+        rid = req.request_id
+        return self.kv.is_swapped(rid) and rid not in self._moves.offloaded_ids
+
+    @property
+    def num_moved_blocks(self) -> int:
+        """Blocks this iteration copies so far, both ways."""
+        return len(self._moves.swap_out) + len(self._moves.swap_in)
+
+    def admit_tokens(self, req: Request) -> int:
+        """Tokens of KV the request needs to start (its prompt, or Orca's reservation)."""
+        return max(req.num_tokens, self._admit_tokens(req))
+
+    def next_run_s(self, req: Request) -> float:
+        """The request's ENST this iteration (see `estimate_next_run_s`), computed once."""
+        if self._enst is None:
+            order = self._order_now
+            self._enst = dict(
+                zip((r.request_id for r in order), self.estimate_next_run_s(order, self._now))
+            )
+        return self._enst.get(req.request_id, float("inf"))
+
     def _allocate(
         self, req: Request, rest: Sequence[Request], in_batch: set[str], now: float
     ) -> bool:
-        """Find KV blocks for the request's tokens this iteration, making room if it must."""
-        started = self.kv.has_blocks(req.request_id)
-        num_tokens = req.num_tokens if started else max(req.num_tokens, self._admit_tokens(req))
-        while self.kv.allocate(req.request_id, num_tokens) is None:
-            if not started:
-                return False  # new requests wait for free blocks
-            victims = [r for r in rest if self.kv.has_blocks(r.request_id)]
-            if not self._make_room(victims, now):
-                # Nothing below it holds blocks: give up this request's own KV.
-                self.recompute(req)
+        """Find KV blocks for the request's tokens this iteration, making room if it must.
+
+        A swapped request is uploaded first. Returns False when it cannot run now.
+        """
+        rid = req.request_id
+        if self.kv_policy.is_landing(self, req, len(in_batch), rest):
+            return False
+        if self.kv.is_swapped(rid):
+            if not self.can_upload(req) or self.kv_policy.defers(self, req, len(in_batch), rest):
                 return False
+            if not self._make_room(req, self.kv.upload_shortfall(rid, req.num_tokens), rest, now):
+                return False
+            self.upload(req)
+        started = self.kv.has_blocks(rid)
+        num_tokens = req.num_tokens if started else self.admit_tokens(req)
+        if self.kv.allocate(rid, num_tokens) is not None:
+            return True
+        if self.kv_policy.defers(self, req, len(in_batch), rest):
+            return False
+        shortfall = self.kv.num_new_blocks(rid, num_tokens) - self.kv.num_free_blocks
+        if self._make_room(req, shortfall, rest, now) \
+                and self.kv.allocate(rid, num_tokens) is not None:
+            return True
+        if started:  # nothing below it gives way: it gives up its own blocks
+            self.kv_policy.give_up(self, req)
+        return False
+
+    def _make_room(self, req: Request, shortfall: int, rest: Sequence[Request],
+                   now: float) -> bool:
+        """Free `shortfall` more device blocks from the started requests after `req` (its
+        victims), as the KV policy decides; takes nothing when they could not give enough."""
+        if shortfall <= 0:
+            return True
+        victims = [r for r in rest if self.can_offload(r)]
+        if sum(len(self.kv.block_table(r.request_id)) for r in victims) < shortfall:
+            return False
+        goal = self.kv.num_free_blocks + shortfall
+        while self.kv.num_free_blocks < goal:
+            if not self.kv_policy.make_room(self, req, victims, now):
+                return False
+            victims = [r for r in victims if self.can_offload(r)]
         return True
 
     def _plan(self, batch: list[Request], in_batch: set[str]) -> SchedulerOutput:
         preempted: list[str] = []
         for rid in self._batch_ids:
             req = self.requests.get(rid)
-            if req is not None and rid not in in_batch:
+            if req is not None and rid not in in_batch and rid not in self.in_flight:
                 if req.status is RequestStatus.RUNNING:
                     req.status = RequestStatus.PREEMPTED
                 req.num_preemptions += 1
@@ -217,9 +354,20 @@ class Scheduler(ABC):
                     num_output_tokens=req.num_output_tokens,
                 )
             )
-        self._batch_ids = [r.request_id for r in batch]
+        # Jobs still in flight ran in an earlier batch: they are checked once they are back.
+        self._batch_ids = [r.request_id for r in batch] + [
+            rid for rid in self._batch_ids if rid in self.in_flight
+        ]
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled=scheduled, finished_ids=finished, preempted_ids=preempted)
+        moves, self._moves = self._moves, _Moves()
+        self.kv.end_iteration()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            finished_ids=finished,
+            swap_out=moves.swap_out,
+            swap_in=moves.swap_in,
+            preempted_ids=preempted,
+        )
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
@@ -230,6 +378,16 @@ class Scheduler(ABC):
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+@dataclass
+class _Moves:
+    """One iteration's KV copies, and who moved (no job moves both ways in one iteration)."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    offloaded_ids: set[str] = field(default_factory=set)
+    uploaded_ids: set[str] = field(default_factory=set)
 
 
 def _new_tokens(req: Request) -> list[int]:

@@ -7,6 +7,11 @@ different requests mix freely in one call.
 
 Parameter names follow HF's with two fusions: q/k/v_proj -> qkv_proj and
 gate/up_proj -> gate_up_proj (`packed_modules_mapping` tells the loader).
+
+A pipeline stage is the same model built with a layer range: it holds only layers
+[start, end) (the others are parameter-less placeholders, so names keep their HF
+indices), the embedding only on the first stage and the final norm and LM head only
+on the last. The math of the layers it holds is unchanged.
 """
 
 from __future__ import annotations
@@ -114,28 +119,63 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """Stands in for a layer another pipeline stage holds: no parameters, never called."""
+
+
+def stage_layers(arch: ArchConfig, layers: tuple[int, int] | None) -> tuple[int, int]:
+    """The checked [start, end) layer range of a stage; None means every layer."""
+    n = arch.num_hidden_layers
+    start, end = layers if layers is not None else (0, n)
+    if not 0 <= start < end <= n:
+        raise ValueError(f"layer range [{start}, {end}) must be non-empty within [0, {n})")
+    return start, end
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, arch: ArchConfig, tp_rank: int, tp_size: int, layers: tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            arch.vocab_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        self.start_layer, self.end_layer = stage_layers(arch, layers)
+        self.is_first_stage = self.start_layer == 0
+        self.is_last_stage = self.end_layer == arch.num_hidden_layers
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+            if self.is_first_stage
+            else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, tp_rank, tp_size) for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, i, tp_rank, tp_size)
+            if self.start_layer <= i < self.end_layer
+            else MissingLayer()
+            for i in range(arch.num_hidden_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last_stage else None
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        assert self.embed_tokens is not None and self.norm is not None, "a pipeline stage"
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)  # [num_tokens, 1, head_dim // 2]
-        residual: Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
+        x, residual = self.forward_layers(x, None, positions, attn)
         x, _ = self.norm(x, residual)
         return x
+
+    def forward_layers(
+        self, x: Tensor, residual: Tensor | None, positions: Tensor, attn: AttentionBackend
+    ) -> tuple[Tensor, Tensor]:
+        """This model's layers over the residual stream: x [num_tokens, hidden] is the last
+        layer's output (the embeddings before the first layer, with residual None).
+
+        Returns the same pair after the layers; a pipeline stage hands it to the next one.
+        """
+        cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)  # [num_tokens, 1, head_dim // 2]
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            x, residual = layer(x, residual, cos, sin, attn)
+        assert residual is not None  # a stage holds at least one layer
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,15 +190,25 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, arch: ArchConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
+        """`layers`: the [start, end) range of a pipeline stage; None builds the whole model."""
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(
-            arch.vocab_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        self.model = LlamaModel(arch, tp_rank, tp_size, layers)
+        self.lm_head = (
+            ParallelLMHead(arch.vocab_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+            if self.model.is_last_stage
+            else None
         )
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        embed = self.model.embed_tokens
+        if arch.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.weight = embed.weight
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden]."""
@@ -170,4 +220,18 @@ class LlamaForCausalLM(nn.Module):
         Pass only the rows that need sampling (e.g. each sequence's last token):
         the vocabulary projection is the largest matmul of a decode step.
         """
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden).float()
+
+    def holds_weight(self, hf_name: str) -> bool:
+        """Whether this model (maybe one pipeline stage) holds checkpoint tensor `hf_name`."""
+        m = self.model
+        if hf_name.startswith("model.layers."):
+            index = int(hf_name.split(".", 3)[2])
+            return m.start_layer <= index < m.end_layer
+        if hf_name.startswith("model.embed_tokens."):
+            # A tied LM head on a last stage without the embedding is loaded from it.
+            return m.is_first_stage or (self.arch.tie_word_embeddings and m.is_last_stage)
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return m.is_last_stage
+        return True

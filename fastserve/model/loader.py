@@ -36,11 +36,13 @@ def load_model(
     device: str | torch.device,
     tp_rank: int = 0,
     tp_size: int = 1,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[LlamaForCausalLM, ArchConfig]:
     """Build the model for `path`'s config.json and fill it from its safetensors files.
 
     Returns the model in eval mode, in `dtype` on `device`, holding the
-    (tp_rank, tp_size) shard of every parallel layer.
+    (tp_rank, tp_size) shard of every parallel layer, and only layers [start, end)
+    when `layers` names a pipeline stage's range (tensors of other stages are skipped).
     """
     root = Path(path)
     if not root.is_dir():
@@ -48,7 +50,7 @@ def load_model(
     arch = read_arch_config(root)
     files = find_safetensors_files(root)
     with _default_dtype(dtype), torch.device(device):
-        model = LlamaForCausalLM(arch, tp_rank=tp_rank, tp_size=tp_size)
+        model = LlamaForCausalLM(arch, tp_rank=tp_rank, tp_size=tp_size, layers=layers)
     load_weights(model, iter_safetensors(files))
     return model.eval(), arch
 
@@ -109,7 +111,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, Tensor]])
     for name, tensor in weights:
         if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
+        if not model.holds_weight(name):  # another pipeline stage's tensor
+            continue
         target, shard_id = _map_name(model, name)
+        if tied and target not in params and name == "model.embed_tokens.weight":
+            target = name = "lm_head.weight"  # a last stage's tied head, without the embedding
         param = params.get(target)
         if param is None:
             unexpected.append(name)

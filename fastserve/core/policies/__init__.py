@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.policies.fcfs import FCFSScheduler, OrcaScheduler
 from fastserve.core.policies.mlfq import (
     MLFQPreemptScheduler,
@@ -33,11 +34,17 @@ def make_scheduler(
     kv: KVCacheManager,
     cost: CostModel,
     eos_token_ids: Sequence[int] = (),
+    kv_policy: KVPolicy | None = None,
 ) -> Scheduler:
+    """The policy `config.policy` names; `kv_policy` (default: `proactive` with no reserve,
+    which without host blocks acts as `defer`) decides what gives way when blocks run short."""
     try:
         cls = POLICY_CLASSES[config.policy]
     except KeyError:
         raise ValueError(
             f"scheduler policy {config.policy!r} is not available; choose from {sorted(POLICY_CLASSES)}"
         ) from None
-    return cls(config, kv, cost, eos_token_ids)
+    sched = cls(config, kv, cost, eos_token_ids)
+    if kv_policy is not None:
+        sched.kv_policy = kv_policy
+    return sched

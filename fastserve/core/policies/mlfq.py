@@ -77,6 +77,45 @@ class MLFQBase(Scheduler):
         job = self._jobs.get(request_id)
         return None if job is None else job.level
 
+    def estimate_next_run_s(self, order: Sequence[Request], now: float) -> list[float]:
+        """ENST(i) = min(T_promote(i), T_execute(i)), FastServe's estimate (see the base).
+
+        T_promote: time left until starvation promotion lifts job i to Q1 (inf when off).
+        T_execute: the service that the jobs ahead of i in the order would use before i's
+        turn, each in the levels from its own down to i's (what is left of its current
+        quantum, then the full quanta of the levels in between), assuming none finishes
+        earlier; a job ahead in i's own level (or, in non-preemptive MLFQ, a lower one)
+        counts what is left of its quantum. The lowest level's quantum stands in for its
+        unbounded one. Batched jobs run side by side: under the `iteration` charge each of
+        them is charged the whole iteration, so the sum is divided by the batch size.
+        One pass, O(jobs x levels).
+        """
+        quanta = self._quanta_s
+        num_levels = len(quanta)
+        cum = [0.0]  # cum[m] = q_1 + ... + q_m
+        for q in quanta:
+            cum.append(cum[-1] + q)
+        parallel = self.config.max_batch_size if self.charge.mode == "iteration" else 1
+        limit_s = self.settings.starve_limit_s
+        rem_total = 0.0  # what is left of the current quantum, summed over the jobs seen
+        count = [0] * num_levels  # jobs seen per level
+        cum_next = [0.0] * num_levels  # sum of cum[level + 1] over the jobs seen per level
+        out = []
+        for req in order:
+            job = self._jobs[req.request_id]
+            level = job.level
+            n_above = sum(count[:level])
+            execute_s = (rem_total + n_above * cum[level] - sum(cum_next[:level])) / parallel
+            if limit_s > 0 and level > 0:
+                out.append(min(execute_s, max(0.0, limit_s - (now - job.starve_clock_s))))
+            else:
+                out.append(execute_s)
+            left_s = job.allowance_s - job.attained_s
+            rem_total += max(0.0, left_s) if math.isfinite(left_s) else quanta[level]
+            count[level] += 1
+            cum_next[level] += cum[level + 1]
+        return out
+
     # -- policy hooks ---------------------------------------------------------------------
 
     def _join_level(self, req: Request) -> int:
@@ -217,7 +256,8 @@ class MLFQScheduler(MLFQBase):
 
     def schedule(self, now: float) -> SchedulerOutput:
         plan = super().schedule(now)
-        batch = {s.request_id for s in plan.scheduled}
+        # Jobs of an earlier batch still in the pipeline keep running too.
+        batch = {s.request_id for s in plan.scheduled} | (self._running & self.in_flight)
         changed = batch ^ self._running
         self._running = batch
         for rid in changed:
@@ -260,7 +300,8 @@ class MLFQPreemptScheduler(MLFQBase):
 
     def schedule(self, now: float) -> SchedulerOutput:
         plan = super().schedule(now)
-        self._abandoned = {}
+        # Batches still in the pipeline are charged when they are back: keep their entries.
+        self._abandoned = {r: s for r, s in self._abandoned.items() if r in self.in_flight}
         for sched, predicted_s in zip(plan.scheduled, self.charge.predict(plan), strict=True):
             job = self._jobs[sched.request_id]
             if job.attained_s + predicted_s > job.allowance_s:

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads (Zipf/Gamma, trace replay), the runner, metrics, reports and plots."""

@@ -1,0 +1,167 @@
+"""`fastserve bench`: compare scheduling policies on one workload, optionally over a sweep."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from fastserve.args import add_engine_args, engine_config_from_args
+from fastserve.bench.report import (
+    format_sweep_table,
+    format_table,
+    plot_bars,
+    plot_sweep,
+    write_json,
+)
+from fastserve.bench.runner import EXECUTORS, WorkloadSpec, parse_value, run_policies
+from fastserve.bench.workloads import WorkItem, offered_load
+from fastserve.config import EngineConfig
+from fastserve.core.cost_model import CostModel
+
+# Workload flags: (flag, type, help). Each maps onto the WorkloadSpec field of the same name.
+_WORKLOAD_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("num-requests", int, "jobs to run (zipf default 1000; trace default: the whole window)"),
+    ("rate", float, "zipf: mean arrival rate, requests/s (default 2)"),
+    ("cv", float, "zipf: coefficient of variation of inter-arrival gaps (default 1 = Poisson)"),
+    ("zipf-theta", float, "zipf: length skew, larger = more short jobs (default 0.9)"),
+    ("max-input-len", int, "longest prompt (zipf default 512; caps a trace)"),
+    ("max-output-len", int, "longest output (zipf default 512; caps a trace)"),
+    ("load", float, "scale arrivals to this offered load (work / capacity at max batch size; "
+                    "needs --profile)"),
+    ("window-start-s", float, "trace: first second to replay (default 0)"),
+    ("window-s", float, "trace: seconds to replay (default: to the end)"),
+    ("time-scale", float, "trace: multiply arrival times (2 = half the rate; default 1)"),
+    ("length-scale", float, "trace: multiply token lengths (default 1)"),
+)
+_SWEEPABLE = tuple(flag for flag, _, _ in _WORKLOAD_FLAGS) + ("seed",)
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "bench",
+        help="compare scheduling policies on one workload (simulated or real)",
+        description=__doc__,
+    )
+    p.add_argument("--executor", choices=EXECUTORS, default="sim",
+                   help="sim: the production scheduler on a virtual clock and --profile's cost "
+                        "model; real: requests on the wall clock through AsyncLLM")
+    p.add_argument("--policies", default="fcfs,skip-join-mlfq",
+                   help="comma-separated policies; options per policy as "
+                        "name:key=value, e.g. skip-join-mlfq:mlfq-variant=paper")
+    p.add_argument("--workload", default="zipf", help="zipf or trace:PATH (CSV "
+                   "arrival_s,input_tokens,output_tokens)")
+    group = p.add_argument_group("workload options")
+    for flag, kind, help_ in _WORKLOAD_FLAGS:
+        group.add_argument(f"--{flag}", type=kind, default=None, help=help_)
+    p.add_argument("--sweep", default=None,
+                   help=f"PARAM=V1,V2,...: rerun every policy per value; PARAM is one of "
+                        f"{', '.join(_SWEEPABLE)}")
+    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--plot", default=None, help="PNG: average JCT per policy (vs the sweep)")
+    add_engine_args(p)  # includes --seed, which also seeds the workload
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args)
+    cost = CostModel.from_json(config.profile_path) if config.profile_path else None
+    if args.executor == "sim" and cost is None:
+        print("bench: no --profile given; simulating with the default CostModel", file=sys.stderr)
+        cost = CostModel()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ValueError("--policies must name at least one policy")
+    spec = _workload_spec(args)
+    # NOTE: without a sweep there is one run, keyed "" in `sweep` below.
+    param, values = _parse_sweep(args.sweep) if args.sweep else (None, list[str | None]([None]))
+    progress = sys.stderr.isatty()
+    batch = config.scheduler.max_batch_size
+
+    sweep: dict[str, dict[str, dict[str, float]]] = {}
+    loads: dict[str, float | None] = {}
+    for value in values:
+        override: dict[str, Any] = {} if param is None else {param: parse_value(str(value))}
+        run_spec = dataclasses.replace(spec, **override)
+        workload = run_spec.build(cost, batch)
+        key = value if value is not None else ""
+        loads[key] = _offered_load(workload, cost, batch)
+        print(f"{_describe(workload, loads[key])}" + (f"  [{param}={value}]" if param else ""))
+        sweep[key] = run_policies(
+            workload, policies, config, args.executor, cost,
+            config.cache.num_device_blocks, run_spec.seed, progress,
+        )
+        if param is None:
+            print(format_table(sweep[key]))
+
+    meta = _config_json(args, config, cost, spec, policies, param, values, loads)
+    if param is None:
+        write_json(args.out, {"config": meta, "results": sweep[""]})
+        if args.plot:
+            plot_bars(args.plot, sweep[""], title=args.workload)
+    else:
+        write_json(args.out, {"config": meta, "results": sweep})
+        print(format_sweep_table(param, sweep, "jct_mean"))
+        print(format_sweep_table(param, sweep, "jct_p99"))
+        if args.plot:
+            plot_sweep(args.plot, param, sweep, title=f"{args.workload}, {args.executor}")
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    given = {
+        flag.replace("-", "_"): getattr(args, flag.replace("-", "_"))
+        for flag, _, _ in _WORKLOAD_FLAGS
+        if getattr(args, flag.replace("-", "_")) is not None
+    }
+    return WorkloadSpec(kind=args.workload, seed=args.seed or 0, **given)
+
+
+def _parse_sweep(text: str) -> tuple[str, list[str | None]]:
+    name, sep, values = text.partition("=")
+    name = name.strip()
+    if not sep or name not in _SWEEPABLE:
+        raise ValueError(f"--sweep must be PARAM=V1,V2,... with PARAM one of {_SWEEPABLE}, got {text!r}")
+    items: list[str | None] = [v.strip() for v in values.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"--sweep {name} needs at least one value")
+    return name.replace("-", "_"), items
+
+
+def _offered_load(workload: list[WorkItem], cost: CostModel | None, batch: int) -> float | None:
+    if cost is None or len(workload) < 2 or workload[-1].arrival_s <= workload[0].arrival_s:
+        return None
+    return offered_load(workload, cost, batch)
+
+
+def _describe(workload: list[WorkItem], load: float | None) -> str:
+    n = len(workload)
+    span = workload[-1].arrival_s - workload[0].arrival_s
+    mean_in = sum(w.input_len for w in workload) / n
+    mean_out = sum(w.output_len for w in workload) / n
+    text = f"{n} requests over {span:.1f} s, mean input {mean_in:.0f}, mean output {mean_out:.0f}"
+    return text + (f", offered load {load:.2f}" if load is not None else "")
+
+
+def _config_json(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    cost: CostModel | None,
+    spec: WorkloadSpec,
+    policies: list[str],
+    param: str | None,
+    values: list[str | None],
+    loads: dict[str, float | None],
+) -> dict[str, Any]:
+    return {
+        "executor": args.executor,
+        "policies": policies,
+        "workload": dataclasses.asdict(spec),
+        "engine": dataclasses.asdict(config),
+        "cost_model": dataclasses.asdict(cost) if cost is not None else None,
+        "num_device_blocks": config.cache.num_device_blocks,  # None = ample (sim)
+        "sweep": {"param": param, "values": values} if param else None,
+        "offered_load": loads if param else loads[""],
+    }

@@ -1,0 +1,97 @@
+"""Job-level metrics of a benchmark run: completion time, time to first token, throughput."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastserve.request import FinishReason, Request, RequestOutput
+
+METRIC_KEYS = (
+    "num_requests",
+    "num_finished",
+    "jct_mean",
+    "jct_p50",
+    "jct_p90",
+    "jct_p99",
+    "ttft_mean",
+    "ttft_p99",
+    "output_tok_per_s",
+    "makespan_s",
+    "preemptions",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobTimes:
+    """What metrics need from one job, whether it came from the simulator or the engine."""
+
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    num_output_tokens: int
+    num_preemptions: int
+    # Aborted or failed jobs count as submitted but not finished.
+    is_ok: bool = True
+
+    @classmethod
+    def from_request(cls, req: Request) -> JobTimes:
+        return cls(
+            arrival_s=req.arrival_s,
+            first_token_s=req.first_token_s,
+            finish_s=req.finish_s,
+            num_output_tokens=req.num_output_tokens,
+            num_preemptions=req.num_preemptions,
+            is_ok=req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH),
+        )
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> JobTimes:
+        return cls(
+            arrival_s=out.arrival_s,
+            first_token_s=out.first_token_s,
+            finish_s=out.finish_s,
+            num_output_tokens=len(out.token_ids),
+            num_preemptions=out.num_preemptions,
+            is_ok=out.finished and out.finish_reason in ("stop", "length"),
+        )
+
+
+def compute_metrics(jobs: Sequence[JobTimes], num_requests: int | None = None) -> dict[str, float]:
+    """Metrics in seconds over the jobs that finished normally.
+
+    `num_requests` is how many were submitted (default: len(jobs)). The makespan runs from the
+    first arrival to the last finish; NaN stands for a statistic with no data.
+    """
+    done = [j for j in jobs if j.is_ok and j.finish_s is not None]
+    finish = np.array([j.finish_s for j in done], dtype=np.float64)
+    jct = finish - np.array([j.arrival_s for j in done], dtype=np.float64)
+    ttft = np.array(
+        [j.first_token_s - j.arrival_s for j in done if j.first_token_s is not None],
+        dtype=np.float64,
+    )
+    makespan = float(finish.max()) - min(j.arrival_s for j in jobs) if done else 0.0
+    num_tokens = sum(j.num_output_tokens for j in done)
+    return {
+        "num_requests": len(jobs) if num_requests is None else num_requests,
+        "num_finished": len(done),
+        "jct_mean": _mean(jct),
+        "jct_p50": _pct(jct, 50),
+        "jct_p90": _pct(jct, 90),
+        "jct_p99": _pct(jct, 99),
+        "ttft_mean": _mean(ttft),
+        "ttft_p99": _pct(ttft, 99),
+        "output_tok_per_s": num_tokens / makespan if makespan > 0 else float("nan"),
+        "makespan_s": makespan,
+        "preemptions": sum(j.num_preemptions for j in jobs),
+    }
+
+
+def _mean(x: np.ndarray) -> float:
+    return float(x.mean()) if x.size else float("nan")
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if x.size else float("nan")

@@ -1,0 +1,204 @@
+"""Run several policies on the identical workload, in the simulator or on the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from fastserve.args import engine_config
+from fastserve.bench.metrics import JobTimes, compute_metrics
+from fastserve.bench.workloads import WorkItem, scale_to_load, trace_workload, zipf_workload
+from fastserve.config import EngineConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.request import SamplingParams
+
+EXECUTORS = ("sim", "real")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Every workload option of `fastserve bench`; `sweep` replaces one field at a time."""
+
+    kind: str = "zipf"  # "zipf" or "trace:PATH"
+    num_requests: int | None = None  # zipf default 1000; trace default: all in the window
+    rate: float = 2.0
+    cv: float = 1.0
+    zipf_theta: float = 0.9
+    max_input_len: int | None = None  # zipf default 512; trace default: uncapped
+    max_output_len: int | None = None  # zipf default 512; trace default: uncapped
+    load: float | None = None  # scale arrivals to this offered load (needs a cost model)
+    window_start_s: float = 0.0
+    window_s: float | None = None
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+    seed: int = 0
+
+    def build(self, cost: CostModel | None, max_batch_size: int) -> list[WorkItem]:
+        if self.kind == "zipf":
+            items = zipf_workload(
+                num_requests=_or(self.num_requests, 1000),
+                rate=self.rate,
+                cv=self.cv,
+                theta=self.zipf_theta,
+                max_input_len=_or(self.max_input_len, 512),
+                max_output_len=_or(self.max_output_len, 512),
+                seed=self.seed,
+            )
+        elif self.kind.startswith("trace:"):
+            items = trace_workload(
+                self.kind.removeprefix("trace:"),
+                window_start_s=self.window_start_s,
+                window_s=self.window_s,
+                num_requests=self.num_requests,
+                time_scale=self.time_scale,
+                length_scale=self.length_scale,
+                max_input_len=self.max_input_len,
+                max_output_len=self.max_output_len,
+            )
+        else:
+            raise ValueError(f"workload must be 'zipf' or 'trace:PATH', got {self.kind!r}")
+        if self.load is not None:
+            if cost is None:
+                raise ValueError("load needs a cost model: pass --profile")
+            items = scale_to_load(items, self.load, cost, max_batch_size)
+        return items
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value  # NOTE: not `or`: 0 must reach the check
+
+
+# -- policies -----------------------------------------------------------------------------
+
+
+def policy_config(base: EngineConfig, spec: str) -> EngineConfig:
+    """`base` running the policy `spec`: a name, optionally with option overrides.
+
+    `skip-join-mlfq:mlfq-variant=paper:quantum-ratio=4` runs skip-join-mlfq with those options,
+    so variants of one policy can be compared side by side.
+    """
+    name, *overrides = spec.split(":")
+    options: dict[str, object] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy option {item!r} in {spec!r} must be key=value")
+        options[key.replace("-", "_")] = parse_value(value)
+    return with_options(base, policy=name, **options)
+
+
+def with_options(config: EngineConfig, **options: object) -> EngineConfig:
+    """A copy of `config` with some flat options (CLI field names) replaced."""
+    flat: dict[str, object] = {}
+    for section in (config.model, config.cache, config.scheduler, config.parallel):
+        flat.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
+    flat.update(options)
+    try:
+        return engine_config(profile_path=config.profile_path, **flat)
+    except TypeError as exc:  # an unknown option name
+        raise ValueError(str(exc)) from None
+
+
+def parse_value(text: str) -> object:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+def run_policies(
+    workload: Sequence[WorkItem],
+    policies: Sequence[str],
+    config: EngineConfig,
+    executor: str = "sim",
+    cost: CostModel | None = None,
+    num_device_blocks: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, dict[str, float]]:
+    """Metrics per policy spec, each run on the same workload from a fresh engine."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    configs = {spec: policy_config(config, spec) for spec in policies}  # fail before running
+    results: dict[str, dict[str, float]] = {}
+    for spec, cfg in configs.items():
+        if executor == "sim":
+            jobs = run_sim(workload, cfg, cost or CostModel(), num_device_blocks, progress)
+        else:
+            jobs = asyncio.run(run_real(workload, cfg, seed, progress))
+        results[spec] = compute_metrics(jobs, num_requests=len(workload))
+    return results
+
+
+def run_sim(
+    workload: Sequence[WorkItem],
+    config: EngineConfig,
+    cost: CostModel,
+    num_device_blocks: int | None = None,
+    progress: bool = False,
+) -> list[JobTimes]:
+    """The simulator; `num_device_blocks=None` gives an ample pool (memory never binds)."""
+    from fastserve.sim.simulator import ample_blocks, simulate
+
+    blocks = num_device_blocks or ample_blocks(workload, config.cache.block_size)
+    return [JobTimes.from_request(r) for r in simulate(workload, config, cost, blocks, progress)]
+
+
+async def run_real(
+    workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0, progress: bool = False
+) -> list[JobTimes]:
+    """Send the workload to a real `AsyncLLM` on the wall clock, each job at its arrival time.
+
+    Prompts are random token ids of the right lengths (the same for every policy, from `seed`);
+    outputs have exactly the target length (`ignore_eos`, `max_tokens`), and the oracle policy
+    is told that length.
+    """
+    from fastserve.async_engine import AsyncLLM
+
+    llm = AsyncLLM(config)
+    bar = tqdm(total=len(workload), desc=config.scheduler.policy, unit="req", disable=not progress,
+               leave=False)
+    try:
+        prompts = random_prompts(workload, llm.engine.arch.vocab_size, seed)
+        start_s = time.monotonic() - workload[0].arrival_s if workload else time.monotonic()
+
+        async def one(i: int, w: WorkItem) -> JobTimes:
+            await asyncio.sleep(max(0.0, start_s + w.arrival_s - time.monotonic()))
+            params = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
+            final = None
+            async for out in llm.generate(prompts[i], params, f"bench-{i}", w.output_len):
+                final = out
+            bar.update()
+            assert final is not None  # generate always ends with a finished output
+            return JobTimes.from_output(final)
+
+        done = await asyncio.gather(*(one(i, w) for i, w in enumerate(workload)),
+                                    return_exceptions=True)
+    finally:
+        bar.close()
+        await llm.shutdown()
+    errors = [d for d in done if isinstance(d, BaseException)]
+    if errors:
+        # NOTE: a rejected job (say, a prompt over the model's context) counts as unfinished.
+        print(f"{len(errors)} requests failed; first: {type(errors[0]).__name__}: {errors[0]}")
+    return [d for d in done if isinstance(d, JobTimes)]
+
+
+def random_prompts(workload: Sequence[WorkItem], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids, skipping the low ids where tokenizers keep their special tokens."""
+    low = 16 if vocab_size > 64 else 0
+    rng = np.random.default_rng(seed)
+    return [rng.integers(low, vocab_size, size=w.input_len).tolist() for w in workload]

@@ -1,0 +1,446 @@
+"""What happens to KV cache when device blocks run short: one class per `--kv-policy`.
+
+Preemptive scheduling keeps many started jobs alive, each holding KV cache. When an allocation
+fails the scheduler asks its KV policy to `make_room` from the started jobs less urgent than
+the requester (the victims); after the batch is chosen the policy may move KV ahead of need
+(`plan_ahead`). Victims always go in the same order: the largest estimated next scheduled time
+(ENST, see `Scheduler.estimate_next_run_s`) first.
+
+- `defer`: no host memory. A new (or swapped) job waits for free blocks; a started job that
+  cannot grow takes the blocks of a victim, whose KV is dropped and recomputed later (without
+  that the engine could deadlock).
+- `recompute`: vLLM's default. Any allocation, a new job's included, drops a victim's KV for
+  recompute: a new urgent job is never blocked by less urgent started ones.
+- `reactive`: offload a victim to host memory only when an allocation fails; it is uploaded
+  again when it is next in the batch (the iteration waits for that copy).
+- `proactive` (FastServe): `reactive`, plus after each batch is chosen keep at least
+  max(K, burst prediction) device blocks free by offloading the largest-ENST jobs, and upload
+  the smallest-ENST swapped jobs ahead of their turn whenever space allows (offloading jobs
+  that will run later than them if need be), so that the copies overlap compute.
+
+Host memory full: offloading fails and the scheduler back-pressures: new and swapped jobs wait,
+and only a started job that cannot grow falls back to recomputing a victim. No job is lost.
+
+Pure Python over ints and floats, like the rest of `fastserve.core`; `now` is passed in.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from fastserve.config import CacheConfig
+from fastserve.core.kv_manager import num_blocks_for
+
+if TYPE_CHECKING:
+    from fastserve.core.scheduler import Scheduler
+    from fastserve.request import Request
+
+
+class KVPolicy(ABC):
+    """Decides whose KV gives way when device blocks run short."""
+
+    name: ClassVar[str]
+    # Whether it offloads to host memory (the host pool is sized only for those that do).
+    uses_host: ClassVar[bool] = False
+
+    def make_room(
+        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+    ) -> bool:
+        """An allocation for `requester` failed: free device blocks from `victims` (started,
+        resident, less urgent than it, outside the batch). False when nothing was freed: the
+        requester waits (or, a started job that cannot grow, gives up its own KV)."""
+        raise NotImplementedError
+
+    def begin(self, sched: Scheduler, now: float) -> None:
+        """A new iteration's planning starts."""
+
+    def defers(self, sched: Scheduler, req: Request, batch_size: int,
+               rest: Sequence[Request]) -> bool:
+        """Whether a job whose turn has come but whose KV is not on the device (swapped, or a
+        new job whose blocks are not free) runs from the next iteration instead, its room made
+        (and its upload queued) now by the policy, so that the copies overlap this iteration's
+        compute rather than stall it. Default: no, the scheduler makes room now."""
+        return False
+
+    def is_landing(self, sched: Scheduler, req: Request, batch_size: int,
+                   rest: Sequence[Request]) -> bool:
+        """Whether a resident job should sit this iteration out because its upload is still
+        in flight (the iteration would wait for it). Default: no."""
+        return False
+
+    def give_up(self, sched: Scheduler, req: Request) -> None:
+        """A started job cannot grow and nothing less urgent gives way: it gives up its own
+        device blocks. Default: drop its KV for recompute."""
+        sched.recompute(req)
+
+    def plan_ahead(self, sched: Scheduler, order: Sequence[Request], batch: Sequence[Request],
+                   now: float) -> None:
+        """After the batch is chosen: move KV ahead of need. Default: nothing."""
+
+
+def latest(sched: Scheduler, victims: Sequence[Request]) -> Request | None:
+    """The victim expected to run last: largest ENST, the later in the order on a tie."""
+    if not victims:
+        return None
+    best = len(victims) - 1
+    best_s = sched.next_run_s(victims[best])
+    for i in range(len(victims) - 2, -1, -1):
+        t = sched.next_run_s(victims[i])
+        if t > best_s:
+            best, best_s = i, t
+    return victims[best]
+
+
+class DeferPolicy(KVPolicy):
+    """No host memory: new jobs wait for free blocks."""
+
+    name = "defer"
+
+    def make_room(
+        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+    ) -> bool:
+        if not sched.kv.has_blocks(requester.request_id):
+            return False  # only a started job growing may take blocks from others
+        victim = latest(sched, victims)
+        if victim is None:
+            return False
+        sched.recompute(victim)
+        return True
+
+
+class RecomputePolicy(KVPolicy):
+    """Drop the victim's KV; it prefills again when it next runs (vLLM today)."""
+
+    name = "recompute"
+
+    def make_room(
+        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+    ) -> bool:
+        victim = latest(sched, victims)
+        if victim is None:
+            return False
+        sched.recompute(victim)
+        return True
+
+
+class ReactivePolicy(KVPolicy):
+    """Offload the victim to host memory, only when an allocation fails."""
+
+    name = "reactive"
+    uses_host = True
+
+    def make_room(
+        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+    ) -> bool:
+        victim = latest(sched, victims)
+        if victim is None:
+            return False
+        if sched.offload(victim):
+            return True
+        # Host memory is full too: back-pressure. A started job must still be able to grow
+        # (or nothing would ever finish), so it takes the victim's blocks by recompute.
+        if sched.kv.has_blocks(requester.request_id):
+            sched.recompute(victim)
+            return True
+        return False
+
+    def give_up(self, sched: Scheduler, req: Request) -> None:
+        """Keep its work: offload it, unless it just came back or host memory is full."""
+        if not (sched.can_offload(req) and sched.offload(req)):
+            sched.recompute(req)
+
+
+class ProactivePolicy(ReactivePolicy):
+    """FastServe: keep a free reserve, offload the latest jobs and upload the next ones early.
+
+    After the batch is chosen (`plan_ahead`):
+
+    1. Keep at least max(K, burst) device blocks free, K = `reserve_blocks`. The burst
+       prediction is the blocks needed by the non-resident jobs of the top `burst_queues`
+       queues, and by the jobs whose turn came this iteration while their KV was not on the
+       device (see `defers`), at most a batch of them. Victims: resident jobs outside the
+       batch, largest ENST first, each later than the earliest job it makes room for.
+    2. Upload swapped jobs, smallest ENST first, whenever the reserve allows, offloading
+       resident jobs with a larger ENST to make room if need be.
+
+    A job whose turn comes while its KV is on the host, or while the blocks for its prefill
+    are not free, does not stall the batch: its room is made (and its upload queued) now, and
+    it runs from the next iteration, when the copies have landed; the batch is filled from the
+    resident jobs after it meanwhile. Only the first job of a batch may make it wait. Moves ahead of need are limited to what the copy engine can finish while
+    the iteration computes (the cost model's swap bandwidth and iteration time), so they stay
+    hidden behind compute; the backlog of copies still in flight is tracked across iterations.
+    """
+
+    name = "proactive"
+
+    def __init__(self, reserve_blocks: int = 0, burst_queues: int = 2) -> None:
+        self.reserve_blocks = reserve_blocks
+        self.burst_queues = burst_queues
+        self._deferred: list[Request] = []  # this iteration's jobs waiting for room / upload
+        self._backlog_s = 0.0  # copies queued but (by the cost model) not finished yet
+        self._last_s: float | None = None
+        self._last_compute_s = 0.0  # the last iteration's predicted compute
+        self._now = 0.0
+        # Uploads still in flight, by the cost model: request -> when the copy lands.
+        self._landing_s: dict[str, float] = {}
+        self._budget = _CopyBudget(self, None, 0.0)
+
+    def begin(self, sched: Scheduler, now: float) -> None:
+        self._now = now
+        self._budget = _CopyBudget(self, sched, now)
+        self._deferred = []
+        if len(self._landing_s) > 4 * sched.config.max_batch_size:  # forget landed uploads
+            self._landing_s = {k: t for k, t in self._landing_s.items() if t > now}
+
+    def defers(self, sched: Scheduler, req: Request, batch_size: int,
+               rest: Sequence[Request]) -> bool:
+        kv = sched.kv
+        if kv.num_total_host_blocks == 0:
+            return False  # nothing can move ahead: act as `defer` does
+        keep = None
+        if batch_size == 0:
+            # NOTE: a batch is never left empty while a job could run (and two jobs never
+            # take turns evicting each other while nothing runs): a resident job that needs
+            # no new block is kept back from eviction, and runs; without one, this job runs
+            # now, waiting for its copies.
+            keep = self._first_ready(sched, rest)
+            if keep is None:
+                return False
+        need = _need(sched, req)
+        victims = [r for r in rest if r is not keep and sched.can_offload(r)]
+        room = kv.num_free_soon + sum(len(kv.block_table(r.request_id)) for r in victims)
+        if room < need and batch_size == 0:
+            return False
+        self._deferred.append(req)
+        if room < need:
+            return True  # it waits; nothing is evicted for nothing
+        # Make its room now, from the jobs after it, so that the copies overlap this
+        # iteration's compute; it runs from the next iteration.
+        budget = self._budget
+        while kv.num_free_soon < need:
+            victim = latest(sched, victims)
+            if victim is None or not self._offload(sched, victim, budget):
+                return True
+            victims.remove(victim)
+        if kv.is_swapped(req.request_id):
+            self._upload(sched, req, budget)
+        return True
+
+    def is_landing(self, sched: Scheduler, req: Request, batch_size: int,
+                   rest: Sequence[Request]) -> bool:
+        landing_s = self._landing_s.get(req.request_id)
+        if landing_s is None:
+            return False
+        if landing_s <= self._now or not sched.kv.has_blocks(req.request_id):
+            del self._landing_s[req.request_id]
+            return False
+        return batch_size > 0 or self._first_ready(sched, rest) is not None
+
+    def _first_ready(self, sched: Scheduler, rest: Sequence[Request]) -> Request | None:
+        """The first resident job of `rest` that can run now without new blocks or waiting."""
+        kv = sched.kv
+        for r in rest:
+            rid = r.request_id
+            if kv.has_blocks(rid) and kv.num_new_blocks(rid, r.num_tokens) == 0 \
+                    and self._landing_s.get(rid, 0.0) <= self._now:
+                return r
+        return None
+
+    def plan_ahead(self, sched: Scheduler, order: Sequence[Request], batch: Sequence[Request],
+                   now: float) -> None:
+        kv = sched.kv
+        budget = self._budget
+        budget.compute_s = _predict_compute_s(sched, batch)
+        deferred, self._deferred = self._deferred, []
+        if kv.num_total_host_blocks == 0:
+            return
+        burst = self._burst(sched, order, batch, deferred)
+        if kv.num_free_soon >= max(self.reserve_blocks, burst.total) and sched.num_swapped == 0:
+            return
+        in_batch = {r.request_id for r in batch}
+        # Resident started jobs outside the batch, latest first.
+        victims = [r for r in order if r.request_id not in in_batch and sched.can_offload(r)]
+        victims.sort(key=sched.next_run_s, reverse=True)
+        v = 0
+        # 1. Keep the reserve.
+        while kv.num_free_soon < max(self.reserve_blocks, burst.total) and v < len(victims):
+            if kv.num_free_soon >= self.reserve_blocks \
+                    and sched.next_run_s(victims[v]) <= burst.earliest_s:
+                break  # every job the burst needs room for runs after this one
+            if not self._offload(sched, victims[v], budget):
+                break  # no copy time left this iteration, or host memory full
+            v += 1
+        # 2. Upload the next jobs, earliest first, making room from later ones if need be.
+        if sched.num_swapped == 0:
+            return
+        swapped = [r for r in order if sched.can_upload(r)]
+        swapped.sort(key=sched.next_run_s)
+        for req in swapped:
+            need = len(kv.host_table(req.request_id))
+            keep = max(self.reserve_blocks, burst.total - burst.of(req.request_id))
+            enst = sched.next_run_s(req)
+            while kv.num_free_soon - need < keep and v < len(victims) \
+                    and sched.next_run_s(victims[v]) > enst:
+                if not self._offload(sched, victims[v], budget):
+                    break
+                v += 1
+            if kv.num_free_soon - need < keep or not self._upload(sched, req, budget):
+                break  # strictly in ENST order: a later job does not jump this one
+
+    @staticmethod
+    def _offload(sched: Scheduler, victim: Request, budget: _CopyBudget) -> bool:
+        n = num_blocks_for(victim.num_computed_tokens, sched.kv.block_size)
+        if not budget.fits(n) or not sched.offload(victim, release_now=False):
+            return False
+        budget.spend(n)
+        return True
+
+    def _upload(self, sched: Scheduler, req: Request, budget: _CopyBudget) -> bool:
+        n = len(sched.kv.host_table(req.request_id))
+        if not budget.fits(n) or not sched.upload(req):
+            return False
+        budget.spend(n)
+        if budget.block_s > 0:  # when the copy engine will be done with it, by the cost model
+            self._landing_s[req.request_id] = self._now + self._backlog_s
+        return True
+
+    def _burst(self, sched: Scheduler, order: Sequence[Request], batch: Sequence[Request],
+               deferred: Sequence[Request]) -> _Burst:
+        """The blocks to keep free: for the batch's growth next iteration, for the jobs
+        deferred this iteration, then for the non-resident jobs of the top `burst_queues`
+        queues, at most a batch of jobs (more cannot start next iteration)."""
+        kv = sched.kv
+        burst = _Burst()
+        for r in batch:  # NOTE: this iteration's token is not appended yet: + 1
+            burst.extra += kv.num_new_blocks(r.request_id, r.num_tokens + 1)
+        burst.total = burst.extra
+        limit = sched.config.max_batch_size
+        for req in deferred:
+            self._add(sched, burst, req)
+        if self.burst_queues == 0:
+            return burst
+        for req in order:
+            if len(burst.needs) >= limit:
+                break
+            level = sched.level_of(req.request_id)
+            if level is not None and level < self.burst_queues:
+                self._add(sched, burst, req)
+        return burst
+
+    @staticmethod
+    def _add(sched: Scheduler, burst: _Burst, req: Request) -> None:
+        if req.request_id not in burst.needs and (n := _need(sched, req)) > 0:
+            burst.add(req.request_id, n, sched.next_run_s(req))
+
+
+def _need(sched: Scheduler, req: Request) -> int:
+    """Device blocks the job lacks to run its next iteration."""
+    kv = sched.kv
+    rid = req.request_id
+    if kv.is_swapped(rid):
+        return max(len(kv.host_table(rid)), num_blocks_for(req.num_tokens, kv.block_size))
+    if kv.has_blocks(rid):
+        return kv.num_new_blocks(rid, req.num_tokens)
+    return num_blocks_for(sched.admit_tokens(req), kv.block_size)
+
+
+class _Burst:
+    """The burst prediction: blocks per non-resident job to keep room for."""
+
+    def __init__(self) -> None:
+        self.needs: dict[str, int] = {}
+        self.extra = 0  # for the batch's growth
+        self.total = 0
+        self.earliest_s = float("inf")  # the smallest ENST among them
+
+    def add(self, request_id: str, n: int, enst_s: float) -> None:
+        self.needs[request_id] = n
+        self.total += n
+        self.earliest_s = min(self.earliest_s, enst_s)
+
+    def of(self, request_id: str) -> int:
+        return self.needs.get(request_id, 0)
+
+    def remove(self, request_id: str) -> None:
+        self.total -= self.needs.pop(request_id, 0)
+
+
+class _CopyBudget:
+    """Whether more blocks may start copying this iteration and still finish during it.
+
+    The copy engine's backlog drains by the time passed since the last plan (`now` is the
+    engine's clock); this iteration may add copies while the backlog is shorter than its
+    predicted compute time (the last iteration's, until this batch is known). Moves the
+    scheduler had to make anyway (victims of failed allocations) count too.
+    """
+
+    def __init__(self, policy: ProactivePolicy, sched: Scheduler | None, now: float) -> None:
+        self.policy = policy
+        self.block_s = 0.0 if sched is None else sched.cost.swap_s(1)
+        elapsed = 0.0 if policy._last_s is None else max(0.0, now - policy._last_s)
+        policy._last_s = now
+        policy._backlog_s = max(0.0, policy._backlog_s - elapsed)
+        self.compute_s = policy._last_compute_s
+
+    @property
+    def compute_s(self) -> float:
+        return self.policy._last_compute_s
+
+    @compute_s.setter
+    def compute_s(self, value: float) -> None:
+        self.policy._last_compute_s = value
+
+    def fits(self, num_blocks: int) -> bool:
+        """Whether copying `num_blocks` more would end within this iteration's compute (a
+        move longer than that is allowed when the copy engine is idle)."""
+        backlog_s = self.policy._backlog_s
+        return (
+            self.block_s == 0
+            or backlog_s == 0
+            or backlog_s + self.block_s * num_blocks <= self.compute_s
+        )
+
+    def spend(self, num_blocks: int) -> None:
+        self.policy._backlog_s += self.block_s * num_blocks
+
+
+def _predict_compute_s(sched: Scheduler, batch: Sequence[Request]) -> float:
+    prefill = sum_sq = decodes = context = 0
+    for r in batch:
+        n = r.num_tokens - r.num_computed_tokens
+        if r.num_computed_tokens == 0 or n > 1:
+            prefill += n
+            sum_sq += n * n
+        else:
+            decodes += 1
+            context += r.num_tokens
+    return sched.cost.iteration_s(prefill, decodes, context, sum_sq)
+
+
+KV_POLICY_CLASSES: dict[str, type[KVPolicy]] = {
+    "proactive": ProactivePolicy,
+    "reactive": ReactivePolicy,
+    "defer": DeferPolicy,
+    "recompute": RecomputePolicy,
+}
+
+
+def make_kv_policy(config: CacheConfig) -> KVPolicy:
+    """The policy `config.kv_policy` names, with its knobs."""
+    if config.kv_policy == "proactive":
+        return ProactivePolicy(config.kv_reserve_blocks, config.burst_queues)
+    try:
+        return KV_POLICY_CLASSES[config.kv_policy]()
+    except KeyError:
+        raise ValueError(
+            f"kv_policy {config.kv_policy!r} is not available; choose from {sorted(KV_POLICY_CLASSES)}"
+        ) from None
+
+
+def uses_host(config: CacheConfig) -> bool:
+    """Whether the configured policy needs a host pool (`defer` and `recompute` do not)."""
+    cls = KV_POLICY_CLASSES.get(config.kv_policy)
+    return cls is not None and cls.uses_host
+

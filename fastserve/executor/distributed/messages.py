@@ -1,0 +1,44 @@
+"""What the driver sends the workers on the control channel, and what they answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastserve.core.plan import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Step:
+    """Carry out one iteration's plan: swaps, then this rank's share of the batch."""
+
+    plan: SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """Answer with `RankStats`; `reset` starts a new measurement window afterwards."""
+
+    reset: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the worker loop and exit."""
+
+
+Message = Step | StatsRequest | Stop
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """How busy one rank was since its stats were last reset (for the pipeline benchmark)."""
+
+    rank: int
+    stage: int
+    num_batches: int
+    busy_s: float  # computing: its layers, logits and sampling (not waiting for activations)
+    window_s: float  # from the first batch's start to the last batch's end
+
+    @property
+    def idle_share(self) -> float:
+        return 1.0 - self.busy_s / self.window_s if self.window_s > 0 else 0.0

@@ -1,0 +1,299 @@
+"""KV swaps between the device cache and a host cache, carried out beside the compute.
+
+The scheduler's plan lists block copies (`swap_out`: device -> host, `swap_in`: host ->
+device). A swapper queues them on a copy engine in plan order, swap-outs first, one task per
+run of consecutive blocks (`copy_runs`), and remembers which device blocks each task touches.
+Before an iteration runs, it waits only for the tasks touching the blocks that iteration reads
+or writes; everything else (uploads ahead of need, offloads of jobs not running) overlaps its
+compute and later ones.
+
+- CUDA (`CudaSwapper`): a separate copy stream, pinned host memory and one event per task. The
+  copy stream first waits for the compute stream, so a swap-out reads what the last iteration
+  wrote. A run is gathered into a contiguous device staging buffer and moved by one DMA
+  (the reverse for uploads).
+- CPU (`ThreadSwapper`): the same plan carried out by a background copy worker thread (torch
+  copies release the GIL), one `threading.Event` per task.
+
+Orderings the scheduler and the block pools guarantee, on which this relies: a device block is
+reused only after the iteration that freed it; a host block read by an upload is not reused by
+a swap-out of the same iteration (`KVCacheManager.end_iteration`); and within an iteration a
+swap-in may target a block a swap-out of the same iteration reads, which the in-order copy
+engine handles. NOTE: every iteration's compute has finished before the next plan's copies are
+queued (sampling reads the logits back), so a swap-out never races the compute that wrote it.
+
+Host layout: block-major, [num_host_blocks, num_layers, 2 (K, V), num_kv_heads, block_size,
+head_dim], so that a run of host blocks is one contiguous (pinned) range: the device's
+[num_kv_heads, slots, head_dim] layout would make every run a strided copy, which PyTorch
+stages through pageable memory and so cannot overlap. A host block holds exactly what a device
+block holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from fastserve.config import CacheConfig
+from fastserve.core.block_pool import copy_runs
+from fastserve.core.kv_policy import uses_host
+from fastserve.executor.attention import PagedAttention
+
+logger = logging.getLogger(__name__)
+
+
+def host_pool_blocks(cache: CacheConfig, block_bytes: int) -> int:
+    """Host blocks for `cache`: `num_host_blocks`, else `swap_space_gib` worth; none for the
+    policies that never offload (`defer`, `recompute`)."""
+    if not uses_host(cache):
+        return 0
+    if cache.num_host_blocks is not None:
+        return cache.num_host_blocks
+    return int(cache.swap_space_gib * (1 << 30)) // block_bytes
+
+
+class HostKVCache:
+    """Host copies of KV blocks, block-major (see the module docstring); pinned on CUDA."""
+
+    def __init__(self, attn: PagedAttention, num_blocks: int, pin: bool) -> None:
+        k0 = attn.k_caches[0]
+        # NOTE: torch.empty, not zeros: pages are touched only when a block is offloaded.
+        self.blocks = torch.empty(
+            (num_blocks, len(attn.k_caches), 2, attn.num_kv_heads, attn.block_size, attn.head_dim),
+            dtype=k0.dtype,
+            pin_memory=pin,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.shape[0]
+
+
+def _device_run(cache: torch.Tensor, start: int, n: int, block_size: int) -> torch.Tensor:
+    """Blocks [start, start + n) of one layer's K or V cache as [n, num_kv_heads, bs, head_dim]."""
+    heads, _, head_dim = cache.shape
+    run = cache[:, start * block_size : (start + n) * block_size]  # [heads, n * bs, head_dim]
+    return run.view(heads, n, block_size, head_dim).transpose(0, 1)
+
+
+class KVSwapper(ABC):
+    """Carries out a plan's KV copies beside the compute; one per rank, over its own shards."""
+
+    def __init__(self, attn: PagedAttention, num_host_blocks: int) -> None:
+        self.attn = attn
+        self.host = HostKVCache(attn, num_host_blocks, pin=self._pin)
+        self._pending: dict[int, _Task] = {}  # device block -> the last task touching it
+        self._tasks: deque[_Task] = deque()  # queued tasks, in copy-engine order
+        self.num_swap_out_blocks = 0
+        self.num_swap_in_blocks = 0
+
+    _pin = False
+
+    def submit(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Queue one iteration's copies: (device, host) swap-outs, then (host, device) swap-ins."""
+        self._prune()
+        if not swap_out and not swap_in:
+            return
+        self._begin()
+        for dev, host, n in copy_runs(swap_out):
+            self._track(self._queue_out(dev, host, n), dev, n)
+            self.num_swap_out_blocks += n
+        for host, dev, n in copy_runs(swap_in):
+            self._track(self._queue_in(host, dev, n), dev, n)
+            self.num_swap_in_blocks += n
+
+    def wait_for(self, block_tables: Iterable[list[int]]) -> float:
+        """Block until every queued copy touching these device blocks has landed; returns the
+        seconds spent waiting."""
+        if not self._pending:
+            return 0.0
+        needed: dict[int, _Task] = {}
+        for table in block_tables:
+            for b in table:
+                task = self._pending.get(b)
+                if task is not None:
+                    needed[id(task)] = task
+        if not needed:
+            return 0.0
+        start = time.perf_counter()
+        for task in needed.values():
+            self._wait(task)
+        return time.perf_counter() - start
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy (shutdown, tests)."""
+        for task in list(self._tasks):
+            self._wait(task)
+        self._prune()
+
+    def close(self) -> None:
+        self.synchronize()
+
+    # -- engine-specific ----------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """Before an iteration's copies are queued."""
+
+    @abstractmethod
+    def _queue_out(self, dev: int, host: int, n: int) -> _Task: ...
+
+    @abstractmethod
+    def _queue_in(self, host: int, dev: int, n: int) -> _Task: ...
+
+    @abstractmethod
+    def _is_done(self, task: _Task) -> bool: ...
+
+    @abstractmethod
+    def _wait(self, task: _Task) -> None: ...
+
+    # -- shared ---------------------------------------------------------------------------
+
+    def _track(self, task: _Task, dev: int, n: int) -> None:
+        task.device_blocks = range(dev, dev + n)
+        for b in task.device_blocks:
+            self._pending[b] = task
+        self._tasks.append(task)
+
+    def _prune(self) -> None:
+        """Forget tasks that have finished (they finish in queue order)."""
+        while self._tasks and self._is_done(self._tasks[0]):
+            task = self._tasks.popleft()
+            for b in task.device_blocks:
+                if self._pending.get(b) is task:
+                    del self._pending[b]
+
+    def _copy_out(self, dev: int, host_dst: torch.Tensor, n: int) -> None:
+        """Device blocks [dev, dev + n) into `host_dst` ([n, layers, 2, heads, bs, dim])."""
+        bs = self.attn.block_size
+        for layer, (k, v) in enumerate(zip(self.attn.k_caches, self.attn.v_caches, strict=True)):
+            host_dst[:, layer, 0].copy_(_device_run(k, dev, n, bs))
+            host_dst[:, layer, 1].copy_(_device_run(v, dev, n, bs))
+
+    def _copy_in(self, src: torch.Tensor, dev: int, n: int) -> None:
+        """`src` ([n, layers, 2, heads, bs, dim]) into device blocks [dev, dev + n)."""
+        bs = self.attn.block_size
+        for layer, (k, v) in enumerate(zip(self.attn.k_caches, self.attn.v_caches, strict=True)):
+            _device_run(k, dev, n, bs).copy_(src[:, layer, 0])
+            _device_run(v, dev, n, bs).copy_(src[:, layer, 1])
+
+
+@dataclass(eq=False)
+class _Task:
+    """One run's copy, queued on the copy engine."""
+
+    event: torch.cuda.Event | threading.Event | None = None
+    device_blocks: range = range(0)
+    work: object = None  # the CPU worker's closure
+    error: BaseException | None = field(default=None)
+
+
+class CudaSwapper(KVSwapper):
+    """Copies on a separate CUDA stream from/to pinned host memory, one event per run."""
+
+    _pin = True
+
+    def __init__(self, attn: PagedAttention, num_host_blocks: int) -> None:
+        super().__init__(attn, num_host_blocks)
+        device = attn.k_caches[0].device
+        self.stream = torch.cuda.Stream(device=device)
+        self.compute_stream = torch.cuda.current_stream(device)
+
+    def _begin(self) -> None:
+        # A swap-out must read what earlier compute wrote; a swap-in must not overwrite a
+        # block before earlier compute is done reading it.
+        self.stream.wait_stream(self.compute_stream)
+
+    def _queue_out(self, dev: int, host: int, n: int) -> _Task:
+        with torch.cuda.stream(self.stream):
+            # Allocated on the copy stream: its memory is reused only after these copies.
+            stage = torch.empty_like(self.host.blocks[host : host + n], device=self.stream.device)
+            self._copy_out(dev, stage, n)
+            self.host.blocks[host : host + n].copy_(stage, non_blocking=True)
+            return self._record()
+
+    def _queue_in(self, host: int, dev: int, n: int) -> _Task:
+        with torch.cuda.stream(self.stream):
+            stage = self.host.blocks[host : host + n].to(self.stream.device, non_blocking=True)
+            self._copy_in(stage, dev, n)
+            return self._record()
+
+    def _record(self) -> _Task:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _Task(event=event)
+
+    def _is_done(self, task: _Task) -> bool:
+        assert isinstance(task.event, torch.cuda.Event)
+        return bool(task.event.query())
+
+    def _wait(self, task: _Task) -> None:
+        assert isinstance(task.event, torch.cuda.Event)
+        task.event.synchronize()
+
+
+class ThreadSwapper(KVSwapper):
+    """Copies on a background worker thread, one `threading.Event` per run (CPU devices)."""
+
+    def __init__(self, attn: PagedAttention, num_host_blocks: int) -> None:
+        super().__init__(attn, num_host_blocks)
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # started by the first copy
+
+    def _begin(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fastserve-kv-copy", daemon=True)
+            self._thread.start()
+
+    def _queue_out(self, dev: int, host: int, n: int) -> _Task:
+        return self._put(lambda: self._copy_out(dev, self.host.blocks[host : host + n], n))
+
+    def _queue_in(self, host: int, dev: int, n: int) -> _Task:
+        return self._put(lambda: self._copy_in(self.host.blocks[host : host + n], dev, n))
+
+    def _put(self, work: object) -> _Task:
+        task = _Task(event=threading.Event(), work=work)
+        self._queue.put(task)
+        return task
+
+    def _is_done(self, task: _Task) -> bool:
+        assert isinstance(task.event, threading.Event)
+        return task.event.is_set()
+
+    def _wait(self, task: _Task) -> None:
+        assert isinstance(task.event, threading.Event)
+        task.event.wait()
+        if task.error is not None:
+            raise RuntimeError(f"KV copy failed: {task.error}") from task.error
+
+    def close(self) -> None:
+        super().close()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while (task := self._queue.get()) is not None:
+                assert isinstance(task.event, threading.Event) and callable(task.work)
+                try:
+                    task.work()
+                except BaseException as exc:  # NOTE: reported to whoever waits on the task
+                    logger.exception("KV copy failed")
+                    task.error = exc
+                task.work = None
+                task.event.set()
+
+
+def make_swapper(attn: PagedAttention, num_host_blocks: int) -> KVSwapper:
+    """The swapper for the cache's device: a copy stream on CUDA, a copy thread elsewhere."""
+    if attn.k_caches[0].device.type == "cuda":
+        return CudaSwapper(attn, num_host_blocks)
+    return ThreadSwapper(attn, num_host_blocks)

@@ -1,0 +1,102 @@
+"""An executor that runs no model: it predicts each iteration's time with the cost model.
+
+It has the real executor's interface (`execute(plan) -> ExecutorOutput`), so `EngineCore`
+steps the production scheduler over it unchanged, on a virtual clock.
+
+KV swaps are modelled as the real executors carry them out: one copy engine works through the
+plan's copies in order (an iteration's swap-outs, then its swap-ins), each run of consecutive
+blocks taking `run bytes / swap_bytes_per_s` (`CostModel.swap_s`), in the background. An
+iteration starts computing once every copy touching a block it reads or writes has landed, and
+no sooner: it waits only for its own blocks, and copies for later iterations (proactive uploads,
+offloads of jobs not running) overlap its compute. Not modelled: a copy slowing the compute it
+overlaps (PCIe DMA takes no SM time), and layer-by-layer pipelining of an upload with the
+iteration that reads it (the whole job must land first), which makes just-in-time uploads cost
+a little more than they might.
+"""
+
+from __future__ import annotations
+
+from fastserve.clock import Clock
+from fastserve.core.block_pool import copy_runs
+from fastserve.core.cost_model import CostModel
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+
+
+class SimExecutor:
+    """Predicted durations and placeholder tokens.
+
+    Every sampled token is the same id (`vocab_size - 1`): simulated requests finish by length
+    (`ignore_eos`, `max_tokens` = the target output length), never by what they sample.
+
+    `clock` (the engine's virtual clock) lets the copy engine drain while the engine idles;
+    without it the executor keeps its own time from the durations it returns.
+    """
+
+    def __init__(self, cost: CostModel, vocab_size: int = 32000, clock: Clock | None = None) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.cost = cost
+        self.token_id = vocab_size - 1
+        self.clock = clock
+        self._time_s = 0.0  # own time, when no clock is given
+        self._copies_done_s = 0.0  # when the copy engine finishes what it has queued
+        self._ready_s: dict[int, float] = {}  # device block -> when its pending copy lands
+
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        start_s = self.clock.now() if self.clock is not None else self._time_s
+        if plan.swap_out or plan.swap_in:
+            self._queue_copies(plan, start_s)
+        if plan.is_empty:
+            return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
+        wait_s = self._wait_s(plan, start_s)
+        compute_s = self.cost.iteration_s(*batch_shape(plan))
+        duration_s = wait_s + compute_s
+        self._time_s = start_s + duration_s
+        return ExecutorOutput(
+            sampled_token_ids=[self.token_id] * len(plan.scheduled),
+            duration_s=duration_s,
+            swap_wait_s=wait_s,
+        )
+
+    def _queue_copies(self, plan: SchedulerOutput, start_s: float) -> None:
+        t = max(self._copies_done_s, start_s)
+        for src, _dst, n in copy_runs(plan.swap_out):
+            t += self.cost.swap_s(n)
+            for b in range(src, src + n):
+                self._ready_s[b] = t
+        for _src, dst, n in copy_runs(plan.swap_in):
+            t += self.cost.swap_s(n)
+            for b in range(dst, dst + n):
+                self._ready_s[b] = t
+        self._copies_done_s = t
+
+    def _wait_s(self, plan: SchedulerOutput, start_s: float) -> float:
+        """How long the iteration waits for copies touching its blocks."""
+        if not self._ready_s:
+            return 0.0
+        if self._copies_done_s <= start_s:
+            self._ready_s.clear()  # everything has landed
+            return 0.0
+        ready = self._ready_s
+        until_s = start_s
+        for s in plan.scheduled:
+            for b in s.block_ids:
+                t = ready.get(b)
+                if t is not None and t > until_s:
+                    until_s = t
+        return until_s - start_s
+
+
+def batch_shape(plan: SchedulerOutput) -> tuple[int, int, int, int]:
+    """(prefill tokens, decodes, decode context tokens, sum of squared prefill lengths): the
+    cost model's arguments, in one pass over the batch (the plan's properties walk it thrice)."""
+    num_prefill = sum_sq = num_decodes = num_context = 0
+    for s in plan.scheduled:
+        n = len(s.token_ids)
+        if s.start_pos == 0:
+            num_prefill += n
+            sum_sq += n * n
+        else:
+            num_decodes += 1
+            num_context += s.start_pos + n
+    return num_prefill, num_decodes, num_context, sum_sq

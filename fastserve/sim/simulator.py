@@ -1,0 +1,165 @@
+"""Run a workload through the production scheduler and engine loop on a virtual clock.
+
+Nothing here schedules: `make_scheduler` builds the same policy object the server runs, and
+`EngineCore.step` is the same loop. The simulator only injects requests at their arrival times
+and jumps the clock over idle gaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from fastserve.bench.workloads import WorkItem
+from fastserve.clock import VirtualClock
+from fastserve.config import CacheConfig, EngineConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
+from fastserve.core.kv_policy import make_kv_policy, uses_host
+from fastserve.core.policies import make_scheduler
+from fastserve.engine import EngineCore, PipelinedEngineCore
+from fastserve.request import Request, SamplingParams
+from fastserve.sim.executor import SimExecutor
+from fastserve.sim.pipeline import PipelinedSimExecutor
+
+PROMPT_TOKEN_ID = 1  # any id: the simulated model never reads it
+
+
+def ample_blocks(workload: Sequence[WorkItem], block_size: int) -> int:
+    """A KV pool that holds every job of the workload at once: memory never binds."""
+    return max(1, sum(num_blocks_for(w.input_len + w.output_len, block_size) for w in workload))
+
+
+def make_requests(workload: Sequence[WorkItem]) -> list[Request]:
+    """One request per item: fixed output length, and the oracle told that length.
+
+    NOTE: requests of equal prompt length share one prompt list; nothing mutates a prompt, and
+    a 20,000-job trace would otherwise hold ~25M token ids.
+    """
+    prompts: dict[int, list[int]] = {}
+    params: dict[int, SamplingParams] = {}
+    reqs = []
+    for i, w in enumerate(workload):
+        prompt = prompts.setdefault(w.input_len, [PROMPT_TOKEN_ID] * w.input_len)
+        p = params.get(w.output_len)
+        if p is None:
+            p = params[w.output_len] = SamplingParams(
+                max_tokens=w.output_len, temperature=0.0, ignore_eos=True
+            )
+        reqs.append(Request(f"sim-{i}", prompt, p, w.arrival_s, oracle_output_len=w.output_len))
+    return reqs
+
+
+def host_blocks(cache: CacheConfig, cost: CostModel) -> int:
+    """The host pool: `num_host_blocks`, else `swap_space_gib` over the cost model's block
+    bytes (0 when it does not know them); none for policies that do not offload."""
+    if not uses_host(cache):
+        return 0
+    if cache.num_host_blocks is not None:
+        return cache.num_host_blocks
+    if cost.kv_block_bytes <= 0:
+        return 0
+    return int(cache.swap_space_gib * (1 << 30)) // cost.kv_block_bytes
+
+
+@dataclass
+class SimRun:
+    """What a simulated run produced: the finished requests and the engine's KV counters."""
+
+    finished: list[Request]  # in finish order
+    swap_out_blocks: int
+    swap_in_blocks: int
+    swap_wait_s: float  # time iterations spent waiting on KV copies
+    peak_kv_blocks: int  # most device blocks in use at once
+    busy_s: float  # time spent in iterations
+
+
+def simulate(
+    workload: Sequence[WorkItem],
+    config: EngineConfig,
+    cost: CostModel,
+    num_device_blocks: int,
+    progress: bool = False,
+) -> list[Request]:
+    """Serve `workload` with `config`'s policy; returns the finished requests in finish order.
+
+    Each request carries arrival_s, first_token_s, finish_s and num_preemptions on the virtual
+    clock (seconds from the workload's time origin).
+    """
+    return simulate_run(workload, config, cost, num_device_blocks, progress).finished
+
+
+def simulate_run(
+    workload: Sequence[WorkItem],
+    config: EngineConfig,
+    cost: CostModel,
+    num_device_blocks: int,
+    progress: bool = False,
+) -> SimRun:
+    """`simulate`, also returning the KV counters (swaps, copy waits, peak blocks)."""
+    kv = KVCacheManager(num_device_blocks, config.cache.block_size, host_blocks(config.cache, cost))
+    scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids=(),
+                               kv_policy=make_kv_policy(config.cache))
+    clock = VirtualClock(start_s=min((w.arrival_s for w in workload), default=0.0))
+    core = (  # pipeline parallelism: P batches in flight, one per stage
+        PipelinedEngineCore(scheduler, PipelinedSimExecutor(cost, clock=clock), clock)
+        if cost.pipeline_parallel_size > 1
+        else EngineCore(scheduler, SimExecutor(cost, clock=clock), clock)
+    )
+
+    pending = sorted(make_requests(workload), key=lambda r: r.arrival_s)
+    _check_fits(pending, kv, config.scheduler.max_num_batched_tokens)
+    finished: list[Request] = []
+    bar = tqdm(total=len(pending), desc=config.scheduler.policy, unit="req", disable=not progress,
+               leave=False)
+    i = 0
+    while i < len(pending) or scheduler.has_unfinished:
+        now = clock.now()
+        while i < len(pending) and pending[i].arrival_s <= now:
+            scheduler.add_request(pending[i], now)
+            i += 1
+        if not scheduler.has_unfinished:
+            clock.advance_to(pending[i].arrival_s)  # idle: jump to the next arrival
+            continue
+        num_iterations, num_in_flight = core.num_iterations, core.num_in_flight
+        for req in core.step():
+            if req.is_finished:
+                finished.append(req)
+                bar.update()
+        if core.num_iterations == num_iterations and num_in_flight == 0:  # nothing could run
+            if i == len(pending):
+                raise RuntimeError(
+                    f"policy {config.scheduler.policy!r} scheduled nothing with "
+                    f"{len(scheduler.requests)} requests left and no arrivals to come "
+                    f"({kv.num_free_blocks}/{kv.num_total_blocks} KV blocks free)"
+                )
+            clock.advance_to(pending[i].arrival_s)
+    bar.close()
+    return SimRun(
+        finished=finished,
+        swap_out_blocks=kv.num_swap_out_blocks,
+        swap_in_blocks=kv.num_swap_in_blocks,
+        swap_wait_s=core.swap_wait_s,
+        peak_kv_blocks=kv.peak_used_blocks,
+        busy_s=core.busy_s,
+    )
+
+
+def _check_fits(reqs: Sequence[Request], kv: KVCacheManager, max_prompt_tokens: int) -> None:
+    """Reject what `LLMEngine.add_request` rejects: a prompt over the iteration's token budget
+    (it is prefilled in one iteration), and a job larger than the whole pool (which could
+    never run: the loop would spin)."""
+    for r in reqs:
+        if r.num_prompt_tokens > max_prompt_tokens:
+            raise ValueError(
+                f"request {r.request_id} has a {r.num_prompt_tokens}-token prompt, more than "
+                f"max_num_batched_tokens={max_prompt_tokens}; cap or scale the input lengths"
+            )
+        need = num_blocks_for(r.max_total_tokens, kv.block_size)
+        if need > kv.num_total_blocks:
+            raise ValueError(
+                f"request {r.request_id} ({r.num_prompt_tokens} + {r.params.max_tokens} tokens) "
+                f"needs {need} KV blocks but num_device_blocks={kv.num_total_blocks}"
+            )

@@ -1,0 +1,162 @@
+"""Workloads: Zipf/Gamma statistics, trace parsing and its errors, load scaling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastserve.bench.workloads import (
+    WorkItem,
+    offered_load,
+    scale_to_load,
+    trace_workload,
+    zipf_workload,
+)
+from fastserve.core.cost_model import CostModel
+
+AZURE = Path("/work/shared/traces/azure_conv_2023.csv")
+
+
+def _zipf(**kw: object) -> list[WorkItem]:
+    args: dict[str, object] = dict(num_requests=2000, rate=4.0, cv=1.0, theta=1.0,
+                                   max_input_len=512, max_output_len=256, seed=0)
+    args.update(kw)
+    return zipf_workload(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("rate,cv", [(4.0, 1.0), (0.5, 2.0), (10.0, 4.0)])
+def test_gamma_arrivals_have_the_asked_rate_and_cv(rate: float, cv: float) -> None:
+    wl = _zipf(num_requests=40_000, rate=rate, cv=cv)
+    gaps = np.diff([w.arrival_s for w in wl])
+    assert wl[0].arrival_s == 0.0
+    assert (gaps >= 0).all()
+    assert 1 / gaps.mean() == pytest.approx(rate, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
+
+
+def test_zipf_lengths_stay_in_bounds_and_skew_grows_with_theta() -> None:
+    medians, ones = [], []
+    for theta in (0.6, 0.9, 1.2, 1.5):
+        wl = _zipf(theta=theta, num_requests=5000)
+        ins = np.array([w.input_len for w in wl])
+        outs = np.array([w.output_len for w in wl])
+        assert ins.min() >= 1 and ins.max() <= 512
+        assert outs.min() >= 1 and outs.max() <= 256
+        medians.append(np.median(outs))
+        ones.append((outs == 1).mean())
+    assert medians == sorted(medians, reverse=True) and medians[0] > 4 * medians[-1]
+    assert ones == sorted(ones)
+    # Bounded Zipf reaches its maximum: the tail is there.
+    assert max(w.output_len for w in _zipf(theta=0.6)) > 200
+
+
+def test_zipf_is_deterministic_per_seed() -> None:
+    assert _zipf(seed=3) == _zipf(seed=3)
+    assert _zipf(seed=3) != _zipf(seed=4)
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        ({"rate": 0}, "rate"),
+        ({"rate": -1.0}, "rate"),
+        ({"cv": 0}, "cv"),
+        ({"theta": -0.5}, "theta"),
+        ({"max_input_len": 0}, "max_input_len"),
+        ({"max_output_len": 0}, "max_output_len"),
+        ({"num_requests": 0}, "num_requests"),
+    ],
+)
+def test_zipf_rejects_bad_parameters_by_name(kw: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        _zipf(**kw)
+
+
+# -- traces ------------------------------------------------------------------------------------
+
+
+def _csv(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "trace.csv"
+    p.write_text(text)
+    return p
+
+
+def test_trace_window_count_and_scaling(tmp_path: Path) -> None:
+    p = _csv(tmp_path, "arrival_s,input_tokens,output_tokens\n"
+                       "0,100,10\n1.5,200,20\n3,300,30\n4.5,4000,3\n\n")
+    assert trace_workload(p) == [
+        WorkItem(0.0, 100, 10), WorkItem(1.5, 200, 20), WorkItem(3.0, 300, 30),
+        WorkItem(4.5, 4000, 3),
+    ]
+    wl = trace_workload(p, window_start_s=1.0, window_s=3.0, time_scale=2.0, length_scale=0.5,
+                        max_input_len=120)
+    # Times restart at the window start; lengths are scaled, kept >= 1 and capped.
+    assert wl == [WorkItem(1.0, 100, 10), WorkItem(4.0, 120, 15)]
+    assert len(trace_workload(p, num_requests=2)) == 2
+    assert trace_workload(p, length_scale=0.1)[3] == WorkItem(4.5, 400, 1)
+
+
+def test_trace_rows_are_sorted_by_arrival(tmp_path: Path) -> None:
+    p = _csv(tmp_path, "arrival_s,input_tokens,output_tokens\n2,1,1\n0,2,2\n1,3,3\n")
+    assert [w.input_len for w in trace_workload(p)] == [2, 3, 1]
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("a,b,c\n0,1,1\n", "line 1: header must be arrival_s,input_tokens,output_tokens"),
+        ("", "header"),
+        ("arrival_s,input_tokens,output_tokens\n0,1,1\n1,x,1\n", "line 3: field input_tokens is not a number: 'x'"),
+        ("arrival_s,input_tokens,output_tokens\n0,1,-2\n", "line 2: field output_tokens must be a finite value >= 0"),
+        ("arrival_s,input_tokens,output_tokens\n-1,1,1\n", "line 2: field arrival_s"),
+        ("arrival_s,input_tokens,output_tokens\n0,1.5,1\n", "line 2: field input_tokens must be a whole number"),
+        ("arrival_s,input_tokens,output_tokens\n0,1\n", "line 2: expected 3 fields, got 2"),
+        ("arrival_s,input_tokens,output_tokens\n0,1,nan\n", "line 2: field output_tokens"),
+    ],
+)
+def test_malformed_traces_name_the_line_and_field(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        trace_workload(_csv(tmp_path, text))
+
+
+def test_trace_option_errors(tmp_path: Path) -> None:
+    p = _csv(tmp_path, "arrival_s,input_tokens,output_tokens\n0,1,1\n")
+    with pytest.raises(ValueError, match="trace file not found"):
+        trace_workload(tmp_path / "missing.csv")
+    with pytest.raises(ValueError, match="no requests in the window"):
+        trace_workload(p, window_start_s=10)
+    for kw, name in [({"time_scale": 0}, "time_scale"), ({"length_scale": -1}, "length_scale"),
+                     ({"window_s": 0}, "window_s"), ({"num_requests": 0}, "num_requests"),
+                     ({"max_input_len": 0}, "max_input_len"), ({"window_start_s": -1}, "window_start_s")]:
+        with pytest.raises(ValueError, match=name):
+            trace_workload(p, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not AZURE.is_file(), reason="the Azure trace is not here")
+def test_the_azure_trace_parses() -> None:
+    wl = trace_workload(AZURE)
+    assert len(wl) == 19366
+    assert wl[-1].arrival_s == pytest.approx(3502, abs=1)
+    window = trace_workload(AZURE, window_start_s=600, window_s=300)
+    assert window[0].arrival_s >= 0 and window[-1].arrival_s < 300
+
+
+# -- load -------------------------------------------------------------------------------------
+
+
+def test_scale_to_load_hits_the_target_and_keeps_lengths() -> None:
+    cost = CostModel(fixed_s=10e-3, per_prefill_token_s=5e-5, per_decode_s=1e-4,
+                     per_context_token_s=2e-7)
+    wl = _zipf()
+    for load in (0.5, 0.95, 1.1):
+        scaled = scale_to_load(wl, load, cost, max_batch_size=16)
+        assert offered_load(scaled, cost, 16) == pytest.approx(load)
+        assert [(w.input_len, w.output_len) for w in scaled] == [(w.input_len, w.output_len) for w in wl]
+    # Higher load = arrivals closer together.
+    assert scale_to_load(wl, 0.9, cost, 16)[-1].arrival_s < scale_to_load(wl, 0.5, cost, 16)[-1].arrival_s
+    with pytest.raises(ValueError, match="load"):
+        scale_to_load(wl, 0, cost, 16)
+    with pytest.raises(ValueError, match="at least 2 requests"):
+        scale_to_load(wl[:1], 0.5, cost, 16)
