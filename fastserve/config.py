@@ -38,6 +38,9 @@ class ModelConfig:
     device: str = "cpu"
     seed: int = 0  # default seed for sampling requests that give none
     warmup: bool = True  # run warm-up passes at start-up
+    # Without a profile file, measure the cost model at start-up (cached per model, dtype,
+    # device); off = a generic cost model (tests and throwaway engines).
+    startup_profile: bool = True
     # torch intra-op threads on CPU (0 = torch's default). One per core; fewer when the cores
     # are shared, since oversubscribed OpenMP threads spin and stall each other.
     num_threads: int = 0

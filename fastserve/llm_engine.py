@@ -20,7 +20,8 @@ from fastserve.engine import EngineCore, PipelinedEngineCore
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
-from fastserve.model.make_model import default_model_path
+from fastserve.model.make_model import cache_dir, default_model_path
+from fastserve.profiler import load_or_profile, profile_cache_key
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.output import OutputProcessor
 from fastserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
@@ -200,8 +201,14 @@ class LLMEngine:
     # -- start-up -------------------------------------------------------------------------
 
     def _cost_model(self) -> CostModel:
-        cost = CostModel.from_json(self.config.profile_path) if self.config.profile_path \
-            else CostModel()
+        """The given profile, else this machine's own, measured once and cached."""
+        if self.config.profile_path:
+            cost = CostModel.from_json(self.config.profile_path)
+        elif self.config.model.startup_profile and isinstance(self.runner, ModelRunner):
+            key = profile_cache_key(self.model_path, self.config)
+            cost = load_or_profile(self.runner, key, cache_dir() / "profiles")
+        else:  # NOTE: distributed executors are not profiled yet; the default model stands in
+            cost = CostModel()
         if cost.kv_block_bytes == 0:  # what a swap costs: the proactive KV policy's copy budget
             cost = dataclasses.replace(cost, kv_block_bytes=self.runner.block_bytes)
         return cost

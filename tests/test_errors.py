@@ -60,7 +60,7 @@ def test_unknown_architecture_is_named(tiny_model_path: Path, tmp_path: Path) ->
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
-        LLM(model=str(path), warmup=False)
+        LLM(model=str(path), warmup=False, startup_profile=False)
 
 
 def test_missing_weights_are_named(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -68,12 +68,12 @@ def test_missing_weights_are_named(tiny_model_path: Path, tmp_path: Path) -> Non
     for f in path.glob("*.safetensors"):
         f.unlink()
     with pytest.raises(ValueError, match="safetensors"):
-        LLM(model=str(path), warmup=False)
+        LLM(model=str(path), warmup=False, startup_profile=False)
 
 
 def test_missing_model_directory_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nope"):
-        LLM(model=str(tmp_path / "nope"), warmup=False)
+        LLM(model=str(tmp_path / "nope"), warmup=False, startup_profile=False)
 
 
 def test_unknown_option_is_named() -> None:

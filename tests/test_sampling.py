@@ -89,7 +89,7 @@ def test_eos_ends_generation_unless_ignored(llm: LLM, tiny_model_path: Path, tmp
     gen_cfg = json.loads((path / "generation_config.json").read_text())
     gen_cfg["eos_token_id"] = [2, eos]
     (path / "generation_config.json").write_text(json.dumps(gen_cfg))
-    llm2 = LLM(model=str(path), dtype="float32", warmup=False)
+    llm2 = LLM(model=str(path), dtype="float32", warmup=False, startup_profile=False)
     out = llm2.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
     assert out.token_ids == greedy[: greedy.index(eos) + 1] and out.finish_reason == "stop"
     forced = llm2.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),

@@ -69,6 +69,11 @@ class KVCacheManager:
         return self.host.num_free
 
     @property
+    def num_requests(self) -> int:
+        """Requests holding blocks, on either pool."""
+        return len(self._tables) + len(self._host_tables)
+
+    @property
     def num_swapped(self) -> int:
         """Requests whose KV is on the host."""
         return len(self._host_tables)

@@ -118,11 +118,18 @@ class Scheduler(ABC):
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
         order = self._order_now = self._not_in_flight(self._order(now))
         max_jobs = self._max_jobs()
+        # Started requests not yet walked past: once new requests stop being admitted and this
+        # reaches 0, nothing later in the order can run (a long queue is not walked for nothing).
+        # NOTE: an upper bound (victims dropped below were counted), so stopping stays safe.
+        num_started_left = self.kv.num_requests
         for i, req in enumerate(order):
             if len(batch) >= max_jobs:
                 break
             started = self.kv.where(req.request_id) is not None
+            num_started_left -= started
             if not started and not admitting:
+                if num_started_left <= 0:
+                    break
                 continue
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > 1 and batch and num_tokens + num_new > self.config.max_num_batched_tokens:
