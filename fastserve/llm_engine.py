@@ -206,7 +206,11 @@ class LLMEngine:
             cost = CostModel.from_json(self.config.profile_path)
         elif self.config.model.startup_profile and isinstance(self.runner, ModelRunner):
             key = profile_cache_key(self.model_path, self.config)
-            cost = load_or_profile(self.runner, key, cache_dir() / "profiles")
+            try:
+                cost = load_or_profile(self.runner, key, cache_dir() / "profiles")
+            except ValueError as exc:  # e.g. a KV pool too small for the profile's batches
+                logger.warning("start-up profile skipped (%s); using the default cost model", exc)
+                cost = CostModel()
         else:  # NOTE: distributed executors are not profiled yet; the default model stands in
             cost = CostModel()
         if cost.kv_block_bytes == 0:  # what a swap costs: the proactive KV policy's copy budget

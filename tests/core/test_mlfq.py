@@ -25,6 +25,7 @@ from fastserve.core.policies.mlfq import (
 from fastserve.core.policies.mlfq_settings import (
     PAPER_LONGEST_JOB_STEPS,
     PAPER_STARVE_LIMIT_S,
+    ROBUST_QUANTUM_STEPS,
     ChargeModel,
     MLFQSettings,
 )
@@ -178,7 +179,7 @@ def test_settings_follow_the_variant_unless_set() -> None:
     assert (robust.charge, robust.num_levels, robust.starve_limit_s) == ("own", 4, 0.0)
     assert robust.is_arrival_order
     step = ChargeModel(cost, "own", 16).step_s
-    assert robust.quanta_s[0] == pytest.approx(2 * step)
+    assert robust.quanta_s[0] == pytest.approx(ROBUST_QUANTUM_STEPS * step)
     assert robust.quanta_s[3] == pytest.approx(16 * step)
 
     paper = MLFQSettings.from_config(SchedulerConfig(mlfq_variant="paper"), cost)

@@ -6,8 +6,8 @@ Two variants share one mechanism (`mlfq.py`):
 - `paper`: FastServe as published. Every batched job is charged the whole iteration, there are
   enough levels that the lowest quantum outlasts any job, jobs of one level take turns (least
   service in the level first, then least recently run), and starving jobs are promoted.
-- `robust` (default): each job is charged its own share of the iteration, four levels (Q1 = two
-  decode steps, so the lowest is reached after 14 steps' worth of service), each
+- `robust` (default): each job is charged its own share of the iteration, four levels (Q1 = four
+  decode steps, so the lowest is reached after 28 steps' worth of service), each
   level served in arrival order with started jobs first, no starvation promotion. A cost-model
   study on Azure's conversation trace found the paper's variant 1.5-3x worse than FCFS on mean
   JCT because similar-sized jobs time-share the engine; these changes keep most of the gain on
@@ -24,9 +24,9 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import SchedulerOutput
 
 ROBUST_LEVELS = 4
-# Q1's quantum in decode steps: robust reaches its lowest (FCFS) level after 2 + 4 + 8 = 14
+# Q1's quantum in decode steps: robust reaches its lowest (FCFS) level after 4 + 8 + 16 = 28
 # steps' worth of service; the paper's Q1 is one decode iteration.
-ROBUST_QUANTUM_STEPS = 2.0
+ROBUST_QUANTUM_STEPS = 4.0
 PAPER_QUANTUM_STEPS = 1.0
 # The paper's lowest quantum must outlast the longest job: 2^15 decode steps covers any output.
 PAPER_LONGEST_JOB_STEPS = 1 << 15
