@@ -180,7 +180,7 @@ def test_settings_follow_the_variant_unless_set() -> None:
     assert robust.is_arrival_order
     step = ChargeModel(cost, "own", 16).step_s
     assert robust.quanta_s[0] == pytest.approx(ROBUST_QUANTUM_STEPS * step)
-    assert robust.quanta_s[3] == pytest.approx(16 * step)
+    assert robust.quanta_s[3] == pytest.approx(8 * ROBUST_QUANTUM_STEPS * step)
 
     paper = MLFQSettings.from_config(SchedulerConfig(mlfq_variant="paper"), cost)
     assert paper.charge == "iteration" and not paper.is_arrival_order
