@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,16 @@ from fastserve.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+# Metrics read a snapshot of the engine's counts; counting every request after every
+# iteration would cost O(requests) per token.
+_STATS_PERIOD_S = 0.05
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 class QueueFullError(RuntimeError):
@@ -48,6 +59,7 @@ class AsyncLLM:
         self._stopping = False
         self.dead_reason: str | None = None
         self._stats: dict[str, Any] = self.engine.stats()
+        self._stats_s = time.monotonic()
         # Callbacks run on the engine thread for every finished output (metrics).
         self.on_finish: list[Callable[[RequestOutput], None]] = []
         self._thread = threading.Thread(target=self._run, name="fastserve-engine", daemon=True)
@@ -155,9 +167,9 @@ class AsyncLLM:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out)
-                self._stats = self.engine.stats()
+                self._deliver(self.engine.step())
+                if time.monotonic() - self._stats_s > _STATS_PERIOD_S:
+                    self._stats_now()
         except BaseException as exc:  # NOTE: a dead loop must not leave callers hanging
             logger.exception("engine loop died")
             self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
@@ -166,16 +178,22 @@ class AsyncLLM:
 
     def _stats_now(self) -> dict[str, Any]:
         self._stats = self.engine.stats()
+        self._stats_s = time.monotonic()
         return self._stats
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if out.finished:
-            self._streams.pop(out.request_id, None)
-            for cb in self.on_finish:
-                cb(out)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hand an iteration's outputs over with one wake-up per event loop, not per token."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                for cb in self.on_finish:
+                    cb(out)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -13,9 +13,10 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastserve.args import add_engine_args, engine_config_from_args
 
@@ -112,9 +113,19 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
         print(f"fastserve: loading {config.model.model or 'the built-in tiny model'} ...", flush=True)
         llm = AsyncLLM(config)
         app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes)
-        return asyncio.run(_main_loop(app, llm, sock, name, opts))
+        return _run(_main_loop(app, llm, sock, name, opts))
     finally:
         sock.close()
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """Run the server's event loop, on uvloop when it is installed (it comes with
+    `uvicorn[standard]`): streaming costs the loop CPU per token, which the engine shares."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str, opts: ServeOptions) -> int:
