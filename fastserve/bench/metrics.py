@@ -21,7 +21,32 @@ METRIC_KEYS = (
     "output_tok_per_s",
     "makespan_s",
     "preemptions",
+    # KV cache (`KVStats`): blocks copied out / in, time iterations waited on those copies,
+    # most device blocks in use at once.
+    "swap_out_blocks",
+    "swap_in_blocks",
+    "swap_wait_s",
+    "peak_kv_blocks",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """The engine's KV counters over a run (the same for the simulator and the engine)."""
+
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    swap_wait_s: float = 0.0  # time iterations spent waiting on KV copies
+    peak_kv_blocks: int = 0  # most device blocks in use at once
+
+    @classmethod
+    def from_engine_stats(cls, stats: dict[str, object]) -> KVStats:
+        return cls(
+            swap_out_blocks=int(stats.get("swap_out_blocks", 0)),  # type: ignore[call-overload]
+            swap_in_blocks=int(stats.get("swap_in_blocks", 0)),  # type: ignore[call-overload]
+            swap_wait_s=float(stats.get("swap_wait_s", 0.0)),  # type: ignore[arg-type]
+            peak_kv_blocks=int(stats.get("peak_kv_blocks", 0)),  # type: ignore[call-overload]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +84,16 @@ class JobTimes:
         )
 
 
-def compute_metrics(jobs: Sequence[JobTimes], num_requests: int | None = None) -> dict[str, float]:
+def compute_metrics(
+    jobs: Sequence[JobTimes], num_requests: int | None = None, kv: KVStats | None = None
+) -> dict[str, float]:
     """Metrics in seconds over the jobs that finished normally.
 
     `num_requests` is how many were submitted (default: len(jobs)). The makespan runs from the
-    first arrival to the last finish; NaN stands for a statistic with no data.
+    first arrival to the last finish; NaN stands for a statistic with no data. `kv`: the run's
+    KV counters (zeros when not given).
     """
+    kv = kv or KVStats()
     done = [j for j in jobs if j.is_ok and j.finish_s is not None]
     finish = np.array([j.finish_s for j in done], dtype=np.float64)
     jct = finish - np.array([j.arrival_s for j in done], dtype=np.float64)
@@ -86,6 +115,10 @@ def compute_metrics(jobs: Sequence[JobTimes], num_requests: int | None = None) -
         "output_tok_per_s": num_tokens / makespan if makespan > 0 else float("nan"),
         "makespan_s": makespan,
         "preemptions": sum(j.num_preemptions for j in jobs),
+        "swap_out_blocks": kv.swap_out_blocks,
+        "swap_in_blocks": kv.swap_in_blocks,
+        "swap_wait_s": kv.swap_wait_s,
+        "peak_kv_blocks": kv.peak_kv_blocks,
     }
 
 

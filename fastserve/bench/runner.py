@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fastserve.args import engine_config
-from fastserve.bench.metrics import JobTimes, compute_metrics
+from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
 from fastserve.bench.workloads import WorkItem, scale_to_load, trace_workload, zipf_workload
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
@@ -134,12 +134,16 @@ def run_policies(
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     configs = {spec: policy_config(config, spec) for spec in policies}  # fail before running
     results: dict[str, dict[str, float]] = {}
+    kv_out: list[KVStats] = []
     for spec, cfg in configs.items():
+        kv = KVStats()
         if executor == "sim":
-            jobs = run_sim(workload, cfg, cost or CostModel(), num_device_blocks, progress)
+            jobs = run_sim(workload, cfg, cost or CostModel(), num_device_blocks, progress, kv_out)
         else:
-            jobs = asyncio.run(run_real(workload, cfg, seed, progress))
-        results[spec] = compute_metrics(jobs, num_requests=len(workload))
+            jobs = asyncio.run(run_real(workload, cfg, seed, progress, kv_out))
+        if kv_out:
+            kv = kv_out.pop()
+        results[spec] = compute_metrics(jobs, num_requests=len(workload), kv=kv)
     return results
 
 
@@ -149,22 +153,32 @@ def run_sim(
     cost: CostModel,
     num_device_blocks: int | None = None,
     progress: bool = False,
+    kv_out: list[KVStats] | None = None,
 ) -> list[JobTimes]:
-    """The simulator; `num_device_blocks=None` gives an ample pool (memory never binds)."""
-    from fastserve.sim.simulator import ample_blocks, simulate
+    """The simulator; `num_device_blocks=None` gives an ample pool (memory never binds).
+    The run's KV counters are appended to `kv_out` when given."""
+    from fastserve.sim.simulator import ample_blocks, simulate_run
 
     blocks = num_device_blocks or ample_blocks(workload, config.cache.block_size)
-    return [JobTimes.from_request(r) for r in simulate(workload, config, cost, blocks, progress)]
+    run = simulate_run(workload, config, cost, blocks, progress)
+    if kv_out is not None:
+        kv_out.append(KVStats(run.swap_out_blocks, run.swap_in_blocks, run.swap_wait_s,
+                              run.peak_kv_blocks))
+    return [JobTimes.from_request(r) for r in run.finished]
 
 
 async def run_real(
-    workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0, progress: bool = False
+    workload: Sequence[WorkItem],
+    config: EngineConfig,
+    seed: int = 0,
+    progress: bool = False,
+    kv_out: list[KVStats] | None = None,
 ) -> list[JobTimes]:
     """Send the workload to a real `AsyncLLM` on the wall clock, each job at its arrival time.
 
     Prompts are random token ids of the right lengths (the same for every policy, from `seed`);
     outputs have exactly the target length (`ignore_eos`, `max_tokens`), and the oracle policy
-    is told that length.
+    is told that length. The engine's KV counters are appended to `kv_out` when given.
     """
     from fastserve.async_engine import AsyncLLM
 
@@ -190,6 +204,8 @@ async def run_real(
     finally:
         bar.close()
         await llm.shutdown()
+    if kv_out is not None:  # the engine loop has stopped: its counters are final
+        kv_out.append(KVStats.from_engine_stats(llm.engine.stats()))
     errors = [d for d in done if isinstance(d, BaseException)]
     if errors:
         # NOTE: a rejected job (say, a prompt over the model's context) counts as unfinished.

@@ -38,6 +38,11 @@ if TYPE_CHECKING:
     from fastserve.request import Request
 
 
+# Proactive exchanges (offloading a resident job to upload a swapped one) are made only for a
+# job due within this many iterations, against jobs due at least that much later.
+HORIZON_ITERATIONS = 2.0
+
+
 class KVPolicy(ABC):
     """Decides whose KV gives way when device blocks run short."""
 
@@ -185,12 +190,14 @@ class ProactivePolicy(ReactivePolicy):
         self._now = 0.0
         # Uploads still in flight, by the cost model: request -> when the copy lands.
         self._landing_s: dict[str, float] = {}
+        self._resident_now: list[tuple[int, Request]] | None = None  # see `_resident`
         self._budget = _CopyBudget(self, None, 0.0)
 
     def begin(self, sched: Scheduler, now: float) -> None:
         self._now = now
         self._budget = _CopyBudget(self, sched, now)
         self._deferred = []
+        self._resident_now = None
         if len(self._landing_s) > 4 * sched.config.max_batch_size:  # forget landed uploads
             self._landing_s = {k: t for k, t in self._landing_s.items() if t > now}
 
@@ -199,31 +206,39 @@ class ProactivePolicy(ReactivePolicy):
         kv = sched.kv
         if kv.num_total_host_blocks == 0:
             return False  # nothing can move ahead: act as `defer` does
+        is_new = kv.where(req.request_id) is None
+        start = len(sched.current_order) - len(rest)  # where `rest` starts in the order
         keep = None
         if batch_size == 0:
             # NOTE: a batch is never left empty while a job could run (and two jobs never
             # take turns evicting each other while nothing runs): a resident job that needs
             # no new block is kept back from eviction, and runs; without one, this job runs
-            # now, waiting for its copies.
-            keep = self._first_ready(sched, rest)
+            # now, waiting for its copies. So does a new job: it must not wait behind the
+            # resident jobs it is more urgent than (the head-of-line blocking MLFQ avoids).
+            keep = None if is_new else self._first_ready(sched, start)
             if keep is None:
                 return False
-        need = _need(sched, req)
-        victims = [r for r in rest if r is not keep and sched.can_offload(r)]
-        room = kv.num_free_soon + sum(len(kv.block_table(r.request_id)) for r in victims)
-        if room < need and batch_size == 0:
-            return False
         self._deferred.append(req)
-        if room < need:
-            return True  # it waits; nothing is evicted for nothing
-        # Make its room now, from the jobs after it, so that the copies overlap this
-        # iteration's compute; it runs from the next iteration.
         budget = self._budget
-        while kv.num_free_soon < need:
-            victim = latest(sched, victims)
-            if victim is None or not self._offload(sched, victim, budget):
-                return True
-            victims.remove(victim)
+        if not budget.fits(1):
+            return True  # no more room is made this iteration: it waits
+        need = _need(sched, req)
+        if kv.num_free_soon < need:
+            # A started job takes its room from beyond the jobs that fill this batch's other
+            # slots: evicting a job about to run for another started one would only churn.
+            slots = 0 if is_new else max(0, sched.config.max_batch_size - batch_size - 1)
+            victims = [r for r in self._resident_after(sched, start, slots)
+                       if r is not keep and sched.can_offload(r)]
+            room = kv.num_free_soon + sum(len(kv.block_table(r.request_id)) for r in victims)
+            if room < need:
+                return True  # it waits; nothing is evicted for nothing
+            # Make its room now, so that the copies overlap this iteration's compute; it
+            # runs from the next iteration.
+            while kv.num_free_soon < need:
+                victim = latest(sched, victims)
+                if victim is None or not self._offload(sched, victim, budget):
+                    return True
+                victims.remove(victim)
         if kv.is_swapped(req.request_id):
             self._upload(sched, req, budget)
         return True
@@ -236,14 +251,40 @@ class ProactivePolicy(ReactivePolicy):
         if landing_s <= self._now or not sched.kv.has_blocks(req.request_id):
             del self._landing_s[req.request_id]
             return False
-        return batch_size > 0 or self._first_ready(sched, rest) is not None
+        start = len(sched.current_order) - len(rest)
+        return batch_size > 0 or self._first_ready(sched, start) is not None
 
-    def _first_ready(self, sched: Scheduler, rest: Sequence[Request]) -> Request | None:
-        """The first resident job of `rest` that can run now without new blocks or waiting."""
+    def _resident(self, sched: Scheduler) -> list[tuple[int, Request]]:
+        """(place in the order, job) of the jobs resident when this iteration's walk began,
+        computed once: few jobs fit on the device, so this list is short even when the
+        queue is long. NOTE: a superset later in the walk; callers check residency."""
+        if self._resident_now is None:
+            kv = sched.kv
+            self._resident_now = [
+                (i, r) for i, r in enumerate(sched.current_order) if kv.has_blocks(r.request_id)
+            ]
+        return self._resident_now
+
+    def _resident_after(self, sched: Scheduler, start: int, slots: int) -> list[Request]:
+        """The resident jobs from place `start` on, after the first `slots` of them."""
         kv = sched.kv
-        for r in rest:
+        out = []
+        for i, r in self._resident(sched):
+            if i < start or not kv.has_blocks(r.request_id):
+                continue
+            if slots > 0:
+                slots -= 1
+            else:
+                out.append(r)
+        return out
+
+    def _first_ready(self, sched: Scheduler, start: int) -> Request | None:
+        """The first resident job from place `start` on that can run now without new blocks
+        or waiting for its upload."""
+        kv = sched.kv
+        for i, r in self._resident(sched):
             rid = r.request_id
-            if kv.has_blocks(rid) and kv.num_new_blocks(rid, r.num_tokens) == 0 \
+            if i >= start and kv.has_blocks(rid) and kv.num_new_blocks(rid, r.num_tokens) == 0 \
                     and self._landing_s.get(rid, 0.0) <= self._now:
                 return r
         return None
@@ -277,12 +318,14 @@ class ProactivePolicy(ReactivePolicy):
             return
         swapped = [r for r in order if sched.can_upload(r)]
         swapped.sort(key=sched.next_run_s)
+        horizon_s = HORIZON_ITERATIONS * budget.compute_s
         for req in swapped:
             need = len(kv.host_table(req.request_id))
             keep = max(self.reserve_blocks, burst.total - burst.of(req.request_id))
             enst = sched.next_run_s(req)
-            while kv.num_free_soon - need < keep and v < len(victims) \
-                    and sched.next_run_s(victims[v]) > enst:
+            # Exchanges only for jobs due soon, against jobs due clearly later: no churn.
+            while kv.num_free_soon - need < keep and v < len(victims) and enst <= horizon_s \
+                    and sched.next_run_s(victims[v]) > enst + horizon_s:
                 if not self._offload(sched, victims[v], budget):
                     break
                 v += 1

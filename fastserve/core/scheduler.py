@@ -15,7 +15,8 @@ Pure Python over ints and floats: no torch and no clock; `now` is passed in.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import overload
 from dataclasses import dataclass, field
 
 from fastserve.config import CacheConfig, SchedulerConfig
@@ -135,7 +136,7 @@ class Scheduler(ABC):
             if num_new > 1 and batch and num_tokens + num_new > self.config.max_num_batched_tokens:
                 admitting = admitting and started
                 continue
-            if not self._allocate(req, order[i + 1 :], in_batch, now):
+            if not self._allocate(req, _Tail(order, i + 1), in_batch, now):
                 if not started:
                     admitting = False
                 continue
@@ -283,6 +284,11 @@ class Scheduler(ABC):
         """Tokens of KV the request needs to start (its prompt, or Orca's reservation)."""
         return max(req.num_tokens, self._admit_tokens(req))
 
+    @property
+    def current_order(self) -> Sequence[Request]:
+        """This iteration's order (what `schedule` walks)."""
+        return self._order_now
+
     def next_run_s(self, req: Request) -> float:
         """The request's ENST this iteration (see `estimate_next_run_s`), computed once."""
         if self._enst is None:
@@ -385,6 +391,38 @@ class Scheduler(ABC):
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+class _Tail(Sequence[Request]):
+    """`order[start:]` without the copy: the walk hands one to every request it tries, and a
+    long queue would make each iteration quadratic."""
+
+    __slots__ = ("_order", "_start")
+
+    def __init__(self, order: Sequence[Request], start: int) -> None:
+        self._order = order
+        self._start = start
+
+    def __len__(self) -> int:
+        return max(0, len(self._order) - self._start)
+
+    @overload
+    def __getitem__(self, i: int) -> Request: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Request]: ...
+
+    def __getitem__(self, i: int | slice) -> Request | Sequence[Request]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._order[self._start + i]
+
+    def __iter__(self) -> Iterator[Request]:
+        return map(self._order.__getitem__, range(self._start, len(self._order)))
 
 
 @dataclass

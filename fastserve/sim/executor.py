@@ -41,6 +41,7 @@ class SimExecutor:
         self._time_s = 0.0  # own time, when no clock is given
         self._copies_done_s = 0.0  # when the copy engine finishes what it has queued
         self._ready_s: dict[int, float] = {}  # device block -> when its pending copy lands
+        self.batch_job_s = 0.0  # sum over iterations of duration x batch size (concurrency)
 
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         start_s = self.clock.now() if self.clock is not None else self._time_s
@@ -52,6 +53,7 @@ class SimExecutor:
         compute_s = self.cost.iteration_s(*batch_shape(plan))
         duration_s = wait_s + compute_s
         self._time_s = start_s + duration_s
+        self.batch_job_s += duration_s * len(plan.scheduled)
         return ExecutorOutput(
             sampled_token_ids=[self.token_id] * len(plan.scheduled),
             duration_s=duration_s,

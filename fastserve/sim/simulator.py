@@ -74,6 +74,7 @@ class SimRun:
     swap_wait_s: float  # time iterations spent waiting on KV copies
     peak_kv_blocks: int  # most device blocks in use at once
     busy_s: float  # time spent in iterations
+    mean_batch_size: float = 0.0  # jobs per iteration, weighted by its duration (not pipelined)
 
 
 def simulate(
@@ -103,11 +104,14 @@ def simulate_run(
     scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids=(),
                                kv_policy=make_kv_policy(config.cache))
     clock = VirtualClock(start_s=min((w.arrival_s for w in workload), default=0.0))
-    core = (  # pipeline parallelism: P batches in flight, one per stage
-        PipelinedEngineCore(scheduler, PipelinedSimExecutor(cost, clock=clock), clock)
-        if cost.pipeline_parallel_size > 1
-        else EngineCore(scheduler, SimExecutor(cost, clock=clock), clock)
-    )
+    executor: SimExecutor
+    core: EngineCore | PipelinedEngineCore
+    if cost.pipeline_parallel_size > 1:  # pipeline parallelism: P batches in flight, one per stage
+        executor = PipelinedSimExecutor(cost, clock=clock)
+        core = PipelinedEngineCore(scheduler, executor, clock)
+    else:
+        executor = SimExecutor(cost, clock=clock)
+        core = EngineCore(scheduler, executor, clock)
 
     pending = sorted(make_requests(workload), key=lambda r: r.arrival_s)
     _check_fits(pending, kv, config.scheduler.max_num_batched_tokens)
@@ -144,6 +148,7 @@ def simulate_run(
         swap_wait_s=core.swap_wait_s,
         peak_kv_blocks=kv.peak_used_blocks,
         busy_s=core.busy_s,
+        mean_batch_size=executor.batch_job_s / core.busy_s if core.busy_s > 0 else 0.0,
     )
 
 

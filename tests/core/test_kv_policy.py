@@ -1,0 +1,467 @@
+"""KV policies: ENST, the proactive reserve, reactive offloads, defer, recompute, host-full
+back-pressure, and block accounting for every KV policy under every scheduling policy.
+
+Runs go through `EngineCore` on a virtual clock with `KVContentExecutor`: the simulator's
+executor plus a model of what each KV block holds. It applies each plan's copies as the real
+executors do (swap-outs, then swap-ins) and checks that every scheduled request reads back
+exactly the blocks it wrote, so a wrong swap plan (a job run before its upload, a block reused
+while it is copied, host blocks mixed up) fails the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from fastserve.clock import VirtualClock
+from fastserve.config import KV_POLICIES, POLICIES, CacheConfig, SchedulerConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager, KVLocation
+from fastserve.core.kv_policy import (
+    KV_POLICY_CLASSES,
+    KVPolicy,
+    ProactivePolicy,
+    ReactivePolicy,
+    make_kv_policy,
+)
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+from fastserve.core.policies import make_scheduler as build_scheduler
+from fastserve.core.policies.mlfq import MLFQBase
+from fastserve.core.scheduler import Scheduler
+from fastserve.engine import EngineCore
+from fastserve.request import FinishReason, Request, RequestStatus
+from fastserve.sim.executor import SimExecutor
+from tests.core.factories import UNIT_COST, make_requests, random_workload
+
+BLOCK_SIZE = 4
+TIGHT_BLOCKS = 40  # the largest job of `random_workload` (60 + 40 tokens) needs 25
+
+
+def kv_scheduler(
+    policy: str = "skip-join-mlfq",
+    kv_policy: str | KVPolicy = "proactive",
+    *,
+    num_blocks: int = TIGHT_BLOCKS,
+    num_host_blocks: int = 1000,
+    cost: CostModel = UNIT_COST,
+    reserve: int = 0,
+    **config: object,
+) -> Scheduler:
+    """A real scheduler over device and host pools, with the named (or given) KV policy."""
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, num_host_blocks)
+    if isinstance(kv_policy, str):
+        kv_policy = make_kv_policy(CacheConfig(kv_policy=kv_policy, kv_reserve_blocks=reserve))
+    return build_scheduler(SchedulerConfig(policy=policy, **config), kv, cost,  # type: ignore[arg-type]
+                           kv_policy=kv_policy)
+
+
+class KVContentExecutor:
+    """The simulator's executor, plus what every device and host block holds."""
+
+    def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
+        self.inner = SimExecutor(cost, clock=clock)
+        self.device: dict[int, tuple[str, int]] = {}  # block -> (request, block index in it)
+        self.host: dict[int, tuple[str, int]] = {}
+        self.steps: list[tuple[SchedulerOutput, ExecutorOutput]] = []
+
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        for dev, host in plan.swap_out:
+            self.host[host] = self.device[dev]
+        for host, dev in plan.swap_in:
+            self.device[dev] = self.host[host]
+        for s in plan.scheduled:
+            for i in range(s.start_pos // BLOCK_SIZE if s.start_pos % BLOCK_SIZE == 0
+                           else s.start_pos // BLOCK_SIZE + 1):
+                assert self.device.get(s.block_ids[i]) == (s.request_id, i), (
+                    f"{s.request_id} reads block {s.block_ids[i]} as its block {i} but it holds "
+                    f"{self.device.get(s.block_ids[i])}"
+                )
+            for pos in range(s.start_pos, s.num_context_tokens):
+                self.device[s.block_ids[pos // BLOCK_SIZE]] = (s.request_id, pos // BLOCK_SIZE)
+        out = self.inner.execute(plan)
+        self.steps.append((plan, out))
+        return out
+
+
+@dataclass
+class KVRun:
+    scheduler: Scheduler
+    finished: list[Request]
+    steps: list[tuple[SchedulerOutput, ExecutorOutput]] = field(default_factory=list)
+
+    @property
+    def plans(self) -> list[SchedulerOutput]:
+        return [p for p, _ in self.steps]
+
+
+def serve_checked(sched: Scheduler, requests: Sequence[Request], max_iterations: int = 100_000,
+                  on_plan: object = None) -> KVRun:
+    """Add each request at its arrival and step until all finish, checking KV contents."""
+    clock = VirtualClock()
+    executor = KVContentExecutor(sched.cost, clock)
+    core = EngineCore(sched, executor, clock)
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    finished: list[Request] = []
+    i = 0
+    for _ in range(max_iterations):
+        while i < len(pending) and pending[i].arrival_s <= clock.now():
+            sched.add_request(pending[i], clock.now())
+            i += 1
+        if not sched.has_unfinished:
+            if i == len(pending):
+                return KVRun(sched, finished, executor.steps)
+            clock.advance_to(pending[i].arrival_s)
+            continue
+        n = core.num_iterations
+        finished += [r for r in core.step() if r.is_finished]
+        if callable(on_plan):
+            on_plan(sched, executor.steps[-1][0])
+        if core.num_iterations == n:
+            assert i < len(pending), "nothing ran and no request is left to arrive"
+            clock.advance_to(pending[i].arrival_s)
+    raise AssertionError(f"not finished after {max_iterations} iterations")
+
+
+def tight_requests(seed: int = 0, n: int = 60) -> list[Request]:
+    prompts, outputs, arrivals = random_workload(n, seed)
+    return make_requests(prompts, outputs, arrivals)
+
+
+def assert_all_done_and_free(run: KVRun, n: int) -> None:
+    sched = run.scheduler
+    assert len(run.finished) == n and not sched.has_unfinished
+    for req in run.finished:
+        assert req.finish_reason is FinishReason.LENGTH
+        assert req.num_output_tokens == req.params.max_tokens
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv.num_free_host_blocks == sched.kv.num_total_host_blocks
+    assert sched.kv.num_swapped == 0
+
+
+# -- ENST -------------------------------------------------------------------------------------
+
+
+def test_enst_follows_the_levels_and_quanta_of_the_jobs_ahead() -> None:
+    # Quanta 2, 4, 8, 16 ms; prefills of 1, 3, 6, 12 ms place the jobs in Q1..Q4.
+    sched = kv_scheduler(base_quantum_ms=2.0)
+    assert isinstance(sched, MLFQBase)
+    reqs = make_requests([1, 3, 6, 12], [4] * 4)
+    for r in reqs:
+        sched.add_request(r, 0.0)
+    assert [sched.level_of(r.request_id) for r in reqs] == [0, 1, 2, 3]
+    enst_ms = [t * 1e3 for t in sched.estimate_next_run_s(reqs, 0.0)]
+    # Q2's job waits for Q1's 2 ms; Q3's for Q1's 2 + 4 (its Q2 quantum) and Q2's 4 ms;
+    # Q4's for Q1's 2 + 4 + 8, Q2's 4 + 8 and Q3's 8 ms.
+    assert enst_ms == pytest.approx([0.0, 2.0, 10.0, 34.0])
+
+
+def test_enst_counts_only_what_is_left_of_a_quantum() -> None:
+    sched = kv_scheduler(base_quantum_ms=2.0, max_batch_size=1)
+    assert isinstance(sched, MLFQBase)
+    a, b = make_requests([1, 1], [10, 10])
+    sched.add_request(a, 0.0)
+    sched.add_request(b, 0.0)
+    run_one = EngineCore(sched, SimExecutor(UNIT_COST), VirtualClock())
+    run_one.step()  # a runs its 1 ms prefill: 1 ms of its 2 ms quantum left
+    order = [a, b]
+    assert [t * 1e3 for t in sched.estimate_next_run_s(order, 0.001)] == pytest.approx([0.0, 1.0])
+
+
+def test_enst_is_the_time_to_starvation_promotion_when_that_comes_sooner() -> None:
+    # Paper variant: starvation promotion after 50 ms; one job in a batch.
+    sched = kv_scheduler(base_quantum_ms=2.0, mlfq_levels=4, mlfq_variant="paper",
+                         starve_limit_s=0.050, max_batch_size=1)
+    long = make_requests([12], [4], prefix="long")[0]  # Q4
+    sched.add_request(long, 0.0)
+    shorts = make_requests([1] * 20, [4] * 20)  # Q1, arriving 40 ms later
+    for r in shorts:
+        sched.add_request(r, 0.040)
+    order = shorts + [long]
+    enst = sched.estimate_next_run_s(order, 0.045)
+    assert enst[-1] == pytest.approx(0.005)  # promoted in 5 ms, before 20 x 2 ms of Q1 work
+    assert enst[-1] < enst[-2] and enst[:-1] == sorted(enst[:-1])
+
+
+class RecordingReactive(ReactivePolicy):
+    """Reactive, remembering each choice: the victims' ENSTs and whom it offloaded."""
+
+    def __init__(self) -> None:
+        self.choices: list[tuple[dict[str, float], str]] = []
+
+    def make_room(self, sched: Scheduler, requester: Request, victims: Sequence[Request],
+                  now: float) -> bool:
+        ensts = {v.request_id: sched.next_run_s(v) for v in victims}
+        before = {v.request_id for v in victims if sched.kv.has_blocks(v.request_id)}
+        ok = super().make_room(sched, requester, victims, now)
+        gone = [rid for rid in before if not sched.kv.has_blocks(rid)]
+        if gone:
+            self.choices.append((ensts, gone[0]))
+        return ok
+
+
+@pytest.mark.parametrize("variant", ["robust", "paper"])
+def test_victims_go_latest_enst_first(variant: str) -> None:
+    policy = RecordingReactive()
+    sched = kv_scheduler(kv_policy=policy, mlfq_variant=variant, max_batch_size=6,
+                         max_num_batched_tokens=128)
+    run = serve_checked(sched, tight_requests())
+    assert_all_done_and_free(run, 60)
+    assert len(policy.choices) > 5
+    for ensts, chosen in policy.choices:
+        assert ensts[chosen] == max(ensts.values())
+
+
+# -- what each policy does ----------------------------------------------------------------------
+
+
+def free_if_more_could_move(sched: Scheduler, plan: SchedulerOutput) -> int | None:
+    """After a plan: the device blocks free, if a started job outside the batch still holds
+    device blocks and did not just come back (None otherwise: nothing more could move)."""
+    batch = {s.request_id for s in plan.scheduled}
+    uploaded_to = {dev for _, dev in plan.swap_in}
+    movable = [
+        r for r in sched.requests.values()
+        if r.request_id not in batch and r.num_computed_tokens > 0
+        and sched.kv.has_blocks(r.request_id)
+        and not set(sched.kv.block_table(r.request_id)) & uploaded_to
+    ]
+    return sched.kv.num_free_blocks if movable else None
+
+
+@pytest.mark.parametrize("variant", ["robust", "paper"])
+def test_proactive_keeps_the_reserve_free(variant: str) -> None:
+    reserve = 12
+    short_of_reserve: list[int] = []
+
+    def check(sched: Scheduler, plan: SchedulerOutput) -> None:
+        free = free_if_more_could_move(sched, plan)
+        if free is not None and free < reserve:
+            short_of_reserve.append(free)
+
+    def run(kv_policy: str) -> Scheduler:
+        sched = kv_scheduler("skip-join-mlfq", kv_policy, reserve=reserve, mlfq_variant=variant,
+                             max_batch_size=4, max_num_batched_tokens=128)
+        assert_all_done_and_free(serve_checked(sched, tight_requests(), on_plan=check), 60)
+        return sched
+
+    assert run("proactive").num_offloads > 0
+    assert short_of_reserve == []
+    # Reactive, given the same reserve, ignores it: it moves KV only when it must.
+    run("reactive")
+    assert short_of_reserve
+
+
+def test_proactive_uploads_ahead_of_the_turn() -> None:
+    sched = kv_scheduler("skip-join-mlfq", "proactive", max_batch_size=6,
+                         max_num_batched_tokens=128)
+    run = serve_checked(sched, tight_requests())
+    assert_all_done_and_free(run, 60)
+    uploaded_ahead = 0
+    for plan in run.plans:
+        batch_blocks = {b for s in plan.scheduled for b in s.block_ids}
+        uploaded_ahead += sum(1 for _, dev in plan.swap_in if dev not in batch_blocks)
+    assert uploaded_ahead > 0
+    assert sched.num_uploads == sched.num_offloads > 0
+
+
+def test_reactive_offloads_only_when_an_allocation_fails() -> None:
+    # Ample device memory: no allocation fails, so reactive never moves anything...
+    sched = kv_scheduler("skip-join-mlfq", "reactive", num_blocks=4096, reserve=100,
+                         max_batch_size=4)
+    run = serve_checked(sched, tight_requests())
+    assert_all_done_and_free(run, 60)
+    assert sched.num_offloads == 0
+    # ... while proactive, told to keep 4090 blocks free, offloads ahead of any failure.
+    sched = kv_scheduler("skip-join-mlfq", "proactive", num_blocks=4096, reserve=4090,
+                         max_batch_size=4)
+    serve_checked(sched, tight_requests())
+    assert sched.num_offloads > 0
+
+
+def test_reactive_moves_happen_inside_failed_allocations_only() -> None:
+    calls: list[bool] = []
+
+    class Watching(ReactivePolicy):
+        inside = False
+
+        def make_room(self, sched: Scheduler, requester: Request, victims: Sequence[Request],
+                      now: float) -> bool:
+            self.inside = True
+            try:
+                return super().make_room(sched, requester, victims, now)
+            finally:
+                self.inside = False
+
+        def give_up(self, sched: Scheduler, req: Request) -> None:
+            self.inside = True
+            try:
+                super().give_up(sched, req)
+            finally:
+                self.inside = False
+
+    policy = Watching()
+    sched = kv_scheduler(kv_policy=policy, max_batch_size=6, max_num_batched_tokens=128)
+    offload = sched.offload
+
+    def watched(req: Request, release_now: bool = True) -> bool:
+        calls.append(policy.inside)
+        return offload(req, release_now)
+
+    sched.offload = watched  # type: ignore[method-assign]
+    serve_checked(sched, tight_requests())
+    assert calls and all(calls)
+
+
+def full_device_then_urgent_job(kv_policy: str) -> tuple[Scheduler, Request, Request]:
+    """A long low-priority job fills the device; then an urgent one-token prompt arrives."""
+    sched = kv_scheduler("skip-join-mlfq", kv_policy, num_blocks=5, base_quantum_ms=2.0,
+                         max_batch_size=2)
+    # 12 ms prefill: the lowest level; its 20 tokens fill the 5 blocks from t = 16 ms.
+    [long] = make_requests([12], [8], prefix="long")
+    [short] = make_requests([1], [2], arrivals=[0.017], prefix="short")
+    return sched, long, short
+
+
+def first_run_s(run: KVRun, request_id: str) -> float:
+    t = 0.0
+    for plan, out in run.steps:
+        if any(s.request_id == request_id for s in plan.scheduled):
+            return t
+        t += out.duration_s
+    raise AssertionError(f"{request_id} never ran")
+
+
+@pytest.mark.parametrize("kv_policy", KV_POLICIES)
+def test_what_gives_way_to_an_urgent_new_job(kv_policy: str) -> None:
+    sched, long, short = full_device_then_urgent_job(kv_policy)
+    run = serve_checked(sched, [long, short])
+    assert_all_done_and_free(run, 2)
+    assert short.finish_s is not None and long.finish_s is not None
+    if kv_policy == "defer":
+        # New jobs wait for free blocks: the short job waits for the long one to finish.
+        assert sched.num_offloads == sched.num_recomputes == 0
+        assert all(not p.swap_out and not p.swap_in for p in run.plans)
+        assert short.finish_s > long.finish_s
+    elif kv_policy == "recompute":
+        assert sched.num_recomputes == 1 and sched.num_offloads == 0
+        assert short.finish_s < long.finish_s
+    else:  # the long job's KV goes to host memory and comes back
+        assert sched.num_offloads == sched.num_uploads == 1 and sched.num_recomputes == 0
+        assert short.finish_s < long.finish_s
+        assert long.num_preemptions >= 1
+
+
+def test_host_full_means_back_pressure_not_a_crash() -> None:
+    # Two host blocks: the long job (5 blocks of KV) can never be offloaded.
+    sched = kv_scheduler("skip-join-mlfq", "proactive", num_blocks=5, num_host_blocks=2,
+                         base_quantum_ms=2.0, max_batch_size=2)
+    [long] = make_requests([12], [8], prefix="long")
+    [short] = make_requests([1], [2], arrivals=[0.017], prefix="short")
+    run = serve_checked(sched, [long, short])
+    assert_all_done_and_free(run, 2)
+    assert sched.num_offloads == 0 and sched.num_recomputes == 0
+    assert short.finish_s is not None and long.finish_s is not None
+    assert short.finish_s > long.finish_s  # it waited for the blocks
+
+
+@pytest.mark.parametrize("kv_policy", ["proactive", "reactive"])
+def test_tight_host_memory_finishes_everything(kv_policy: str) -> None:
+    sched = kv_scheduler("skip-join-mlfq", kv_policy, num_host_blocks=30, max_batch_size=6,
+                         max_num_batched_tokens=128)
+    run = serve_checked(sched, tight_requests(seed=4))
+    assert_all_done_and_free(run, 60)
+    assert sched.num_offloads > 0
+
+
+def test_no_job_is_offloaded_and_uploaded_in_one_iteration() -> None:
+    for kv_policy in ("proactive", "reactive"):
+        for variant in ("robust", "paper"):
+            sched = kv_scheduler("skip-join-mlfq", kv_policy, mlfq_variant=variant,
+                                 max_batch_size=6, max_num_batched_tokens=128)
+            run = serve_checked(sched, tight_requests(seed=5))
+            assert_all_done_and_free(run, 60)
+            assert sched.num_offloads > 0
+            for plan in run.plans:
+                # A job moved both ways would have its host blocks written and read at once.
+                assert not {h for _, h in plan.swap_out} & {h for h, _ in plan.swap_in}
+
+
+def test_moving_a_job_back_in_the_same_iteration_is_refused() -> None:
+    sched = kv_scheduler("fcfs", "reactive", num_blocks=8)
+    [a] = make_requests([4], [8])
+    sched.add_request(a, 0.0)
+    core = EngineCore(sched, SimExecutor(UNIT_COST), VirtualClock())
+    core.step()
+    sched.schedule(0.01)  # a new iteration's bookkeeping starts
+    assert sched.offload(a, release_now=False)
+    with pytest.raises(ValueError, match="offloaded this iteration"):
+        sched.upload(a)
+
+
+def test_swapped_jobs_are_uploaded_before_they_run() -> None:
+    sched = kv_scheduler("skip-join-mlfq", "reactive", max_batch_size=6,
+                         max_num_batched_tokens=128)
+    seen_swapped: set[str] = set()
+
+    def check(sched: Scheduler, plan: SchedulerOutput) -> None:
+        for s in plan.scheduled:
+            assert sched.kv.where(s.request_id) in (KVLocation.DEVICE, None)
+        seen_swapped.update(r.request_id for r in sched.requests.values()
+                            if r.status is RequestStatus.SWAPPED)
+
+    run = serve_checked(sched, tight_requests(), on_plan=check)
+    assert_all_done_and_free(run, 60)  # KVContentExecutor checked every read
+    assert seen_swapped
+
+
+# -- no leaks, every combination -------------------------------------------------------------
+
+
+CASES = [(p, {}) for p in POLICIES] + [("skip-join-mlfq", {"mlfq_variant": "paper"})]
+
+
+@pytest.mark.parametrize("kv_policy", KV_POLICIES)
+@pytest.mark.parametrize(("policy", "config"), CASES,
+                         ids=[p + ("-paper" if c else "") for p, c in CASES])
+def test_every_kv_policy_with_every_scheduler_finishes_and_frees_everything(
+    policy: str, config: dict, kv_policy: str
+) -> None:
+    cost = CostModel(fixed_s=1e-3, per_prefill_token_s=1e-4, per_decode_s=2e-4,
+                     kv_block_bytes=1 << 16, swap_bytes_per_s=1e9)  # copies cost time
+    sched = kv_scheduler(policy, kv_policy, cost=cost, num_host_blocks=200, max_batch_size=6,
+                         max_num_batched_tokens=128, **config)
+    run = serve_checked(sched, tight_requests(seed=1))
+    assert_all_done_and_free(run, 60)
+    moved = sum(len(p.swap_out) for p in run.plans)
+    assert moved == sched.kv.num_swap_out_blocks == sched.kv.num_swap_in_blocks
+    if not KV_POLICY_CLASSES[kv_policy].uses_host:
+        assert moved == 0
+    assert sched.kv.peak_used_blocks <= TIGHT_BLOCKS
+    for plan in run.plans:
+        blocks = [b for s in plan.scheduled for b in s.block_ids]
+        assert len(blocks) == len(set(blocks))
+
+
+@pytest.mark.parametrize("kv_policy", KV_POLICIES)
+def test_kv_policies_are_deterministic(kv_policy: str) -> None:
+    def trace() -> list[tuple[tuple[str, ...], int, int]]:
+        sched = kv_scheduler("skip-join-mlfq", kv_policy, max_batch_size=6,
+                             max_num_batched_tokens=128)
+        run = serve_checked(sched, tight_requests(seed=2))
+        return [(tuple(s.request_id for s in p.scheduled), len(p.swap_out), len(p.swap_in))
+                for p in run.plans]
+
+    assert trace() == trace()
+
+
+def test_make_kv_policy_builds_the_configured_one() -> None:
+    for name in KV_POLICIES:
+        assert make_kv_policy(CacheConfig(kv_policy=name)).name == name
+    policy = make_kv_policy(CacheConfig(kv_policy="proactive", kv_reserve_blocks=7,
+                                        burst_queues=3))
+    assert isinstance(policy, ProactivePolicy)
+    assert (policy.reserve_blocks, policy.burst_queues) == (7, 3)
+    assert CacheConfig().kv_policy == "proactive"
+    assert set(KV_POLICY_CLASSES) == set(KV_POLICIES)

@@ -1,0 +1,164 @@
+"""KV swaps: bit-identical round trips (CPU copy thread; CUDA copy stream when there is a GPU),
+and the real tiny model under heavy swapping giving exactly the tokens of an unlimited run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fastserve.config import CacheConfig
+from fastserve.executor.attention import PagedAttention
+from fastserve.executor.swap import (
+    CudaSwapper,
+    KVSwapper,
+    ThreadSwapper,
+    host_pool_blocks,
+    make_swapper,
+)
+from fastserve.llm import LLM
+from fastserve.request import SamplingParams
+from tests.conftest import requires_cuda
+
+NUM_BLOCKS = 32
+BLOCK_SIZE = 4
+
+
+def random_cache(device: str, dtype: torch.dtype, seed: int = 0) -> PagedAttention:
+    attn = PagedAttention(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=NUM_BLOCKS,
+                          block_size=BLOCK_SIZE, dtype=dtype, device=torch.device(device))
+    g = torch.Generator().manual_seed(seed)
+    for cache in attn.k_caches + attn.v_caches:
+        cache.copy_(torch.randn(cache.shape, generator=g).to(dtype))
+    return attn
+
+
+def blocks_of(attn: PagedAttention, block_ids: list[int]) -> list[torch.Tensor]:
+    """Every layer's K and V of these blocks, on the CPU: [heads, n * bs, head_dim] each."""
+    slots = attn.block_slots(block_ids)
+    return [c.index_select(1, slots).cpu() for c in attn.k_caches + attn.v_caches]
+
+
+def round_trip(swapper: KVSwapper, attn: PagedAttention) -> None:
+    # Two requests' KV, one in two runs, out to the host...
+    a, b = [3, 4, 5, 9, 10], [20, 21]
+    before = blocks_of(attn, a + b)
+    swapper.submit(swap_out=list(zip(a + b, [0, 1, 2, 7, 8, 12, 13], strict=True)), swap_in=[])
+    swapper.synchronize()
+    for cache in attn.k_caches + attn.v_caches:  # the device blocks are reused meanwhile
+        cache.index_fill_(1, attn.block_slots(a + b), -1.0)
+    # ... and back into other device blocks, within the same plan as a further swap-out.
+    a2, b2 = [12, 13, 14, 15, 16], [0, 30]
+    swapper.submit(swap_out=[(31, 20)],
+                   swap_in=list(zip([0, 1, 2, 7, 8, 12, 13], a2 + b2, strict=True)))
+    assert swapper.wait_for([a2 + b2]) >= 0.0  # returns once those blocks have landed
+    after = blocks_of(attn, a2 + b2)
+    for x, y in zip(before, after, strict=True):
+        assert torch.equal(x, y)  # bit-identical
+    swapper.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
+    torch.set_num_threads(1)
+    attn = random_cache("cpu", dtype)
+    swapper = make_swapper(attn, num_host_blocks=24)
+    assert isinstance(swapper, ThreadSwapper)
+    try:
+        round_trip(swapper, attn)
+    finally:
+        swapper.close()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
+    attn = random_cache("cuda", dtype)
+    swapper = make_swapper(attn, num_host_blocks=24)
+    assert isinstance(swapper, CudaSwapper)
+    assert swapper.host.blocks.is_pinned()
+    round_trip(swapper, attn)
+
+
+def test_random_plans_keep_every_block_intact() -> None:
+    """Many random moves with the copy thread, checked against a plain dict of contents."""
+    torch.set_num_threads(1)
+    attn = random_cache("cpu", torch.float32, seed=1)
+    swapper = make_swapper(attn, num_host_blocks=NUM_BLOCKS)
+    rng = random.Random(0)
+    device = {b: blocks_of(attn, [b]) for b in range(NUM_BLOCKS)}  # what each block holds
+    host: dict[int, list[torch.Tensor]] = {}
+    free_dev: list[int] = []
+    free_host = list(range(NUM_BLOCKS))
+    try:
+        for _ in range(40):
+            out = rng.sample(sorted(device), k=min(len(device), rng.randint(0, 4)))
+            dest = [free_host.pop() for _ in out]
+            back = rng.sample(sorted(host), k=min(len(host), rng.randint(0, 4),
+                                                  len(free_dev) + len(out)))
+            # Swap-ins may land in blocks this same plan swaps out (they run after them).
+            targets = free_dev + out
+            rng.shuffle(targets)
+            into = targets[: len(back)]
+            swapper.submit(list(zip(out, dest, strict=True)), list(zip(back, into, strict=True)))
+            for b, h in zip(out, dest, strict=True):
+                host[h] = device.pop(b)
+            for h, b in zip(back, into, strict=True):
+                device[b] = host.pop(h)
+            free_dev = [b for b in range(NUM_BLOCKS) if b not in device]
+            free_host = [h for h in range(NUM_BLOCKS) if h not in host]
+            swapper.wait_for([sorted(device)])
+            for b, want in device.items():
+                assert all(torch.equal(x, y) for x, y in zip(blocks_of(attn, [b]), want, strict=True))
+    finally:
+        swapper.close()
+
+
+def test_host_pool_sizing() -> None:
+    block_bytes = 1 << 20
+    assert host_pool_blocks(CacheConfig(swap_space_gib=1.0), block_bytes) == 1024
+    assert host_pool_blocks(CacheConfig(num_host_blocks=7), block_bytes) == 7
+    # Policies that never offload get no host memory.
+    assert host_pool_blocks(CacheConfig(kv_policy="defer"), block_bytes) == 0
+    assert host_pool_blocks(CacheConfig(kv_policy="recompute", num_host_blocks=9), block_bytes) == 0
+
+
+# -- the real engine --------------------------------------------------------------------------
+
+
+def workload(n: int = 200, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(16, 4000) for _ in range(rng.randint(4, 60))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(8, 16), temperature=0.0, ignore_eos=True)
+              for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def unlimited_tokens(tiny_model_path: object) -> list[list[int]]:
+    torch.set_num_threads(1)
+    prompts, params = workload()
+    llm = LLM(kv_policy="defer", num_device_blocks=4096, max_batch_size=16, dtype="float32")
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kv_policy", ["proactive", "reactive"])
+def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
+    kv_policy: str, unlimited_tokens: list[list[int]]
+) -> None:
+    torch.set_num_threads(1)
+    prompts, params = workload()
+    # 24 blocks of 16 tokens: a full batch of these jobs needs ~40 (200 jobs, ~1,400 blocks).
+    llm = LLM(kv_policy=kv_policy, num_device_blocks=24, num_host_blocks=2000,
+              max_batch_size=16, dtype="float32")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == unlimited_tokens
+    stats = llm.engine.stats()
+    assert stats["swap_out_blocks"] == stats["swap_in_blocks"] > 100  # heavy swapping
+    assert stats["num_recomputes"] == 0  # nothing was recomputed: every KV came back
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
+    assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 2000
+    assert stats["num_swapped"] == 0
+    assert stats["peak_kv_blocks"] == 24
+    llm.engine.runner.swapper.close()
