@@ -21,9 +21,9 @@ from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.make_model import cache_dir, default_model_path
-from fastserve.profiler import load_or_profile, profile_cache_key
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.output import OutputProcessor
+from fastserve.profiler import load_or_profile, profile_cache_key
 from fastserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
