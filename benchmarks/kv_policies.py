@@ -223,7 +223,7 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
     return jobs, KVStats.from_engine_stats(stats), run_s
 
 
-def part3(variant: str, quick: bool) -> list[str]:
+def part3(variant: str, quick: bool, fixed_blocks: int | None = None) -> list[str]:
     wl = real_workload(quick)
 
     def config(kv_policy: str, blocks: int) -> EngineConfig:
@@ -234,7 +234,9 @@ def part3(variant: str, quick: bool) -> list[str]:
     rows = []
     jobs, kv, run_s = run_engine(wl, config("proactive", 50_000))
     unlimited = compute_metrics(jobs, len(wl), kv)
-    blocks = max(largest_job_blocks(wl), round(0.25 * unlimited["peak_kv_blocks"]))
+    # NOTE: the peak moves from run to run (wall-clock timing changes the schedule), so
+    # --real-blocks can pin the pool for comparisons across runs.
+    blocks = fixed_blocks or max(largest_job_blocks(wl), round(0.25 * unlimited["peak_kv_blocks"]))
     rows.append(_real_row(variant, "unlimited", 50_000, unlimited, run_s))
     results = {}
     for kv_policy in ("proactive", "reactive", "defer"):
@@ -296,10 +298,14 @@ def main() -> None:
     p.add_argument("--part", choices=("sim1", "sim2", "real", "all"), default="all")
     p.add_argument("--quick", action="store_true", help="fewer cells and requests")
     p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
+    p.add_argument("--variants", default="paper,robust", help="MLFQ variants for parts 2 and 3")
+    p.add_argument("--real-blocks", type=int, default=None,
+                   help="part 3's device pool (default: 25%% of the unlimited run's peak)")
     args = p.parse_args()
     thetas = (1.2,) if args.quick else (0.9, 1.2, 1.5)
     cvs = (4.0,) if args.quick else (1.0, 4.0, 8.0)
     n = 500 if args.quick else 1000
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     t0 = time.time()
     if args.part in ("sim1", "all"):
         cells = [Cell(th, cv, 0.9, n) for th in thetas for cv in cvs]
@@ -310,14 +316,14 @@ def main() -> None:
             Cell(1.2, 4.0, 1.0, n), Cell(1.2, 4.0, 0.9, n), Cell(1.2, 8.0, 0.9, n),
             Cell(0.9, 4.0, 0.9, n), Cell(1.5, 4.0, 0.9, n),
         ]
-        work = [(c, v) for v in ("paper", "robust") for c in cells]
+        work = [(c, v) for v in variants for c in cells]
         _table("2. Device KV at 25% of the peak demand: sim, A100 13B profile, skip-join-mlfq",
                PART2_HEADER, _map(part2_cell, work, args.jobs))
     if args.part in ("real", "all"):
         import torch
 
         torch.set_num_threads(2)
-        rows = part3("paper", args.quick) + part3("robust", args.quick)
+        rows = [row for v in variants for row in part3(v, args.quick, args.real_blocks)]
         _table("3. Real engine, CPU, tiny model (float32), 25% of peak KV, Zipf 1.2 / CV 4",
                PART3_HEADER, rows)
     print(f"\n({time.time() - t0:.0f} s)")
