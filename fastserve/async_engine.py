@@ -33,6 +33,15 @@ def _put_all(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
         queue.put_nowait(out)
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    """Schedule `fn` on `loop` from another thread; False when the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # closed between any check and the call: the caller has gone
+        return False
+    return True
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""
 
@@ -57,6 +66,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        self._closed = False  # set by the engine thread once it takes no more commands
         self.dead_reason: str | None = None
         self._stats: dict[str, Any] = self.engine.stats()
         self._stats_s = time.monotonic()
@@ -72,8 +82,12 @@ class AsyncLLM:
         return self.dead_reason is None and self._thread.is_alive()
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot taken by the engine thread after its latest iteration."""
+        """A snapshot taken by the engine thread after its latest iteration (up to 50 ms old)."""
         return dict(self._stats)
+
+    async def current_stats(self) -> dict[str, Any]:
+        """The engine's counts now, read on the engine thread between iterations."""
+        return dict(await self._call(self._stats_now))
 
     async def generate(
         self,
@@ -144,6 +158,9 @@ class AsyncLLM:
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
+            if self._closed:  # the engine thread has gone: answer now rather than never
+                fut.set_exception(EngineDeadError(self.dead_reason or "the engine is shutting down"))
+                return fut
             self._commands.append((fn, fut))
         self._wake.set()
         return fut
@@ -174,7 +191,9 @@ class AsyncLLM:
             logger.exception("engine loop died")
             self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
             self._fail_all(EngineDeadError(self.dead_reason))
-        self._run_commands()  # resolve late commands (they raise EngineDeadError in _call)
+        with self._lock:
+            self._closed = True
+        self._run_commands()  # resolve commands sent before the close
 
     def _stats_now(self) -> dict[str, Any]:
         self._stats = self.engine.stats()
@@ -193,10 +212,18 @@ class AsyncLLM:
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            if not _call_soon(loop, _put_all, items):
+                self._drop_streams_of(loop)
+
+    def _drop_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A caller's event loop closed without closing its streams: abort what it was reading."""
+        gone = [rid for rid, stream in self._streams.items() if stream.loop is loop]
+        for rid in gone:
+            del self._streams[rid]
+            self.engine.abort(rid)
+        logger.warning("event loop closed with %d open streams; aborted them", len(gone))
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            if not stream.loop.is_closed():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            _call_soon(stream.loop, stream.queue.put_nowait, exc)

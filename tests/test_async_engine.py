@@ -40,24 +40,51 @@ def test_streams_token_by_token_and_matches_offline(llm: AsyncLLM) -> None:
 def test_abort_by_closing_the_stream_frees_blocks(llm: AsyncLLM) -> None:
     params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
 
-    async def run() -> int:
+    async def run() -> tuple[int, dict, dict]:
         got = 0
         gen = llm.generate(list(range(3, 40)), params)
         async for _ in gen:
             got += 1
             if got == 3:
                 break
+        during = await llm.current_stats()
         await gen.aclose()
-        for _ in range(100):  # the abort lands within an iteration
-            if llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]:
-                break
-            await asyncio.sleep(0.02)
-        return got
+        return got, during, await llm.current_stats()  # commands run in order: abort, then stats
 
-    assert asyncio.run(run()) == 3
-    stats = llm.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["num_running"] == 0
+    got, during, after = asyncio.run(run())
+    assert got == 3
+    assert during["num_running"] == 1 and during["kv_blocks_free"] < during["kv_blocks_total"]
+    assert after["kv_blocks_free"] == after["kv_blocks_total"]
+    assert after["num_running"] == 0 and after["num_waiting"] == 0
+
+
+def test_caller_loop_closing_with_open_stream_aborts_it(llm: AsyncLLM) -> None:
+    """A client thread whose event loop ends mid-stream must not take the engine down."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    gens = []
+
+    async def leave_early() -> None:
+        gen = llm.generate(list(range(3, 30)), params)
+        gens.append(gen)  # kept alive so nothing closes it: only the loop goes away
+        await gen.__anext__()
+
+    loop = asyncio.new_event_loop()  # closed without shutdown_asyncgens: no abort is sent
+    loop.run_until_complete(leave_early())
+    loop.close()
+
+    async def after() -> tuple[list[RequestOutput], dict]:
+        outs = await _collect(llm, [7, 8, 9], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        for _ in range(200):  # the engine notices the closed loop at its next delivery
+            stats = await llm.current_stats()
+            if stats["num_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return outs, stats
+
+    outs, stats = asyncio.run(after())
+    assert llm.is_healthy
+    assert outs[-1].finished and len(outs[-1].token_ids) == 5
+    assert stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_bad_request_fails_alone(llm: AsyncLLM) -> None:
