@@ -173,28 +173,33 @@ class KVCacheManager:
         return self.upload_shortfall(request_id, num_tokens) <= 0
 
     def upload_shortfall(self, request_id: str, num_tokens: int = 0) -> int:
-        """Device blocks missing to upload the request and grow it to `num_tokens` tokens
-        (blocks beyond its KV come from the pool: they are written this iteration)."""
+        """Device pool blocks missing to upload the request and then grow it to `num_tokens`
+        tokens (the growth is written this iteration, so it cannot use blocks still being
+        copied out; the upload can)."""
         have = len(self._host_tables.get(request_id, ()))
-        from_pool = have - min(have, len(self._device_releasing))
         grow = max(0, num_blocks_for(num_tokens, self.block_size) - have)
-        return from_pool + grow - self.device.num_free
+        return grow + max(0, have - len(self._device_releasing)) - self.device.num_free
 
-    def upload(self, request_id: str) -> list[tuple[int, int]] | None:
+    def upload(self, request_id: str, num_tokens: int = 0) -> list[tuple[int, int]] | None:
         """Move the request's KV back to the device: (host_block, device_block) copies to run.
 
-        Blocks still being copied out this iteration are used first (the copy engine runs the
-        swap-outs first). Returns None, moving nothing, when the device pool is short.
+        The blocks come from the pool (a contiguous run when it can), then, if it is short,
+        from blocks still being copied out this iteration (the copy engine runs the swap-outs
+        first), leaving in the pool what growing to `num_tokens` tokens will take. Returns
+        None, moving nothing, when the device is short.
         """
         host = self._host_tables.get(request_id)
         if host is None:
             raise ValueError(f"request {request_id!r} is not swapped out")
-        reuse = self._device_releasing[: len(host)]
-        rest = self.device.allocate(len(host) - len(reuse))
-        if rest is None:
+        if self.upload_shortfall(request_id, num_tokens) > 0:
             return None
-        del self._device_releasing[: len(reuse)]
-        device = reuse + rest
+        grow = max(0, num_blocks_for(num_tokens, self.block_size) - len(host))
+        from_pool = max(len(host) - len(self._device_releasing),
+                        min(len(host), self.device.num_free - grow))
+        device = self.device.allocate(from_pool) or []
+        reuse = len(host) - from_pool
+        device += self._device_releasing[:reuse]
+        del self._device_releasing[:reuse]
         del self._host_tables[request_id]
         self._tables[request_id] = device
         self._host_releasing += host

@@ -13,10 +13,11 @@ the requester (the victims); after the batch is chosen the policy may move KV ah
   recompute: a new urgent job is never blocked by less urgent started ones.
 - `reactive`: offload a victim to host memory only when an allocation fails; it is uploaded
   again when it is next in the batch (the iteration waits for that copy).
-- `proactive` (FastServe): `reactive`, plus after each batch is chosen keep at least
-  max(K, burst prediction) device blocks free by offloading the largest-ENST jobs, and upload
-  the smallest-ENST swapped jobs ahead of their turn whenever space allows (offloading jobs
-  that will run later than them if need be), so that the copies overlap compute.
+- `proactive` (FastServe): after each batch is chosen keep at least max(K, burst prediction)
+  device blocks free by offloading the largest-ENST jobs, and upload the smallest-ENST swapped
+  jobs ahead of their turn whenever space allows (offloading jobs that will run later than
+  them if need be), so that the copies overlap compute; a job whose KV is not on the device
+  when its turn comes runs from the next iteration instead of stalling this one.
 
 Host memory full: offloading fails and the scheduler back-pressures: new and swapped jobs wait,
 and only a started job that cannot grow falls back to recomputing a victim. No job is lost.
@@ -170,12 +171,19 @@ class ProactivePolicy(ReactivePolicy):
     2. Upload swapped jobs, smallest ENST first, whenever the reserve allows, offloading
        resident jobs with a larger ENST to make room if need be.
 
-    A job whose turn comes while its KV is on the host, or while the blocks for its prefill
-    are not free, does not stall the batch: its room is made (and its upload queued) now, and
-    it runs from the next iteration, when the copies have landed; the batch is filled from the
-    resident jobs after it meanwhile. Only the first job of a batch may make it wait. Moves ahead of need are limited to what the copy engine can finish while
-    the iteration computes (the cost model's swap bandwidth and iteration time), so they stay
-    hidden behind compute; the backlog of copies still in flight is tracked across iterations.
+    A job whose turn comes while its KV is on the host, or while the blocks it needs are not
+    free, does not stall the batch (`defers`): its room is made and its upload queued now, and
+    it runs from the next iteration, once the copies have landed by the cost model's estimate
+    (`is_landing`); the batch is filled from the resident jobs after it meanwhile. Only the
+    first job of a batch may make it wait, when no resident job could run instead. A started
+    job takes room only from beyond the jobs that fill the batch's other slots (evicting one
+    about to run for another would only churn); a new job may take any later job's room.
+
+    Moves are limited to what the copy engine can finish while the iteration computes (the
+    cost model's swap bandwidth and iteration time), so they stay hidden behind compute; the
+    backlog of copies still in flight is tracked across iterations (`_CopyBudget`). Blocks
+    offloaded by this policy serve no computation before the next iteration
+    (`release_now=False`), so nothing waits for them to be copied out.
     """
 
     name = "proactive"
@@ -478,7 +486,8 @@ def make_kv_policy(config: CacheConfig) -> KVPolicy:
         return KV_POLICY_CLASSES[config.kv_policy]()
     except KeyError:
         raise ValueError(
-            f"kv_policy {config.kv_policy!r} is not available; choose from {sorted(KV_POLICY_CLASSES)}"
+            f"kv_policy {config.kv_policy!r} is not available; "
+            f"choose from {sorted(KV_POLICY_CLASSES)}"
         ) from None
 
 

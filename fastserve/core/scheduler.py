@@ -246,12 +246,13 @@ class Scheduler(ABC):
         self.num_offloads += 1
         return True
 
-    def upload(self, req: Request) -> bool:
-        """Move a swapped request's KV back to the device; False when the device is short."""
+    def upload(self, req: Request, num_tokens: int = 0) -> bool:
+        """Move a swapped request's KV back to the device, leaving room to grow to
+        `num_tokens` tokens this iteration; False when the device is short."""
         rid = req.request_id
         if rid in self._moves.offloaded_ids:
             raise ValueError(f"request {rid!r} was offloaded this iteration; it cannot come back")
-        pairs = self.kv.upload(rid)
+        pairs = self.kv.upload(rid, num_tokens)
         if pairs is None:
             return False
         self._moves.swap_in += pairs
@@ -313,7 +314,7 @@ class Scheduler(ABC):
                 return False
             if not self._make_room(req, self.kv.upload_shortfall(rid, req.num_tokens), rest, now):
                 return False
-            self.upload(req)
+            self.upload(req, req.num_tokens)
         started = self.kv.has_blocks(rid)
         num_tokens = req.num_tokens if started else self.admit_tokens(req)
         if self.kv.allocate(rid, num_tokens) is not None:

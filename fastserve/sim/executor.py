@@ -32,7 +32,9 @@ class SimExecutor:
     without it the executor keeps its own time from the durations it returns.
     """
 
-    def __init__(self, cost: CostModel, vocab_size: int = 32000, clock: Clock | None = None) -> None:
+    def __init__(
+        self, cost: CostModel, vocab_size: int = 32000, clock: Clock | None = None
+    ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.cost = cost

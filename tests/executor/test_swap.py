@@ -10,6 +10,7 @@ import torch
 
 from fastserve.config import CacheConfig
 from fastserve.executor.attention import PagedAttention
+from fastserve.executor.model_runner import ModelRunner
 from fastserve.executor.swap import (
     CudaSwapper,
     KVSwapper,
@@ -110,7 +111,8 @@ def test_random_plans_keep_every_block_intact() -> None:
             free_host = [h for h in range(NUM_BLOCKS) if h not in host]
             swapper.wait_for([sorted(device)])
             for b, want in device.items():
-                assert all(torch.equal(x, y) for x, y in zip(blocks_of(attn, [b]), want, strict=True))
+                got = blocks_of(attn, [b])
+                assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
     finally:
         swapper.close()
 
@@ -155,10 +157,13 @@ def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == unlimited_tokens
     stats = llm.engine.stats()
-    assert stats["swap_out_blocks"] == stats["swap_in_blocks"] > 100  # heavy swapping
+    assert stats["swap_out_blocks"] == stats["swap_in_blocks"]
+    assert int(stats["swap_out_blocks"]) > 100  # type: ignore[call-overload]  # heavy swapping
     assert stats["num_recomputes"] == 0  # nothing was recomputed: every KV came back
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
     assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 2000
     assert stats["num_swapped"] == 0
     assert stats["peak_kv_blocks"] == 24
-    llm.engine.runner.swapper.close()
+    runner = llm.engine.runner
+    assert isinstance(runner, ModelRunner)
+    runner.swapper.close()
