@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -40,6 +41,13 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: A
     except RuntimeError:  # closed between any check and the call: the caller has gone
         return False
     return True
+
+
+def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """The later output `b` carrying the new tokens and text of both."""
+    return dataclasses.replace(
+        b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text
+    )
 
 
 class QueueFullError(RuntimeError):
@@ -95,8 +103,13 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         oracle_output_len: int | None = None,
+        coalesce: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens come; the last has `finished=True`.
+
+        With `coalesce`, outputs that queued up while the caller was busy come as one output
+        carrying all their new tokens and text (what a saturated server wants: one chunk and
+        one socket write instead of several); a caller that keeps up still gets one per token.
 
         Raises ValueError for bad input and QueueFullError when the queue is full. Closing the
         iterator early (a client that went away) aborts the request and frees its blocks.
@@ -114,9 +127,18 @@ class AsyncLLM:
 
         rid = await self._call(add)
         finished = False
+        held: RequestOutput | BaseException | None = None  # read while coalescing, not merged
         try:
             while True:
-                item = await stream.queue.get()
+                item, held = (held, None) if held is not None else (await stream.queue.get(), None)
+                while coalesce and isinstance(item, RequestOutput) and not item.finished:
+                    if stream.queue.empty():
+                        break
+                    nxt = stream.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        held = nxt
+                        break
+                    item = _merged(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -99,3 +99,26 @@ def test_bad_request_fails_alone(llm: AsyncLLM) -> None:
     outs, message = asyncio.run(run())
     assert "maximum context length" in message
     assert outs[-1].finished and len(outs[-1].token_ids) == 8
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_a_slow_reader_gets_queued_tokens_merged_only_when_asked(llm: AsyncLLM, coalesce: bool) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[RequestOutput]:
+        outs = []
+        async for out in llm.generate(list(range(5, 25)), params, coalesce=coalesce):
+            outs.append(out)
+            if len(outs) == 1:
+                await asyncio.sleep(0.5)  # the engine runs on; its outputs queue up
+        return outs
+
+    outs = asyncio.run(run())
+    last = outs[-1]
+    assert last.finished and len(last.token_ids) == 40
+    assert [t for o in outs for t in o.new_token_ids] == last.token_ids  # nothing lost or doubled
+    assert "".join(o.new_text for o in outs) == last.text
+    if coalesce:
+        assert len(outs) < 40 and len(outs[1].new_token_ids) > 1
+    else:
+        assert [len(o.new_token_ids) for o in outs] == [1] * 40

@@ -296,7 +296,9 @@ class OpenAIServing:
         NOTE: the response is not started before the engine has accepted the request, so a
         full queue is a 429 and bad input a 400 rather than an error event mid-stream.
         """
-        outputs = self.llm.generate(job.prompt_token_ids, job.params, request_id=job.request_id)
+        outputs = self.llm.generate(
+            job.prompt_token_ids, job.params, request_id=job.request_id, coalesce=True
+        )
         try:
             first = await _race_disconnect(request, anext(outputs))
         except ClientDisconnected:
