@@ -44,10 +44,15 @@ class ModelConfig:
     # torch intra-op threads on CPU (0 = torch's default). One per core; fewer when the cores
     # are shared, since oversubscribed OpenMP threads spin and stall each other.
     num_threads: int = 0
+    # Keep the batch shape and wall time of the last N engine iterations (a ring buffer read
+    # by `fastserve profile --through-engine` and benchmarks/sim_vs_real.py); 0 = off.
+    record_iterations: int = 0
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _check(self.record_iterations >= 0,
+               f"record_iterations must be >= 0 (0 = off), got {self.record_iterations}")
         _check(
             self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",

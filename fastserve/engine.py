@@ -62,6 +62,8 @@ class EngineCore:
         self.num_iterations = 0
         self.busy_s = 0.0  # time spent in iterations
         self.swap_wait_s = 0.0
+        # The plan of the latest step (`LLMEngine` records its batch shape per iteration).
+        self.last_plan: SchedulerOutput | None = None
 
     @property
     def num_in_flight(self) -> int:
@@ -70,7 +72,7 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that got a token or failed."""
-        plan = self.scheduler.schedule(self.clock.now())
+        plan = self.last_plan = self.scheduler.schedule(self.clock.now())
         try:
             out = self.executor.execute(plan)
         except ExecutorDeadError:
@@ -125,8 +127,9 @@ class PipelinedEngineCore(EngineCore):
 
     def step(self) -> list[Request]:
         """Launch a batch, or finish the oldest; returns the requests that got a token or failed."""
+        self.last_plan = None  # a collect step launches nothing
         if len(self._in_flight) < self.max_in_flight:
-            plan = self.scheduler.schedule(self.clock.now())
+            plan = self.last_plan = self.scheduler.schedule(self.clock.now())
             try:
                 self.pipeline.submit(plan, self.clock.now())
             except ExecutorDeadError:

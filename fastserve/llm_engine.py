@@ -17,6 +17,7 @@ from fastserve.core.kv_policy import make_kv_policy
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.policies import make_scheduler
 from fastserve.engine import EngineCore, PipelinedEngineCore
+from fastserve.engine_profile import IterationRecorder
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
@@ -82,6 +83,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._aborted: list[Request] = []
+        # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`).
+        self.recorder = (IterationRecorder(config.model.record_iterations)
+                         if config.model.record_iterations else None)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -167,13 +171,17 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start_s = self.recorder.begin() if self.recorder is not None else 0.0
         touched = self.core.step()
         for req in touched:
             if self.outputs.detokenize(req) and not req.is_finished:
                 self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
         touched += self._aborted
         self._aborted = []
-        return [self.outputs.output(r) for r in touched]
+        outputs = [self.outputs.output(r) for r in touched]
+        if self.recorder is not None:
+            self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
+        return outputs
 
     def stats(self) -> dict[str, object]:
         s = self.scheduler

@@ -5,6 +5,11 @@ module times real iterations over a small grid of batches, prefill batches of se
 and decode batches of several sizes and context lengths, and fits the model's coefficients
 by non-negative weighted least squares. `load_or_profile` caches the fit per model, dtype and
 device, so the engine pays for profiling once.
+
+`--through-engine` times whole engine iterations instead (schedule, execute, update,
+detokenize, output delivery), recorded by the engine itself (`IterationRecorder`) while it
+serves a synthetic load: what the simulator needs to predict the real engine's job times. On a
+small model the executor is only about half of an iteration.
 """
 
 from __future__ import annotations
@@ -187,14 +192,33 @@ class _PlanFactory:
                                 _PARAMS, num_output_tokens=0 if start_pos == 0 else 1)
 
 
-def fit_cost_model(samples: list[Sample], kv_block_bytes: int = 0) -> CostModel:
+def fit_cost_model(
+    samples: list[Sample], kv_block_bytes: int = 0, fit_mean: bool = False
+) -> CostModel:
     """Non-negative least squares on relative error (short decode steps count as much as long
-    prefills). A term that would come out negative (noise) is dropped and the rest refitted."""
+    prefills). A term that would come out negative (noise) is dropped and the rest refitted.
+
+    `fit_mean`: the samples are single noisy timings (iterations recorded in a running engine)
+    and the model should predict their mean, so that simulated iterations add up to the real
+    total. Weighting by 1/measured would favour the samples noise made fast and fit below the
+    mean; the fit is redone (twice) weighting by 1/predicted instead, which keeps the errors
+    relative but no longer depends on the noise.
+    """
     if len(samples) < 2:
         raise ValueError(f"need at least 2 timed iterations to fit a cost model, got {len(samples)}")
     x = np.array([s.features for s in samples], dtype=np.float64)
     y = np.array([s.duration_s for s in samples], dtype=np.float64)
-    w = 1.0 / np.maximum(y, 1e-9)
+    coef = _nnls(x, y, 1.0 / np.maximum(y, 1e-9))
+    for _ in range(2 if fit_mean else 0):
+        coef = _nnls(x, y, 1.0 / np.maximum(x @ coef, 1e-9))
+    fixed, prefill, prefill2, decode, context = map(float, coef)  # FEATURES order
+    return CostModel(fixed_s=fixed, per_prefill_token_s=prefill, per_prefill_token2_s=prefill2,
+                     per_decode_s=decode, per_context_token_s=context,
+                     kv_block_bytes=kv_block_bytes)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares, dropping the most negative term until none is negative."""
     active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
     coef = np.zeros(x.shape[1])
     while active:
@@ -203,10 +227,7 @@ def fit_cost_model(samples: list[Sample], kv_block_bytes: int = 0) -> CostModel:
             coef[active] = sol
             break
         del active[int(np.argmin(sol))]
-    fixed, prefill, prefill2, decode, context = map(float, coef)  # FEATURES order
-    return CostModel(fixed_s=fixed, per_prefill_token_s=prefill, per_prefill_token2_s=prefill2,
-                     per_decode_s=decode, per_context_token_s=context,
-                     kv_block_bytes=kv_block_bytes)
+    return coef
 
 
 # -- cache --------------------------------------------------------------------------------
@@ -275,7 +296,12 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:  # type:
     )
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--time-budget-s", type=float, default=30.0,
-                   help="stop adding grid points after this long (default 30)")
+                   help="stop adding grid points (or load rounds) after this long (default 30)")
+    p.add_argument("--through-engine", action="store_true",
+                   help="time whole engine iterations (schedule, execute, update, detokenize, "
+                        "output delivery) under a synthetic load through AsyncLLM, instead of "
+                        "the executor alone on a grid; what the simulator should use to "
+                        "predict the real engine's job completion times")
     add_engine_args(p, skip=("warmup",))
     p.set_defaults(func=run_profile)
 
@@ -284,16 +310,29 @@ def run_profile(args: argparse.Namespace) -> int:
     from fastserve.args import engine_config_from_args
 
     config = engine_config_from_args(args)
-    runner, model_path = build_runner(config)
-    grid = dataclasses.replace(ProfileGrid(), time_budget_s=args.time_budget_s)
     start = time.perf_counter()
-    samples = measure(runner, grid)
-    cost = fit_cost_model(samples, kv_block_bytes=runner.block_bytes)
+    if args.through_engine:
+        from fastserve.engine_profile import EngineLoad, measure_through_engine
+        from fastserve.llm_engine import resolve_model_path
+
+        samples, block_bytes = measure_through_engine(
+            config, dataclasses.replace(EngineLoad(), time_budget_s=args.time_budget_s,
+                                        seed=config.model.seed))
+        model_path = resolve_model_path(config.model.model)
+    else:
+        runner, model_path = build_runner(config)
+        samples = measure(runner, dataclasses.replace(ProfileGrid(),
+                                                      time_budget_s=args.time_budget_s))
+        block_bytes = runner.block_bytes
+    cost = fit_cost_model(samples, kv_block_bytes=block_bytes, fit_mean=args.through_engine)
     save_profile(cost, args.out, model=str(model_path), dtype=config.model.dtype,
                  device=config.model.device, block_size=config.cache.block_size,
+                 num_threads=config.model.num_threads,
+                 method="through-engine" if args.through_engine else "executor",
                  num_samples=len(samples), fit_error=fit_error(cost, samples))
     print(f"timed {len(samples)} iterations in {time.perf_counter() - start:.1f} s; "
-          f"median relative error of the fit {fit_error(cost, samples):.1%}")
+          f"median relative error of the fit {fit_error(cost, samples):.1%}, "
+          f"total predicted / measured {total_ratio(cost, samples):.3f}")
     for name in FEATURES:
         print(f"  {name:22s} {getattr(cost, name):.3e}")
     print(f"wrote {args.out}")
@@ -302,12 +341,20 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def fit_error(cost: CostModel, samples: list[Sample]) -> float:
     """Median |predicted - measured| / measured over the samples."""
-    rel = [
-        abs(cost.iteration_s(s.num_prefill_tokens, s.num_decodes, s.num_context_tokens,
-                             s.sum_prefill_sq) - s.duration_s) / s.duration_s
-        for s in samples
-    ]
+    rel = [abs(predict(cost, s) - s.duration_s) / s.duration_s for s in samples]
     return float(np.median(rel))
+
+
+def total_ratio(cost: CostModel, samples: list[Sample]) -> float:
+    """Predicted over measured time of all the samples: what a simulated run's busy time is
+    off by (at high load, job completion times are off by a multiple of it)."""
+    return sum(predict(cost, s) for s in samples) / sum(s.duration_s for s in samples)
+
+
+def predict(cost: CostModel, sample: Sample) -> float:
+    s = sample
+    return cost.iteration_s(s.num_prefill_tokens, s.num_decodes, s.num_context_tokens,
+                            s.sum_prefill_sq)
 
 
 def build_runner(config: EngineConfig) -> tuple[ModelRunner, Path]:

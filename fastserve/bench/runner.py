@@ -16,6 +16,7 @@ from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
 from fastserve.bench.workloads import WorkItem, scale_to_load, trace_workload, zipf_workload
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
+from fastserve.profiler import Sample
 from fastserve.request import SamplingParams
 
 EXECUTORS = ("sim", "real")
@@ -173,12 +174,14 @@ async def run_real(
     seed: int = 0,
     progress: bool = False,
     kv_out: list[KVStats] | None = None,
+    iterations_out: list[list[Sample]] | None = None,
 ) -> list[JobTimes]:
     """Send the workload to a real `AsyncLLM` on the wall clock, each job at its arrival time.
 
     Prompts are random token ids of the right lengths (the same for every policy, from `seed`);
     outputs have exactly the target length (`ignore_eos`, `max_tokens`), and the oracle policy
-    is told that length. The engine's KV counters are appended to `kv_out` when given.
+    is told that length. The engine's KV counters are appended to `kv_out` when given, and its
+    recorded iterations (`record_iterations` > 0) to `iterations_out`.
     """
     from fastserve.async_engine import AsyncLLM
 
@@ -206,6 +209,8 @@ async def run_real(
         await llm.shutdown()
     if kv_out is not None:  # the engine loop has stopped: its counters are final
         kv_out.append(KVStats.from_engine_stats(llm.engine.stats()))
+    if iterations_out is not None and llm.engine.recorder is not None:
+        iterations_out.append(llm.engine.recorder.samples())
     errors = [d for d in done if isinstance(d, BaseException)]
     if errors:
         # NOTE: a rejected job (say, a prompt over the model's context) counts as unfinished.

@@ -1,0 +1,163 @@
+"""Profiling through the whole engine: per-iteration records and the fit of noisy timings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastserve.core.cost_model import CostModel
+from fastserve.core.plan import ScheduledRequest, SchedulerOutput
+from fastserve.engine_profile import IterationRecorder
+from fastserve.profiler import Sample, fit_cost_model, total_ratio
+from fastserve.request import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _plan(*shapes: tuple[int, int]) -> SchedulerOutput:
+    """One scheduled request per (start_pos, num_tokens)."""
+    return SchedulerOutput(scheduled=[
+        ScheduledRequest(f"r{i}", [1] * n, pos, list(range(8)), PARAMS, int(pos > 0))
+        for i, (pos, n) in enumerate(shapes)
+    ])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recorder_times_cycles_and_keeps_the_last_iterations() -> None:
+    clock = FakeClock()
+    rec = IterationRecorder(capacity=2, clock=clock)
+
+    def step(plan: SchedulerOutput | None, step_s: float, gap_s: float, is_busy: bool) -> None:
+        start = rec.begin()
+        clock.now += step_s
+        rec.end(start, plan, is_busy)
+        clock.now += gap_s  # what the serving loop does before the next step (or idle time)
+
+    step(_plan((0, 10), (0, 3)), 0.010, 0.002, is_busy=True)  # cycle = step + gap
+    step(_plan((10, 1), (3, 1)), 0.004, 0.001, is_busy=True)
+    step(_plan(), 0.001, 0.0, is_busy=True)  # no batch: not an iteration
+    step(_plan((11, 1)), 0.003, 5.0, is_busy=False)  # then idle: the step alone
+
+    samples = rec.samples()
+    assert rec.num_recorded == 3
+    # The ring keeps the last two; the second iteration's cycle runs into the empty step.
+    assert [s.features for s in samples] == [[1, 0, 0, 2, 11 + 4], [1, 0, 0, 1, 12]]
+    assert [s.duration_s for s in samples] == pytest.approx([0.004 + 0.001, 0.003])
+    assert [s.duration_s for s in rec.samples(cycle=False)] == pytest.approx([0.004, 0.003])
+    step(_plan((0, 5)), 0.002, 0.0, is_busy=True)  # not closed yet: reported as its step
+    last = rec.samples()[-1]
+    assert last.features == [1, 5, 25, 0, 0] and last.duration_s == pytest.approx(0.002)
+    rec.clear()
+    assert rec.samples() == [] and rec.num_recorded == 0
+    with pytest.raises(ValueError, match="capacity"):
+        IterationRecorder(0)
+
+
+def test_engine_records_one_sample_per_iteration(tiny_model_path: Path) -> None:
+    from fastserve.args import engine_config
+    from fastserve.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(model=str(tiny_model_path), warmup=False,
+                                     startup_profile=False, record_iterations=1000,
+                                     policy="fcfs", num_threads=1))
+    prompts, outputs = [5, 9, 20], [3, 6, 4]
+    for p, n in zip(prompts, outputs):
+        engine.add_request([7] * p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.recorder is not None
+    samples = engine.recorder.samples()
+    assert len(samples) == engine.core.num_iterations == max(outputs)
+    # Iteration 0 prefills all three prompts; iteration k decodes, with context prompt + k
+    # (the token fed this step included), every job that still has tokens to produce.
+    assert samples[0] == Sample(sum(prompts), sum(p * p for p in prompts), 0, 0,
+                                samples[0].duration_s)
+    for k, s in enumerate(samples[1:], start=1):
+        live = [p for p, n in zip(prompts, outputs) if n > k]
+        assert (s.num_prefill_tokens, s.num_decodes, s.num_context_tokens) == (
+            0, len(live), sum(p + k for p in live)), k
+    assert all(s.duration_s > 0 for s in samples)
+
+
+def test_engine_does_not_record_unless_asked(tiny_model_path: Path) -> None:
+    from fastserve.args import engine_config
+    from fastserve.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(model=str(tiny_model_path), warmup=False,
+                                     startup_profile=False))
+    assert engine.recorder is None
+    with pytest.raises(ValueError, match="record_iterations"):
+        engine_config(record_iterations=-1)
+
+
+TRUE = CostModel(fixed_s=1e-3, per_prefill_token_s=1e-4, per_decode_s=3e-4,
+                 per_context_token_s=1e-6)
+
+
+def _noisy_samples(n: int, seed: int) -> list[Sample]:
+    """Iterations whose times carry right-skewed noise (other processes only ever add time)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(n):
+        if rng.random() < 0.1:
+            pre, dec, ctx = int(rng.integers(4, 512)), 0, 0
+        else:
+            pre, dec = 0, int(rng.integers(1, 17))
+            ctx = dec * int(rng.integers(16, 1500))
+        t = TRUE.iteration_s(pre, dec, ctx, pre * pre) * rng.lognormal(0.0, 0.6)
+        samples.append(Sample(pre, pre * pre, dec, ctx, t))
+    return samples
+
+
+def test_fit_mean_adds_up_to_the_measured_total() -> None:
+    train, held_out = _noisy_samples(3000, seed=0), _noisy_samples(3000, seed=1)
+    assert total_ratio(fit_cost_model(train, fit_mean=True), held_out) == pytest.approx(1, abs=0.05)
+    # Weighting by the measured times fits below the mean: the simulator would run fast.
+    assert total_ratio(fit_cost_model(train), held_out) < 0.9
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_through_engine_fit_predicts_engine_iterations_better(
+    tiny_model_path: Path, one_thread: None
+) -> None:
+    """Fit on half of the engine's recorded iterations, score on the other half: closer to the
+    measured total than the executor-only grid profile, which misses the engine's own work."""
+    from fastserve.args import engine_config
+    from fastserve.engine_profile import EngineLoad, measure_through_engine
+    from fastserve.profiler import ProfileGrid, build_runner, measure
+
+    config = engine_config(model=str(tiny_model_path), num_threads=1, num_device_blocks=512)
+    load = EngineLoad(batch_sizes=(8, 1, 4), max_prompt_len=128, max_output_len=64,
+                      time_budget_s=3.0)
+    samples, block_bytes = measure_through_engine(config, load)
+    assert len(samples) > 50 and block_bytes > 0
+    train, held_out = samples[0::2], samples[1::2]  # interleaved: same machine conditions
+    engine_fit = fit_cost_model(train, fit_mean=True)
+
+    runner, _ = build_runner(config)
+    grid = ProfileGrid(prefill_lens=(8, 128, 32), decode_batches=((1, 16), (8, 64), (4, 128)),
+                       repeats=2, time_budget_s=3.0)
+    executor_fit = fit_cost_model(measure(runner, grid))
+
+    engine_err = abs(np.log(total_ratio(engine_fit, held_out)))
+    executor_err = abs(np.log(total_ratio(executor_fit, held_out)))
+    assert engine_err < executor_err, (engine_err, executor_err)
