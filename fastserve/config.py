@@ -115,6 +115,10 @@ class SchedulerConfig:
     mlfq_levels: int | None = None  # robust 4; paper enough that Q_lowest outlasts any job
     mlfq_charge: str | None = None  # robust "own"; paper "iteration"
     starve_limit_s: float | None = None  # robust 0 (off); paper 10 s; 0 = no promotion
+    # robust: a job that has not started in the lowest level lets at most this many later
+    # arrivals that have started run ahead of it, which bounds its wait (the JCT tail).
+    # None = 4 x max_batch_size; 0 = plain arrival order there. Unused by paper.
+    mlfq_max_overtakes: int | None = None
     mlfq_variant: str = "robust"
 
     def __post_init__(self) -> None:
@@ -139,6 +143,10 @@ class SchedulerConfig:
         _check(
             self.starve_limit_s is None or self.starve_limit_s >= 0,
             f"starve_limit_s must be >= 0 (0 = off), got {self.starve_limit_s}",
+        )
+        _check(
+            self.mlfq_max_overtakes is None or self.mlfq_max_overtakes >= 0,
+            f"mlfq_max_overtakes must be >= 0, got {self.mlfq_max_overtakes}",
         )
         _check(
             self.mlfq_variant in MLFQ_VARIANTS,

@@ -4,8 +4,8 @@ Queues Q1..Qn have quanta q1 * ratio^(i-1). After every iteration each batched j
 its service (`ChargeModel`); a job that has used up its level's quantum is demoted at least one
 level, to the level whose quantum covers its next iteration, down to the lowest level, which it
 never leaves by demotion. The order is by level, then by the variant's tie rule
-(`MLFQSettings`). With starvation promotion on, a job that has not run for `starve_limit_s`
-moves to Q1.
+(`MLFQSettings`; robust bounds how many later jobs pass one waiting in the lowest level).
+With starvation promotion on, a job that has not run for `starve_limit_s` moves to Q1.
 
 - `skip-join-mlfq`: a new job joins the highest level whose quantum covers its first
   iteration (prefill), skipping the levels above; iteration-level preemption.
@@ -217,7 +217,17 @@ class MLFQBase(Scheduler):
 
     def _key(self, job: _Job) -> Key:
         if self.settings.is_arrival_order:
-            return (job.level, 0 if job.is_started else 1, job.seq)
+            # Started jobs first, each group in arrival order. A job waiting to start in the
+            # lowest level ranks as if it had arrived `max_overtakes` jobs later, so at most
+            # that many later arrivals that started pass it (it never leaves that level, so
+            # an unbounded started-first rule could make it wait forever).
+            if job.is_started:
+                rank: float = job.seq
+            elif job.level == self._lowest:
+                rank = job.seq + self.settings.max_overtakes
+            else:
+                rank = math.inf
+            return (job.level, rank, 0 if job.is_started else 1, job.seq)
         return (job.level, job.attained_s, job.last_run_s, job.seq)
 
     def _rekey(self, job: _Job) -> None:

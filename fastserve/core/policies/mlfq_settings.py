@@ -11,7 +11,10 @@ Two variants share one mechanism (`mlfq.py`):
   level served in arrival order with started jobs first, no starvation promotion. A cost-model
   study on Azure's conversation trace found the paper's variant 1.5-3x worse than FCFS on mean
   JCT because similar-sized jobs time-share the engine; these changes keep most of the gain on
-  heavy-tailed bursty loads without that loss.
+  heavy-tailed bursty loads without that loss. In the lowest level, started-first is bounded
+  (`max_overtakes`): a long prompt skip-joins that level unstarted, and without the bound
+  every later job that ran its way down would pass it, so under sustained load it waited
+  without limit (p99 JCT up to 1.6x FCFS's in benchmarks/sim_sweep.py; 1.15x with the bound).
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ PAPER_QUANTUM_STEPS = 1.0
 # The paper's lowest quantum must outlast the longest job: 2^15 decode steps covers any output.
 PAPER_LONGEST_JOB_STEPS = 1 << 15
 PAPER_STARVE_LIMIT_S = 10.0
+# robust's default `max_overtakes`, in batches. benchmarks/sim_sweep.py at batch 16, worst
+# p99 JCT / FCFS's over the grid: 1.61 unbounded, 1.23 at 6 batches, 1.15 at 4. The bound
+# costs mean JCT mostly on the overloaded Azure windows (load 1.1: 0.69-0.83 of FCFS's
+# unbounded, 0.95-1.00 at 4 batches), where every long prompt was passed by the rest, and a
+# little on light-tailed Zipf lengths (theta 0.6: 0.91 -> 0.96).
+ROBUST_OVERTAKE_BATCHES = 4
 
 
 class ChargeModel:
@@ -128,6 +137,10 @@ class MLFQSettings:
     # preempt each other. paper: least service attained in the level first, then least
     # recently run, so jobs of one level take turns.
     is_arrival_order: bool
+    # robust: a job that has not started in the lowest level lets at most this many later
+    # arrivals that have started go ahead of it (inf = started first without limit; 0 = plain
+    # arrival order there).
+    max_overtakes: float = math.inf
 
     @property
     def num_levels(self) -> int:
@@ -157,12 +170,16 @@ class MLFQSettings:
         starve = config.starve_limit_s
         if starve is None:
             starve = PAPER_STARVE_LIMIT_S if is_paper else 0.0
+        overtakes = config.mlfq_max_overtakes
+        if overtakes is None:
+            overtakes = ROBUST_OVERTAKE_BATCHES * config.max_batch_size
         return cls(
             variant=config.mlfq_variant,
             charge=charge,
             quanta_s=tuple(q1 * config.quantum_ratio**i for i in range(levels)),
             starve_limit_s=starve,
             is_arrival_order=not is_paper,
+            max_overtakes=math.inf if is_paper else overtakes,
         )
 
 

@@ -1,0 +1,74 @@
+"""Robust skip-join MLFQ's tail bound: a job waiting to start in the lowest level is passed by
+at most `mlfq_max_overtakes` later arrivals that started (see `MLFQSettings.max_overtakes`).
+
+Costs are `UNIT_COST` (1 ms per prefill token and per decode step) and quanta 2, 4, 8 ms, so a
+30-token prompt skip-joins the lowest level and a 1-token prompt reaches it, started, after
+14 ms of service.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fastserve.config import SchedulerConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.policies.mlfq import MLFQBase
+from fastserve.core.policies.mlfq_settings import ROBUST_OVERTAKE_BATCHES, MLFQSettings
+from fastserve.request import Request
+from tests.core.factories import UNIT_COST, make_requests, make_scheduler, serve
+
+
+def mlfq(max_overtakes: int) -> MLFQBase:
+    sched = make_scheduler("skip-join-mlfq", cost=UNIT_COST, base_quantum_ms=2.0,
+                           mlfq_levels=4, max_batch_size=1, mlfq_max_overtakes=max_overtakes)
+    assert isinstance(sched, MLFQBase)
+    return sched
+
+
+def _long_prompt_and_crowd() -> tuple[Request, list[Request]]:
+    """`long` (a 30 ms prompt: the lowest level, unstarted) comes first; four 1-token prompts
+    with 40-token outputs, behind it in arrival order, run down the upper levels first and
+    reach the lowest level started."""
+    long, *crowd = make_requests([30, 1, 1, 1, 1], [5, 40, 40, 40, 40])
+    return long, crowd
+
+
+def _finish_order(max_overtakes: int) -> list[str]:
+    sched = mlfq(max_overtakes)
+    long, crowd = _long_prompt_and_crowd()
+    run = serve(sched, [long, *crowd])
+    assert len(run.finished) == 5
+    assert sched.level_of(long.request_id) is None
+    return [r.request_id for r in run.finished]
+
+
+def test_long_prompt_is_passed_by_at_most_max_overtakes_later_jobs() -> None:
+    # Two overtakes allowed: the crowd's first two (r1, r2) may pass `long` (r0), the rest not.
+    assert _finish_order(2) == ["r1", "r2", "r0", "r3", "r4"]
+
+
+def test_without_a_bound_every_started_job_passes_the_long_prompt() -> None:
+    # A bound above the crowd's size is the unbounded started-first rule that robust had
+    # before: `long` waits for the whole crowd.
+    assert _finish_order(10**6) == ["r1", "r2", "r3", "r4", "r0"]
+
+
+def test_zero_overtakes_is_arrival_order_in_the_lowest_level() -> None:
+    # The crowd still gets its 14 ms in the upper levels first, then `long`, which arrived
+    # first, runs before any of them resumes.
+    assert _finish_order(0) == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_bound_defaults_to_batches_for_robust_and_is_off_for_paper() -> None:
+    cost = CostModel()
+    robust = MLFQSettings.from_config(SchedulerConfig(max_batch_size=8), cost)
+    assert robust.max_overtakes == ROBUST_OVERTAKE_BATCHES * 8
+    set_ = MLFQSettings.from_config(SchedulerConfig(mlfq_max_overtakes=3), cost)
+    assert set_.max_overtakes == 3
+    paper = MLFQSettings.from_config(SchedulerConfig(mlfq_variant="paper"), cost)
+    assert paper.max_overtakes == float("inf")
+
+
+def test_negative_bound_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="mlfq_max_overtakes"):
+        SchedulerConfig(mlfq_max_overtakes=-1)
