@@ -99,23 +99,6 @@ def latest(sched: Scheduler, victims: Sequence[Request]) -> Request | None:
     return victims[best]
 
 
-class DeferPolicy(KVPolicy):
-    """No host memory: new jobs wait for free blocks."""
-
-    name = "defer"
-
-    def make_room(
-        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
-    ) -> bool:
-        if not sched.kv.has_blocks(requester.request_id):
-            return False  # only a started job growing may take blocks from others
-        victim = latest(sched, victims)
-        if victim is None:
-            return False
-        sched.recompute(victim)
-        return True
-
-
 class RecomputePolicy(KVPolicy):
     """Drop the victim's KV; it prefills again when it next runs (vLLM today)."""
 
@@ -129,6 +112,20 @@ class RecomputePolicy(KVPolicy):
             return False
         sched.recompute(victim)
         return True
+
+
+class DeferPolicy(RecomputePolicy):
+    """No host memory: new jobs wait for free blocks; only a started job that cannot grow
+    takes blocks from others, by recomputing the latest victim."""
+
+    name = "defer"
+
+    def make_room(
+        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+    ) -> bool:
+        if not sched.kv.has_blocks(requester.request_id):
+            return False
+        return super().make_room(sched, requester, victims, now)
 
 
 class ReactivePolicy(KVPolicy):

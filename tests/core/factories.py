@@ -8,7 +8,7 @@ server and the simulator do. The scheduler is the unit under test.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,10 @@ class Run:
     finished: list[Request]  # in finish order
     steps: list[tuple[SchedulerOutput, ExecutorOutput]] = field(default_factory=list)
 
+    @property
+    def plans(self) -> list[SchedulerOutput]:
+        return [p for p, _ in self.steps]
+
     def trace(self) -> list[tuple[tuple[tuple[str, int, int], ...], float]]:
         """Per iteration: (request id, start position, tokens fed) of each job, and the time."""
         return [
@@ -115,11 +119,21 @@ class Run:
         ]
 
 
-def serve(scheduler: Scheduler, requests: Sequence[Request], max_iterations: int = 200_000) -> Run:
-    """Add each request at its arrival time and step the engine until all have finished."""
-    core, executor = make_engine(scheduler)
-    clock = core.clock
-    assert isinstance(clock, VirtualClock)
+def serve(
+    scheduler: Scheduler,
+    requests: Sequence[Request],
+    max_iterations: int = 200_000,
+    make_executor: Callable[[VirtualClock], Any] | None = None,
+    on_step: Callable[[], None] | None = None,
+) -> Run:
+    """Add each request at its arrival time and step the engine until all have finished.
+
+    `make_executor(clock)` replaces the recording executor (it must keep `steps` too);
+    `on_step` runs after every iteration that ran a batch.
+    """
+    clock = VirtualClock()
+    executor = make_executor(clock) if make_executor else RecordingExecutor(scheduler.cost)
+    core = EngineCore(scheduler, executor, clock)
     pending = sorted(requests, key=lambda r: r.arrival_s)
     finished: list[Request] = []
     i = 0
@@ -137,4 +151,6 @@ def serve(scheduler: Scheduler, requests: Sequence[Request], max_iterations: int
         if core.num_iterations == num_iterations:
             assert i < len(pending), "the scheduler ran nothing and no request is left to arrive"
             clock.advance_to(pending[i].arrival_s)
+        elif on_step is not None:
+            on_step()
     raise AssertionError(f"not finished after {max_iterations} iterations")

@@ -10,8 +10,7 @@ while it is copied, host blocks mixed up) fails the test.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -33,7 +32,7 @@ from fastserve.core.scheduler import Scheduler
 from fastserve.engine import EngineCore
 from fastserve.request import FinishReason, Request, RequestStatus
 from fastserve.sim.executor import SimExecutor
-from tests.core.factories import UNIT_COST, make_requests, random_workload
+from tests.core.factories import UNIT_COST, Run, make_requests, random_workload, serve
 
 BLOCK_SIZE = 4
 TIGHT_BLOCKS = 40  # the largest job of `random_workload` (60 + 40 tokens) needs 25
@@ -85,43 +84,20 @@ class KVContentExecutor:
         return out
 
 
-@dataclass
-class KVRun:
-    scheduler: Scheduler
-    finished: list[Request]
-    steps: list[tuple[SchedulerOutput, ExecutorOutput]] = field(default_factory=list)
-
-    @property
-    def plans(self) -> list[SchedulerOutput]:
-        return [p for p, _ in self.steps]
-
-
 def serve_checked(sched: Scheduler, requests: Sequence[Request], max_iterations: int = 100_000,
-                  on_plan: object = None) -> KVRun:
+                  on_plan: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> Run:
     """Add each request at its arrival and step until all finish, checking KV contents."""
-    clock = VirtualClock()
-    executor = KVContentExecutor(sched.cost, clock)
-    core = EngineCore(sched, executor, clock)
-    pending = sorted(requests, key=lambda r: r.arrival_s)
-    finished: list[Request] = []
-    i = 0
-    for _ in range(max_iterations):
-        while i < len(pending) and pending[i].arrival_s <= clock.now():
-            sched.add_request(pending[i], clock.now())
-            i += 1
-        if not sched.has_unfinished:
-            if i == len(pending):
-                return KVRun(sched, finished, executor.steps)
-            clock.advance_to(pending[i].arrival_s)
-            continue
-        n = core.num_iterations
-        finished += [r for r in core.step() if r.is_finished]
-        if callable(on_plan):
-            on_plan(sched, executor.steps[-1][0])
-        if core.num_iterations == n:
-            assert i < len(pending), "nothing ran and no request is left to arrive"
-            clock.advance_to(pending[i].arrival_s)
-    raise AssertionError(f"not finished after {max_iterations} iterations")
+    executors: list[KVContentExecutor] = []
+
+    def make_executor(clock: VirtualClock) -> KVContentExecutor:
+        executors.append(KVContentExecutor(sched.cost, clock))
+        return executors[0]
+
+    def on_step() -> None:
+        if on_plan is not None:
+            on_plan(sched, executors[0].steps[-1][0])
+
+    return serve(sched, requests, max_iterations, make_executor, on_step)
 
 
 def tight_requests(seed: int = 0, n: int = 60) -> list[Request]:
@@ -129,7 +105,7 @@ def tight_requests(seed: int = 0, n: int = 60) -> list[Request]:
     return make_requests(prompts, outputs, arrivals)
 
 
-def assert_all_done_and_free(run: KVRun, n: int) -> None:
+def assert_all_done_and_free(run: Run, n: int) -> None:
     sched = run.scheduler
     assert len(run.finished) == n and not sched.has_unfinished
     for req in run.finished:
@@ -379,7 +355,7 @@ def full_device_then_urgent_job(kv_policy: str) -> tuple[Scheduler, Request, Req
     return sched, long, short
 
 
-def first_run_s(run: KVRun, request_id: str) -> float:
+def first_run_s(run: Run, request_id: str) -> float:
     t = 0.0
     for plan, out in run.steps:
         if any(s.request_id == request_id for s in plan.scheduled):
