@@ -196,6 +196,7 @@ class ProactivePolicy(ReactivePolicy):
         # Uploads still in flight, by the cost model: request -> when the copy lands.
         self._landing_s: dict[str, float] = {}
         self._resident_now: list[tuple[int, Request]] | None = None  # see `_resident`
+        self._wanted_now: set[str] | None = None  # see `_wanted`
         self._budget = _CopyBudget(self, None, 0.0)
 
     def begin(self, sched: Scheduler, now: float) -> None:
@@ -203,6 +204,7 @@ class ProactivePolicy(ReactivePolicy):
         self._budget = _CopyBudget(self, sched, now)
         self._deferred = []
         self._resident_now = None
+        self._wanted_now = None
         if len(self._landing_s) > 4 * sched.config.max_batch_size:  # forget landed uploads
             self._landing_s = {k: t for k, t in self._landing_s.items() if t > now}
 
@@ -223,6 +225,8 @@ class ProactivePolicy(ReactivePolicy):
             keep = None if is_new else self._first_ready(sched, start)
             if keep is None:
                 return False
+        if req.request_id not in self._wanted(sched):
+            return True  # the jobs ahead of it fill the device: its turn has not come
         self._deferred.append(req)
         budget = self._budget
         if not budget.fits(1):
@@ -269,6 +273,29 @@ class ProactivePolicy(ReactivePolicy):
                 (i, r) for i, r in enumerate(sched.current_order) if kv.has_blocks(r.request_id)
             ]
         return self._resident_now
+
+    def _wanted(self, sched: Scheduler) -> set[str]:
+        """The jobs the device should hold: taken in ENST order, each whose blocks for its
+        next iteration still fit in the device pool less the reserve (a job too large for
+        what is left is passed over for smaller later ones). Only these are uploaded ahead,
+        and only these make room when their turn comes: the order is stable from one
+        iteration to the next, so jobs behind a full device are not moved back and forth."""
+        if self._wanted_now is None:
+            kv = sched.kv
+            room = kv.num_total_blocks - self.reserve_blocks
+            wanted: set[str] = set()
+            for req in sorted(sched.current_order, key=sched.next_run_s):
+                rid = req.request_id
+                if kv.has_blocks(rid):
+                    n = len(kv.block_table(rid)) + kv.num_new_blocks(rid, req.num_tokens + 1)
+                else:
+                    n = _need(sched, req)
+                if n > room:
+                    continue  # a smaller job later may still fit
+                room -= n
+                wanted.add(rid)
+            self._wanted_now = wanted
+        return self._wanted_now
 
     def _resident_after(self, sched: Scheduler, start: int, slots: int) -> list[Request]:
         """The resident jobs from place `start` on, after the first `slots` of them."""
@@ -321,7 +348,10 @@ class ProactivePolicy(ReactivePolicy):
         # 2. Upload the next jobs, earliest first, making room from later ones if need be.
         if sched.num_swapped == 0:
             return
-        swapped = [r for r in order if sched.can_upload(r)]
+        # Only jobs the device should hold (see `_wanted`): uploading a job that the ones
+        # ahead of it will push out again only churns.
+        wanted = self._wanted(sched)
+        swapped = [r for r in order if sched.can_upload(r) and r.request_id in wanted]
         swapped.sort(key=sched.next_run_s)
         horizon_s = HORIZON_ITERATIONS * budget.compute_s
         for req in swapped:

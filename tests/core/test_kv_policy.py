@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from fastserve.args import engine_config
+from fastserve.bench.workloads import zipf_workload
 from fastserve.clock import VirtualClock
 from fastserve.config import KV_POLICIES, POLICIES, CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
@@ -32,6 +34,7 @@ from fastserve.core.scheduler import Scheduler
 from fastserve.engine import EngineCore
 from fastserve.request import FinishReason, Request, RequestStatus
 from fastserve.sim.executor import SimExecutor
+from fastserve.sim.simulator import simulate_run
 from tests.core.factories import UNIT_COST, Run, make_requests, random_workload, serve
 
 BLOCK_SIZE = 4
@@ -446,6 +449,29 @@ def test_swapped_jobs_are_uploaded_before_they_run() -> None:
     assert_all_done_and_free(run, 60)  # KVContentExecutor checked every read
     assert seen_swapped
 
+
+
+def test_proactive_does_not_shuttle_jobs_queued_behind_a_full_device() -> None:
+    """A long, bursty run on a pool that holds about 5 of the batch's 16 jobs (a CPU-class
+    profile, so copies are cheap and never the limit). The jobs queued behind the device's
+    working set must stay on the host until their turn: before the `_wanted` rule, proactive
+    uploaded them whenever a block was free and pushed them out again the next iteration
+    (35k blocks moved against reactive's 5k), and lost to reactive on average JCT."""
+    cost = CostModel(fixed_s=1.2e-3, per_prefill_token_s=1e-4, per_decode_s=9e-5,
+                     per_context_token_s=7e-7, kv_block_bytes=65536)
+    workload = zipf_workload(500, 30.0, 4.0, 1.2, 256, 1024, seed=0)
+    runs = {}
+    for kv_policy in ("proactive", "reactive", "defer"):
+        config = engine_config(policy="skip-join-mlfq", kv_policy=kv_policy, max_batch_size=16,
+                               num_host_blocks=50_000)
+        run = simulate_run(workload, config, cost, 93)
+        assert len(run.finished) == 500
+        jcts = [r.finish_s - r.arrival_s for r in run.finished]
+        runs[kv_policy] = (sum(jcts) / len(jcts), run.swap_out_blocks)
+    (pro_jct, pro_moved), (rea_jct, rea_moved) = runs["proactive"], runs["reactive"]
+    assert pro_moved <= rea_moved
+    assert pro_jct <= rea_jct
+    assert 1.5 * pro_jct <= runs["defer"][0]
 
 # -- no leaks, every combination -------------------------------------------------------------
 
