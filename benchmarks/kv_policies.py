@@ -15,6 +15,7 @@
    run.
 
     .venv/bin/python benchmarks/kv_policies.py [--part sim1|sim2|real|gpu|all] [--quick] [--jobs N]
+        [--reps R]
 
 4. Where a GPU is available (`--part gpu`): an iteration's compute while the copy stream
    uploads the next iteration's KV, against the same compute with nothing to copy (target: no
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -231,7 +233,10 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
     return jobs, KVStats.from_engine_stats(stats), run_s
 
 
-def part3(variant: str, quick: bool, fixed_blocks: int | None = None) -> list[str]:
+def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1) -> list[str]:
+    """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
+    times, interleaved (this machine is shared: a slow minute hits every policy alike), and
+    the ratios are of the medians."""
     wl = real_workload(quick)
 
     def config(kv_policy: str, blocks: int) -> EngineConfig:
@@ -246,16 +251,20 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None) -> list[st
     # --real-blocks can pin the pool for comparisons across runs.
     blocks = fixed_blocks or max(largest_job_blocks(wl), round(0.25 * unlimited["peak_kv_blocks"]))
     rows.append(_real_row(variant, "unlimited", 50_000, unlimited, run_s))
-    results = {}
-    for kv_policy in ("proactive", "reactive", "defer"):
-        jobs, kv, run_s = run_engine(wl, config(kv_policy, blocks))
-        results[kv_policy] = m = compute_metrics(jobs, len(wl), kv)
-        rows.append(_real_row(variant, kv_policy, blocks, m, run_s))
-    pro = results["proactive"]["jct_mean"]
+    policies = ("proactive", "reactive", "defer")
+    jct: dict[str, list[float]] = {kv_policy: [] for kv_policy in policies}
+    for _ in range(reps):
+        for kv_policy in policies:
+            jobs, kv, run_s = run_engine(wl, config(kv_policy, blocks))
+            m = compute_metrics(jobs, len(wl), kv)
+            jct[kv_policy].append(m["jct_mean"])
+            rows.append(_real_row(variant, kv_policy, blocks, m, run_s))
+    med = {k: statistics.median(v) for k, v in jct.items()}
+    runs = "; ".join(f"{k} " + "/".join(f"{x:.2f}" for x in v) for k, v in jct.items())
     rows.append(
-        f"  {variant}: defer/proactive {_ratio(results['defer']['jct_mean'], pro, 2.0)}, "
-        f"reactive/proactive {_ratio(results['reactive']['jct_mean'], pro, 1.0)}, "
-        f"proactive/unlimited {pro / unlimited['jct_mean']:.2f}"
+        f"  {variant}, medians of {reps}: defer/proactive {_ratio(med['defer'], med['proactive'], 2.0)}, "
+        f"reactive/proactive {_ratio(med['reactive'], med['proactive'], 1.0)}, "
+        f"proactive/unlimited {med['proactive'] / unlimited['jct_mean']:.2f} (avg JCT runs: {runs})"
     )
     return rows
 
@@ -392,6 +401,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer cells and requests")
     p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     p.add_argument("--variants", default="paper,robust", help="MLFQ variants for parts 2 and 3")
+    p.add_argument("--reps", type=int, default=1,
+                   help="part 3: runs per KV policy, interleaved; ratios of the medians")
     p.add_argument("--real-blocks", type=int, default=None,
                    help="part 3's device pool (default: 25%% of the unlimited run's peak)")
     args = p.parse_args()
@@ -416,7 +427,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(2)
-        rows = [row for v in variants for row in part3(v, args.quick, args.real_blocks)]
+        rows = [row for v in variants for row in part3(v, args.quick, args.real_blocks, args.reps)]
         _table("3. Real engine, CPU, tiny model (float32), 25% of peak KV, Zipf 1.2 / CV 4",
                PART3_HEADER, rows)
     if args.part in ("gpu", "all"):

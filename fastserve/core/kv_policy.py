@@ -17,7 +17,10 @@ the requester (the victims); after the batch is chosen the policy may move KV ah
   device blocks free by offloading the largest-ENST jobs, and upload the smallest-ENST swapped
   jobs ahead of their turn whenever space allows (offloading jobs that will run later than
   them if need be), so that the copies overlap compute; a job whose KV is not on the device
-  when its turn comes runs from the next iteration instead of stalling this one.
+  when its turn comes runs from the next iteration instead of stalling this one. Only the jobs
+  the device should hold (`ProactivePolicy._wanted`) are uploaded or make room: without that
+  rule the jobs queued behind a full device were uploaded into every free block and pushed out
+  again the next iteration (a CPU-profile run moved 13x the blocks reactive did, and lost).
 
 Host memory full: offloading fails and the scheduler back-pressures: new and swapped jobs wait,
 and only a started job that cannot grow falls back to recomputing a victim. No job is lost.

@@ -4,6 +4,7 @@ and the real tiny model under heavy swapping giving exactly the tokens of an unl
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from fastserve.executor.swap import (
     CudaSwapper,
     KVSwapper,
     ThreadSwapper,
+    _Task,
     host_pool_blocks,
     make_swapper,
 )
@@ -70,6 +72,28 @@ def test_cpu_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
         round_trip(swapper, attn)
     finally:
         swapper.close()
+
+
+def test_cpu_copy_worker_leaves_the_compute_threads_alone() -> None:
+    """The copy thread runs its copies on one intra-op thread; the engine's thread keeps the
+    threads it was given (a second full OpenMP team would compete with the compute's)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    attn = random_cache("cpu", torch.float32)
+    swapper = make_swapper(attn, num_host_blocks=24)
+    assert isinstance(swapper, ThreadSwapper)
+    try:
+        swapper.submit(swap_out=[(3, 0)], swap_in=[])  # starts the worker
+        seen: list[int] = []
+        probe = _Task(event=threading.Event(), device_blocks=[],
+                      work=lambda: seen.append(torch.get_num_threads()))
+        swapper._work.put(probe)  # runs on the copy thread, after the copy
+        assert probe.event is not None and probe.event.wait(30)
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        swapper.close()
+        torch.set_num_threads(before)
 
 
 @requires_cuda
