@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,17 +102,6 @@ def test_load_or_profile_caches_per_key(tmp_path: Path) -> None:
 def _assert_close(cost: CostModel, want: CostModel) -> None:
     for name in FEATURES:
         assert getattr(cost, name) == pytest.approx(getattr(want, name), rel=1e-6, abs=1e-12), name
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    # Two threads on a loaded two-core machine spin against each other: each call ~100x slower.
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_profile_of_the_real_tiny_model(tiny_model_path: Path, one_thread: None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -124,16 +123,6 @@ def test_fit_mean_adds_up_to_the_measured_total() -> None:
     assert total_ratio(fit_cost_model(train, fit_mean=True), held_out) == pytest.approx(1, abs=0.05)
     # Weighting by the measured times fits below the mean: the simulator would run fast.
     assert total_ratio(fit_cost_model(train), held_out) < 0.9
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_through_engine_fit_predicts_engine_iterations_better(
