@@ -288,6 +288,8 @@ class ProactivePolicy(ReactivePolicy):
             room = kv.num_total_blocks - self.reserve_blocks
             wanted: set[str] = set()
             for req in sorted(sched.current_order, key=sched.next_run_s):
+                if room <= 0:
+                    break  # every job needs at least one block
                 rid = req.request_id
                 if kv.has_blocks(rid):
                     n = len(kv.block_table(rid)) + kv.num_new_blocks(rid, req.num_tokens + 1)

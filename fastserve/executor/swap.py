@@ -288,8 +288,8 @@ class ThreadSwapper(KVSwapper):
         # NOTE: one intra-op thread for this thread's copies (the setting is per thread: the
         # compute keeps its own). The copies are memory-bound, and a second OpenMP team here
         # competes with the compute's for the same cores: on a 2-core machine, interleaved
-        # real runs (benchmarks/kv_policies.py part 3) had median average JCT 0.87 s with it
-        # and 0.71 s without.
+        # real runs (benchmarks/kv_policies.py part 3) had median average JCT 0.87 s with a
+        # full team here and 0.71 s with one thread.
         torch.set_num_threads(1)
         with torch.inference_mode():
             while (task := self._work.get()) is not None:
