@@ -12,10 +12,12 @@
 3. The real engine on this machine (CPU, the tiny model in float32), the same memory pressure
    (25% of the unlimited run's peak), a heavy-tailed bursty workload. Targets: proactive >= 2x
    better than defer on average JCT and not worse than reactive; swap_wait_s as a share of the
-   run.
+   run. Each run also prints its iterations' measured time over what the cost model predicts
+   for their shapes: the copies' cost to the compute, apart from the schedule they allow.
+   `--copy-workers inline,thread` runs proactive with each CPU copy mode side by side.
 
     .venv/bin/python benchmarks/kv_policies.py [--part sim1|sim2|real|gpu|all] [--quick] [--jobs N]
-        [--reps R]
+        [--reps R] [--copy-workers auto|thread|inline[,...]]
 
 4. Where a GPU is available (`--part gpu`): an iteration's compute while the copy stream
    uploads the next iteration's KV, against the same compute with nothing to copy (target: no
@@ -32,6 +34,7 @@ for. Both are printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -203,12 +206,16 @@ def real_workload(quick: bool) -> list[WorkItem]:
 
 
 def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0) -> tuple[
-        list[JobTimes], KVStats, float]:
+        list[JobTimes], KVStats, float, float]:
     """The real `LLMEngine` on the wall clock, each job added at its arrival time (one thread,
-    no HTTP or asyncio front end). Returns the jobs, the KV counters and the run's length."""
+    no HTTP or asyncio front end). Returns the jobs, the KV counters, the run's length and its
+    iterations' measured time over what the engine's cost model predicts for them (how much
+    slower each batch ran than its shape alone explains: a copy worker competing with the
+    compute for the cores shows here, whatever the schedule did)."""
     from fastserve.llm_engine import LLMEngine
 
-    engine = LLMEngine(config)
+    engine = LLMEngine(dataclasses.replace(
+        config, model=dataclasses.replace(config.model, record_iterations=1 << 20)))
     prompts = random_prompts(workload, engine.arch.vocab_size, seed)
     jobs: list[JobTimes] = []
     start = time.monotonic()
@@ -230,55 +237,68 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], "device blocks leaked"
     assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"], "host blocks leaked"
     engine.runner.swapper.close()  # type: ignore[union-attr]
-    return jobs, KVStats.from_engine_stats(stats), run_s
+    assert engine.recorder is not None
+    samples = engine.recorder.samples(cycle=False)
+    cost = engine.scheduler.cost
+    predicted = sum(cost.iteration_s(x.num_prefill_tokens, x.num_decodes, x.num_context_tokens,
+                                     x.sum_prefill_sq) for x in samples)
+    slowdown = sum(x.duration_s for x in samples) / predicted if predicted > 0 else math.nan
+    return jobs, KVStats.from_engine_stats(stats), run_s, slowdown
 
 
-def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1) -> list[str]:
+def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1,
+          copy_workers: Sequence[str] = ("auto",)) -> list[str]:
     """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
     times, interleaved (this machine is shared: a slow minute hits every policy alike), and
-    the ratios are of the medians."""
+    the ratios are of the medians. With several `copy_workers`, proactive runs once per CPU
+    copy mode in each repetition (`proactive/<mode>`); the first is the one the ratios use."""
     wl = real_workload(quick)
 
-    def config(kv_policy: str, blocks: int) -> EngineConfig:
+    def config(kv_policy: str, blocks: int, worker: str = "auto") -> EngineConfig:
         return engine_config(policy="skip-join-mlfq", mlfq_variant=variant, kv_policy=kv_policy,
                              num_device_blocks=blocks, num_host_blocks=50_000,
-                             max_batch_size=BATCH, dtype="float32")
+                             max_batch_size=BATCH, dtype="float32", cpu_copy_worker=worker)
 
     rows = []
-    jobs, kv, run_s = run_engine(wl, config("proactive", 50_000))
+    jobs, kv, run_s, slow = run_engine(wl, config("proactive", 50_000))
     unlimited = compute_metrics(jobs, len(wl), kv)
     # NOTE: the peak moves from run to run (wall-clock timing changes the schedule), so
     # --real-blocks can pin the pool for comparisons across runs.
     blocks = fixed_blocks or max(largest_job_blocks(wl), round(0.25 * unlimited["peak_kv_blocks"]))
-    rows.append(_real_row(variant, "unlimited", 50_000, unlimited, run_s))
-    policies = ("proactive", "reactive", "defer")
-    jct: dict[str, list[float]] = {kv_policy: [] for kv_policy in policies}
+    rows.append(_real_row(variant, "unlimited", 50_000, unlimited, run_s, slow))
+    runs = [("proactive", w, "proactive" if len(copy_workers) == 1 else f"proactive/{w}")
+            for w in copy_workers] + [("reactive", copy_workers[0], "reactive"),
+                                      ("defer", copy_workers[0], "defer")]
+    jct: dict[str, list[float]] = {name: [] for _, _, name in runs}
     for _ in range(reps):
-        for kv_policy in policies:
-            jobs, kv, run_s = run_engine(wl, config(kv_policy, blocks))
+        for kv_policy, worker, name in runs:
+            jobs, kv, run_s, slow = run_engine(wl, config(kv_policy, blocks, worker))
             m = compute_metrics(jobs, len(wl), kv)
-            jct[kv_policy].append(m["jct_mean"])
-            rows.append(_real_row(variant, kv_policy, blocks, m, run_s))
+            jct[name].append(m["jct_mean"])
+            rows.append(_real_row(variant, name, blocks, m, run_s, slow))
     med = {k: statistics.median(v) for k, v in jct.items()}
-    runs = "; ".join(f"{k} " + "/".join(f"{x:.2f}" for x in v) for k, v in jct.items())
+    pro = med[runs[0][2]]
+    runs_text = "; ".join(f"{k} " + "/".join(f"{x:.2f}" for x in v) for k, v in jct.items())
     rows.append(
-        f"  {variant}, medians of {reps}: defer/proactive {_ratio(med['defer'], med['proactive'], 2.0)}, "
-        f"reactive/proactive {_ratio(med['reactive'], med['proactive'], 1.0)}, "
-        f"proactive/unlimited {med['proactive'] / unlimited['jct_mean']:.2f} (avg JCT runs: {runs})"
+        f"  {variant}, medians of {reps}: defer/proactive {_ratio(med['defer'], pro, 2.0)}, "
+        f"reactive/proactive {_ratio(med['reactive'], pro, 1.0)}, "
+        f"proactive/unlimited {pro / unlimited['jct_mean']:.2f} (avg JCT runs: {runs_text})"
     )
     return rows
 
 
-def _real_row(variant: str, name: str, blocks: int, m: dict[str, float], run_s: float) -> str:
+def _real_row(variant: str, name: str, blocks: int, m: dict[str, float], run_s: float,
+              slowdown: float) -> str:
     return _row([
         variant, name, blocks, m["num_finished"], f"{m['jct_mean']:.2f}", f"{m['jct_p99']:.2f}",
         f"{run_s:.1f}", m["peak_kv_blocks"], m["swap_out_blocks"],
-        f"{m['swap_wait_s']:.2f}", f"{100 * m['swap_wait_s'] / run_s:.2f}%",
+        f"{m['swap_wait_s']:.2f}", f"{100 * m['swap_wait_s'] / run_s:.2f}%", f"{slowdown:.2f}",
     ])
 
 
 PART3_HEADER = ["variant", "kv policy", "blocks", "done", "avg JCT s", "p99 s", "run s",
-                "peak blocks", "swap-out blocks", "swap_wait_s", "wait share"]
+                "peak blocks", "swap-out blocks", "swap_wait_s", "wait share",
+                "iteration time / cost model"]
 
 
 # -- part 4: uploads overlap compute on a GPU ------------------------------------------------
@@ -403,6 +423,9 @@ def main() -> None:
     p.add_argument("--variants", default="paper,robust", help="MLFQ variants for parts 2 and 3")
     p.add_argument("--reps", type=int, default=1,
                    help="part 3: runs per KV policy, interleaved; ratios of the medians")
+    p.add_argument("--copy-workers", default="auto",
+                   help="part 3: CPU copy modes for proactive (auto, thread, inline), "
+                        "comma-separated to run each side by side")
     p.add_argument("--real-blocks", type=int, default=None,
                    help="part 3's device pool (default: 25%% of the unlimited run's peak)")
     args = p.parse_args()
@@ -427,7 +450,9 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(2)
-        rows = [row for v in variants for row in part3(v, args.quick, args.real_blocks, args.reps)]
+        workers = [w.strip() for w in args.copy_workers.split(",") if w.strip()]
+        rows = [row for v in variants
+                for row in part3(v, args.quick, args.real_blocks, args.reps, workers)]
         _table("3. Real engine, CPU, tiny model (float32), 25% of peak KV, Zipf 1.2 / CV 4",
                PART3_HEADER, rows)
     if args.part in ("gpu", "all"):

@@ -20,6 +20,7 @@ POLICIES = (
     "srpt-oracle",
 )
 KV_POLICIES = ("proactive", "reactive", "defer", "recompute")
+CPU_COPY_WORKERS = ("auto", "thread", "inline")
 MLFQ_CHARGES = ("iteration", "own")
 MLFQ_VARIANTS = ("robust", "paper")
 
@@ -74,6 +75,10 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     kv_reserve_blocks: int = 0  # K: device blocks `proactive` keeps free at least
     burst_queues: int = 2  # K': top queues whose non-resident jobs `proactive` keeps room for
+    # KV copies on a CPU device: "thread" (a background copy worker), "inline" (on the compute
+    # thread, before the iteration) or "auto": the worker only when the compute leaves a core
+    # free (see fastserve/executor/swap.py).
+    cpu_copy_worker: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
@@ -97,6 +102,10 @@ class CacheConfig:
         )
         _check(self.kv_reserve_blocks >= 0, "kv_reserve_blocks must be >= 0")
         _check(self.burst_queues >= 0, "burst_queues must be >= 0")
+        _check(
+            self.cpu_copy_worker in CPU_COPY_WORKERS,
+            f"cpu_copy_worker must be one of {CPU_COPY_WORKERS}, got {self.cpu_copy_worker!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,5 @@ def test_unknown_option_is_named() -> None:
         LLM(max_batchsize=3)
     with pytest.raises(ValueError, match="max_batch_size"):
         LLM(max_batch_size=0)
+    with pytest.raises(ValueError, match="cpu_copy_worker must be one of"):
+        LLM(cpu_copy_worker="gpu")

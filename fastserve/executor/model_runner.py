@@ -75,7 +75,8 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, model_config.seed, self.device)
         # KV copies to/from host memory, beside the compute (this rank's shards only).
         self.num_host_blocks = host_pool_blocks(cache_config, self.block_bytes)
-        self.swapper = make_swapper(self.attn, self.num_host_blocks)
+        self.swapper = make_swapper(self.attn, self.num_host_blocks,
+                                    cache_config.cpu_copy_worker)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:

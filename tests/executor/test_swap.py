@@ -1,8 +1,10 @@
-"""KV swaps: bit-identical round trips (CPU copy thread; CUDA copy stream when there is a GPU),
-and the real tiny model under heavy swapping giving exactly the tokens of an unlimited run."""
+"""KV swaps: bit-identical round trips (CPU copy thread or inline copies; CUDA copy stream when
+there is a GPU), and the real tiny model under heavy swapping giving exactly the tokens of an
+unlimited run."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -14,9 +16,11 @@ from fastserve.executor.attention import PagedAttention
 from fastserve.executor.model_runner import ModelRunner
 from fastserve.executor.swap import (
     CudaSwapper,
+    InlineSwapper,
     KVSwapper,
     ThreadSwapper,
     _Task,
+    has_spare_core,
     host_pool_blocks,
     make_swapper,
 )
@@ -62,12 +66,16 @@ def round_trip(swapper: KVSwapper, attn: PagedAttention) -> None:
     swapper.synchronize()
 
 
+CPU_SWAPPERS = {"thread": ThreadSwapper, "inline": InlineSwapper}
+
+
+@pytest.mark.parametrize("worker", sorted(CPU_SWAPPERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
+def test_cpu_round_trip_is_bit_identical(dtype: torch.dtype, worker: str) -> None:
     torch.set_num_threads(1)
     attn = random_cache("cpu", dtype)
-    swapper = make_swapper(attn, num_host_blocks=24)
-    assert isinstance(swapper, ThreadSwapper)
+    swapper = make_swapper(attn, num_host_blocks=24, cpu_worker=worker)
+    assert isinstance(swapper, CPU_SWAPPERS[worker])
     try:
         round_trip(swapper, attn)
     finally:
@@ -80,7 +88,7 @@ def test_cpu_copy_worker_leaves_the_compute_threads_alone() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     attn = random_cache("cpu", torch.float32)
-    swapper = make_swapper(attn, num_host_blocks=24)
+    swapper = make_swapper(attn, num_host_blocks=24, cpu_worker="thread")
     assert isinstance(swapper, ThreadSwapper)
     try:
         swapper.submit(swap_out=[(3, 0)], swap_in=[])  # starts the worker
@@ -96,6 +104,28 @@ def test_cpu_copy_worker_leaves_the_compute_threads_alone() -> None:
         torch.set_num_threads(before)
 
 
+def test_auto_takes_the_copy_thread_only_when_a_core_is_free() -> None:
+    """When the compute's threads fill every core, a copy thread only preempts them: copies
+    then run inline; with a core to spare they go to the worker."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    attn = random_cache("cpu", torch.float32)
+    try:
+        torch.set_num_threads(cores)
+        assert not has_spare_core()
+        assert isinstance(make_swapper(attn, num_host_blocks=4), InlineSwapper)
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert has_spare_core()
+            swapper = make_swapper(attn, num_host_blocks=4)
+            assert isinstance(swapper, ThreadSwapper)
+            swapper.close()
+        with pytest.raises(ValueError, match="cpu_copy_worker"):
+            make_swapper(attn, num_host_blocks=4, cpu_worker="gpu")
+    finally:
+        torch.set_num_threads(before)
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
@@ -106,11 +136,12 @@ def test_cuda_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
     round_trip(swapper, attn)
 
 
-def test_random_plans_keep_every_block_intact() -> None:
-    """Many random moves with the copy thread, checked against a plain dict of contents."""
+@pytest.mark.parametrize("worker", sorted(CPU_SWAPPERS))
+def test_random_plans_keep_every_block_intact(worker: str) -> None:
+    """Many random moves, checked against a plain dict of contents."""
     torch.set_num_threads(1)
     attn = random_cache("cpu", torch.float32, seed=1)
-    swapper = make_swapper(attn, num_host_blocks=NUM_BLOCKS)
+    swapper = make_swapper(attn, num_host_blocks=NUM_BLOCKS, cpu_worker=worker)
     rng = random.Random(0)
     device = {b: blocks_of(attn, [b]) for b in range(NUM_BLOCKS)}  # what each block holds
     host: dict[int, list[torch.Tensor]] = {}
@@ -169,15 +200,16 @@ def unlimited_tokens(tiny_model_path: object) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("kv_policy", ["proactive", "reactive"])
+@pytest.mark.parametrize(("kv_policy", "worker"),
+                         [("proactive", "thread"), ("proactive", "inline"), ("reactive", "auto")])
 def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
-    kv_policy: str, unlimited_tokens: list[list[int]]
+    kv_policy: str, worker: str, unlimited_tokens: list[list[int]]
 ) -> None:
     torch.set_num_threads(1)
     prompts, params = workload()
     # 24 blocks of 16 tokens: a full batch of these jobs needs ~40 (200 jobs, ~1,400 blocks).
     llm = LLM(kv_policy=kv_policy, num_device_blocks=24, num_host_blocks=2000,
-              max_batch_size=16, dtype="float32")
+              max_batch_size=16, dtype="float32", cpu_copy_worker=worker)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == unlimited_tokens
     stats = llm.engine.stats()
@@ -190,4 +222,6 @@ def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
     assert stats["peak_kv_blocks"] == 24
     runner = llm.engine.runner
     assert isinstance(runner, ModelRunner)
+    if worker != "auto":
+        assert isinstance(runner.swapper, CPU_SWAPPERS[worker])
     runner.swapper.close()
