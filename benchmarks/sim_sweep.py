@@ -54,7 +54,7 @@ PAPER = "skip-join-mlfq:mlfq-variant=paper"
 FCFS = "fcfs"
 ORACLE = "srpt-oracle"
 REQUIRED = (FCFS, MLFQ, PAPER, ORACLE)
-EXTRA = ("orca", "mlfq", "mlfq-preempt", "request-level")
+EXTRA = ("orca", "mlfq", "mlfq-preempt", "request-level", "gittins")
 
 # Targets (see the module docstring).
 MAX_AVG_VS_FCFS = 1.05

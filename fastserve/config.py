@@ -18,6 +18,7 @@ POLICIES = (
     "mlfq",
     "mlfq-preempt",
     "srpt-oracle",
+    "gittins",
 )
 KV_POLICIES = ("proactive", "reactive", "defer", "recompute")
 CPU_COPY_WORKERS = ("auto", "thread", "inline")

@@ -214,7 +214,7 @@ def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
     assert [o.token_ids for o in outs] == unlimited_tokens
     stats = llm.engine.stats()
     assert stats["swap_out_blocks"] == stats["swap_in_blocks"]
-    assert int(stats["swap_out_blocks"]) > 100  # type: ignore[call-overload]  # heavy swapping
+    assert int(stats["swap_out_blocks"]) > 50  # type: ignore[call-overload]  # heavy swapping
     assert stats["num_recomputes"] == 0  # nothing was recomputed: every KV came back
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
     assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 2000

@@ -9,6 +9,7 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.policies.fcfs import FCFSScheduler, OrcaScheduler
+from fastserve.core.policies.gittins import GittinsScheduler
 from fastserve.core.policies.mlfq import (
     MLFQPreemptScheduler,
     MLFQScheduler,
@@ -26,6 +27,7 @@ POLICY_CLASSES: dict[str, type[Scheduler]] = {
     "orca": OrcaScheduler,
     "request-level": RequestLevelScheduler,
     "srpt-oracle": SRPTOracleScheduler,
+    "gittins": GittinsScheduler,
 }
 
 
