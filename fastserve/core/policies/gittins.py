@@ -139,9 +139,7 @@ class GittinsScheduler(Scheduler):
         self._slot: dict[str, int] = {}  # the grid point each started job was keyed at
         self._num_added = 0
         self._lengths: deque[int] = deque(maxlen=WINDOW)
-        # Unfinished jobs in arrival order, for the overtaking bound; promoted ones run first.
-        self._unfinished: dict[str, Request] = {}
-        self._promoted: set[str] = set()
+        self._promoted: set[str] = set()  # overtaken too often: they run first
         self._num_finished = 0
         overtakes = config.mlfq_max_overtakes
         self.max_overtakes = math.inf if overtakes is None else overtakes
@@ -164,7 +162,6 @@ class GittinsScheduler(Scheduler):
     def _on_add(self, req: Request, now: float) -> None:
         self._seq[req.request_id] = self._num_added
         self._num_added += 1
-        self._unfinished[req.request_id] = req
         self._rekey(req, force=True)
         self._promote_overtaken()  # (with a bound of 0, the oldest job runs first: FCFS)
 
@@ -172,7 +169,6 @@ class GittinsScheduler(Scheduler):
         self._queue.remove(req.request_id)
         self._seq.pop(req.request_id, None)
         self._slot.pop(req.request_id, None)
-        self._unfinished.pop(req.request_id, None)
         self._promoted.discard(req.request_id)
         self._num_finished += 1
         self._promote_overtaken()
@@ -188,13 +184,13 @@ class GittinsScheduler(Scheduler):
         return self._queue.items()
 
     def _promote_overtaken(self) -> None:
-        """Send to the front every job that more than `max_overtakes` later arrivals have
-        finished before. A job of arrival number s has been overtaken by (finished - s) jobs
+        """Send to the front every job that `max_overtakes` later arrivals have finished
+        before. A job of arrival number s has been overtaken by (finished - s) jobs
         plus the unfinished ones older than it (every other older job has finished); walking
         from the oldest, those are the jobs just promoted, and the walk stops at the first job
         within the bound by that count (it is checked again at the next finish). A job is
         promoted once `max_overtakes` have passed it, so no more than that many do."""
-        for rid, req in self._unfinished.items():
+        for rid, req in self.requests.items():  # unfinished, in arrival order
             seq = self._seq[rid]
             if self._num_finished - seq < self.max_overtakes:
                 break
