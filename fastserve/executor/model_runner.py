@@ -101,6 +101,8 @@ class ModelRunner:
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> BatchInputs:
         bs = self.block_size
+        # The decode kernel reads block tables itself: no per-request slot gather to build.
+        gathers_in_kernel = self.attn.decode_kernel is not None
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -125,7 +127,7 @@ class ModelRunner:
                     ctx_len=ctx,
                     slot_start=table[0] * bs,
                     slot_index=None
-                    if contiguous or r.is_prefill
+                    if contiguous or r.is_prefill or gathers_in_kernel
                     else self.attn.block_slots(table[: -(-ctx // bs)])[:ctx],
                 )
             )
