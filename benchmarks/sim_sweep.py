@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({sim_s:.0f} s of simulation)")
     print(summary_line("sj (skip-join-mlfq)", MLFQ, results))
     print(summary_line("paper (skip-join-mlfq, paper variant)", PAPER, results))
+    for policy in policies:
+        if policy not in REQUIRED:
+            print(summary_line(policy, policy, results))
     if violations:
         print(f"{len(violations)} target violations:")
         for name, v in violations:

@@ -198,7 +198,6 @@ class ProactivePolicy(ReactivePolicy):
         self._now = 0.0
         # Uploads still in flight, by the cost model: request -> when the copy lands.
         self._landing_s: dict[str, float] = {}
-        self._resident_now: list[tuple[int, Request]] | None = None  # see `_resident`
         self._wanted_now: set[str] | None = None  # see `_wanted`
         self._budget = _CopyBudget(self, None, 0.0)
 
@@ -206,7 +205,6 @@ class ProactivePolicy(ReactivePolicy):
         self._now = now
         self._budget = _CopyBudget(self, sched, now)
         self._deferred = []
-        self._resident_now = None
         self._wanted_now = None
         if len(self._landing_s) > 4 * sched.config.max_batch_size:  # forget landed uploads
             self._landing_s = {k: t for k, t in self._landing_s.items() if t > now}
@@ -266,17 +264,6 @@ class ProactivePolicy(ReactivePolicy):
         start = len(sched.current_order) - len(rest)
         return batch_size > 0 or self._first_ready(sched, start) is not None
 
-    def _resident(self, sched: Scheduler) -> list[tuple[int, Request]]:
-        """(place in the order, job) of the jobs resident when this iteration's walk began,
-        computed once: few jobs fit on the device, so this list is short even when the
-        queue is long. NOTE: a superset later in the walk; callers check residency."""
-        if self._resident_now is None:
-            kv = sched.kv
-            self._resident_now = [
-                (i, r) for i, r in enumerate(sched.current_order) if kv.has_blocks(r.request_id)
-            ]
-        return self._resident_now
-
     def _wanted(self, sched: Scheduler) -> set[str]:
         """The jobs the device should hold: taken in ENST order, each whose blocks for its
         next iteration still fit in the device pool less the reserve (a job too large for
@@ -306,7 +293,7 @@ class ProactivePolicy(ReactivePolicy):
         """The resident jobs from place `start` on, after the first `slots` of them."""
         kv = sched.kv
         out = []
-        for i, r in self._resident(sched):
+        for i, r in sched.resident():
             if i < start or not kv.has_blocks(r.request_id):
                 continue
             if slots > 0:
@@ -319,7 +306,7 @@ class ProactivePolicy(ReactivePolicy):
         """The first resident job from place `start` on that can run now without new blocks
         or waiting for its upload."""
         kv = sched.kv
-        for i, r in self._resident(sched):
+        for i, r in sched.resident():
             rid = r.request_id
             if i >= start and kv.has_blocks(rid) and kv.num_new_blocks(rid, r.num_tokens) == 0 \
                     and self._landing_s.get(rid, 0.0) <= self._now:

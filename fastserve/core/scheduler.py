@@ -53,6 +53,7 @@ class Scheduler(ABC):
         self.kv_policy: KVPolicy = make_kv_policy(CacheConfig())
         self._moves = _Moves()  # this iteration's KV copies
         self._order_now: Sequence[Request] = ()  # this iteration's order, for ENST
+        self._resident_now: list[tuple[int, Request]] | None = None  # see `resident`
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # ENST per request, computed when asked
         # Pipeline parallelism: jobs of batches still in the pipeline are running. They are
@@ -111,6 +112,7 @@ class Scheduler(ABC):
         """Pick this iteration's batch, and the KV copies it needs."""
         self._moves = _Moves()
         self._enst = None
+        self._resident_now = None
         self._now = now
         self.kv_policy.begin(self, now)
         batch: list[Request] = []
@@ -290,6 +292,19 @@ class Scheduler(ABC):
         """This iteration's order (what `schedule` walks)."""
         return self._order_now
 
+    def resident(self) -> list[tuple[int, Request]]:
+        """(place in this iteration's order, job) of the jobs whose KV was on the device when
+        the walk began, computed once per iteration: few jobs fit on the device, so this is
+        short even when the queue is long. NOTE: a superset later in the walk (jobs are
+        offloaded meanwhile); callers check residency. Jobs that gain blocks during the walk
+        are in the batch or were uploaded this iteration, and neither may be a victim."""
+        if self._resident_now is None:
+            kv = self.kv
+            self._resident_now = [
+                (i, r) for i, r in enumerate(self._order_now) if kv.has_blocks(r.request_id)
+            ]
+        return self._resident_now
+
     def next_run_s(self, req: Request) -> float:
         """The request's ENST this iteration (see `estimate_next_run_s`), computed once."""
         if self._enst is None:
@@ -335,7 +350,11 @@ class Scheduler(ABC):
         victims), as the KV policy decides; takes nothing when they could not give enough."""
         if shortfall <= 0:
             return True
-        victims = [r for r in rest if self.can_offload(r)]
+        # NOTE: from the short resident list, not by walking `rest`: every swapped job in a
+        # long queue tries to come back, and scanning the queue for each made scheduling
+        # O(queue x swapped jobs) per iteration (0.58 ms of a 4 ms CPU iteration, reactive).
+        start = len(self._order_now) - len(rest)
+        victims = [r for i, r in self.resident() if i >= start and self.can_offload(r)]
         if sum(len(self.kv.block_table(r.request_id)) for r in victims) < shortfall:
             return False
         goal = self.kv.num_free_blocks + shortfall
