@@ -19,8 +19,8 @@ as it ages and new jobs pass it (like least-attained-service); where lengths are
 
 Until `MIN_SAMPLES` jobs have finished the order is plain arrival order (FCFS); the estimate
 is refitted every `REFIT_EVERY` finishes over the last `WINDOW` lengths. Ages and candidate
-horizons b lie on a grid (every age to 16 tokens, then 15% steps), so a job is re-keyed only
-when its age crosses a grid point; a refit re-ranks every unfinished job (measured: 0.7 ms to
+horizons b lie on a grid (every age to 16 tokens, then 15% steps), so a job moves in the
+order only when its age crosses a grid point; a refit re-ranks every unfinished job (measured: 0.7 ms to
 fit 4,096 lengths, 7.6 ms to rank 1,000 new jobs, once per 64 finishes; schedule() itself
 47 us at 1,000 waiting, benchmarks/sched_overhead.py). A job older than every observed length
 keeps the rank of the oldest observed age. NOTE: the lengths are those of finished jobs only (jobs still
@@ -49,9 +49,7 @@ from itertools import accumulate
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput
-from fastserve.core.policies.keyed_order import KeyedOrder
-from fastserve.core.scheduler import Scheduler
+from fastserve.core.policies.keyed_order import KeyedOrderScheduler
 from fastserve.request import FinishReason, Request
 
 MIN_SAMPLES = 32
@@ -123,7 +121,7 @@ def _mean_min(sorted_lengths: list[int], prefix: list[int], x: int) -> float:
     return (prefix[k] + (n - k) * x) / n
 
 
-class GittinsScheduler(Scheduler):
+class GittinsScheduler(KeyedOrderScheduler):
     """Lowest Gittins rank first, re-decided every iteration (preemptive); see the module doc."""
 
     def __init__(
@@ -134,10 +132,6 @@ class GittinsScheduler(Scheduler):
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(config, kv, cost, eos_token_ids)
-        self._queue: KeyedOrder[Request] = KeyedOrder()
-        self._seq: dict[str, int] = {}
-        self._slot: dict[str, int] = {}  # the grid point each started job was keyed at
-        self._num_added = 0
         self._lengths: deque[int] = deque(maxlen=WINDOW)
         self._promoted: set[str] = set()  # overtaken too often: they run first
         self._num_finished = 0
@@ -148,27 +142,12 @@ class GittinsScheduler(Scheduler):
         self._step_s = cost.iteration_s(0, b, 0) / b  # one decode step's share of a full batch
         self.model: LengthModel | None = None
 
-    def update(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> list[Request]:
-        touched = super().update(plan, out, now)
-        for req in touched:
-            if not req.is_finished:
-                self._rekey(req)
-        return touched
-
-    def recompute(self, req: Request) -> None:
-        super().recompute(req)
-        self._rekey(req, force=True)  # it has a prefill to redo now
-
     def _on_add(self, req: Request, now: float) -> None:
-        self._seq[req.request_id] = self._num_added
-        self._num_added += 1
-        self._rekey(req, force=True)
+        super()._on_add(req, now)
         self._promote_overtaken()  # (with a bound of 0, the oldest job runs first: FCFS)
 
     def _on_finish(self, req: Request, now: float) -> None:
-        self._queue.remove(req.request_id)
-        self._seq.pop(req.request_id, None)
-        self._slot.pop(req.request_id, None)
+        super()._on_finish(req, now)
         self._promoted.discard(req.request_id)
         self._num_finished += 1
         self._promote_overtaken()
@@ -180,9 +159,6 @@ class GittinsScheduler(Scheduler):
             ):
                 self._refit()
 
-    def _order(self, now: float) -> list[Request]:
-        return self._queue.items()
-
     def _promote_overtaken(self) -> None:
         """Send to the front every job that `max_overtakes` later arrivals have finished
         before. A job of arrival number s has been overtaken by (finished - s) jobs
@@ -191,36 +167,25 @@ class GittinsScheduler(Scheduler):
         within the bound by that count (it is checked again at the next finish). A job is
         promoted once `max_overtakes` have passed it, so no more than that many do."""
         for rid, req in self.requests.items():  # unfinished, in arrival order
-            seq = self._seq[rid]
-            if self._num_finished - seq < self.max_overtakes:
+            if self._num_finished - self._seq[rid] < self.max_overtakes:
                 break
             if rid not in self._promoted:
                 self._promoted.add(rid)
-                self._queue.put(rid, (-1.0, seq), req)
+                self._rekey(req)
 
     def _refit(self) -> None:
         self.model = LengthModel(list(self._lengths), self._step_s)
         self._since_fit = 0
         for req in list(self.requests.values()):
-            self._rekey(req, force=True)
+            self._rekey(req)
 
-    def _rekey(self, req: Request, force: bool = False) -> None:
-        rid = req.request_id
-        seq = self._seq[rid]
-        if rid in self._promoted:
-            self._queue.put(rid, (-1.0, seq), req)
-            return
+    def _priority(self, req: Request) -> float:
+        """-1 for a promoted job; its Gittins rank otherwise (0 for all until the first fit).
+        A started job's rank is a table lookup, and an unchanged key is not moved."""
+        if req.request_id in self._promoted:
+            return -1.0
         if self.model is None:
-            self._queue.put(rid, (0.0, seq), req)
-            return
-        age = req.num_output_tokens
+            return 0.0
         if req.num_computed_tokens == 0:  # its next iteration prefills (new, or recomputed)
-            self._slot.pop(rid, None)
-            rank = self.model.rank(age, self.cost.prefill_s(req.num_tokens))
-        else:
-            slot = self.model.slot(age)
-            if not force and self._slot.get(rid) == slot:
-                return
-            self._slot[rid] = slot
-            rank = self.model.rank(age)
-        self._queue.put(rid, (rank, seq), req)
+            return self.model.rank(req.num_output_tokens, self.cost.prefill_s(req.num_tokens))
+        return self.model.rank(req.num_output_tokens)
