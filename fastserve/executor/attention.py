@@ -58,10 +58,15 @@ class PagedAttention:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        num_slots = num_blocks * block_size
-        shape = (num_kv_heads, num_slots, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One tensor, [layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]: each
+        # layer's K or V is a contiguous [num_kv_heads, slots, head_dim] view into it, and a set
+        # of blocks across every layer is one index away (the swaps move them in one op).
+        self.kv_cache = torch.zeros(
+            (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device
+        )
+        slots = (num_kv_heads, num_blocks * block_size, head_dim)
+        self.k_caches = [self.kv_cache[i, 0].view(slots) for i in range(num_layers)]
+        self.v_caches = [self.kv_cache[i, 1].view(slots) for i in range(num_layers)]
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

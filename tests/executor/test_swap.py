@@ -82,6 +82,26 @@ def test_cpu_round_trip_is_bit_identical(dtype: torch.dtype, worker: str) -> Non
         swapper.close()
 
 
+def test_run_copies_and_whole_plan_copies_move_the_same_bytes() -> None:
+    """The CUDA swapper copies run by run, the CPU ones a whole plan by index: the same blocks
+    land in the same host and device places either way (checked here on the CPU)."""
+    attn = random_cache("cpu", torch.float32)
+    swapper = make_swapper(attn, num_host_blocks=24, cpu_worker="inline")
+    outs, ins = [(3, 0, 3), (9, 5, 2)], [(0, 20, 3), (5, 28, 2)]  # (src, dst, n) runs
+    swapper.host.blocks.zero_()
+    swapper._copy_plan(outs, ins)
+    by_plan = swapper.host.blocks.clone(), attn.kv_cache.clone()
+    swapper.host.blocks.zero_()
+    attn.kv_cache[:, :, :, [20, 21, 22, 28, 29]] = 0.0
+    for dev, host, n in outs:
+        swapper._copy_out(dev, swapper.host.blocks[host : host + n], n)
+    for host, dev, n in ins:
+        swapper._copy_in(swapper.host.blocks[host : host + n], dev, n)
+    assert torch.equal(swapper.host.blocks, by_plan[0])
+    assert torch.equal(attn.kv_cache, by_plan[1])
+    assert torch.equal(blocks_of(attn, [20, 21, 22, 28, 29])[0], blocks_of(attn, [3, 4, 5, 9, 10])[0])
+
+
 def test_cpu_copy_worker_leaves_the_compute_threads_alone() -> None:
     """The copy thread runs its copies on one intra-op thread; the engine's thread keeps the
     threads it was given (a second full OpenMP team would compete with the compute's)."""
