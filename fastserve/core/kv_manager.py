@@ -8,6 +8,7 @@ and its block table follows it from one pool to the other.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 from fastserve.core.block_pool import BlockPool
 
@@ -94,6 +95,10 @@ class KVCacheManager:
 
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._host_tables
+
+    def swapped_ids(self) -> Iterable[str]:
+        """The requests whose KV is on the host."""
+        return self._host_tables.keys()
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's device blocks (empty when it has none there)."""

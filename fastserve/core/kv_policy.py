@@ -31,7 +31,7 @@ Pure Python over ints and floats, like the rest of `fastserve.core`; `now` is pa
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from fastserve.config import CacheConfig
@@ -72,6 +72,12 @@ class KVPolicy(ABC):
         (and its upload queued) now by the policy, so that the copies overlap this iteration's
         compute rather than stall it. Default: no, the scheduler makes room now."""
         return False
+
+    def passable(self, sched: Scheduler) -> Collection[str]:
+        """Started jobs that cannot run this iteration once the batch holds a job, and whose
+        turn in the walk would do nothing: the scheduler passes them without a look.
+        Default: none."""
+        return ()
 
     def is_landing(self, sched: Scheduler, req: Request, batch_size: int,
                    rest: Sequence[Request]) -> bool:
@@ -199,6 +205,7 @@ class ProactivePolicy(ReactivePolicy):
         # Uploads still in flight, by the cost model: request -> when the copy lands.
         self._landing_s: dict[str, float] = {}
         self._wanted_now: set[str] | None = None  # see `_wanted`
+        self._wanted_order: list[Request] | None = None  # the same jobs, in ENST order
         self._budget = _CopyBudget(self, None, 0.0)
 
     def begin(self, sched: Scheduler, now: float) -> None:
@@ -253,6 +260,16 @@ class ProactivePolicy(ReactivePolicy):
             self._upload(sched, req, budget)
         return True
 
+    def passable(self, sched: Scheduler) -> Collection[str]:
+        # NOTE: with a job in the batch, a swapped job the device should not hold is only
+        # deferred (see `defers`). Under pressure most of a long queue is such jobs, and
+        # looking at each one cost more than the rest of the walk.
+        kv = sched.kv
+        if kv.num_total_host_blocks == 0 or kv.num_swapped == 0:
+            return ()
+        wanted = self._wanted(sched)
+        return {rid for rid in kv.swapped_ids() if rid not in wanted}
+
     def is_landing(self, sched: Scheduler, req: Request, batch_size: int,
                    rest: Sequence[Request]) -> bool:
         landing_s = self._landing_s.get(req.request_id)
@@ -274,6 +291,7 @@ class ProactivePolicy(ReactivePolicy):
             kv = sched.kv
             room = kv.num_total_blocks - self.reserve_blocks
             wanted: set[str] = set()
+            self._wanted_order = []
             for req in sorted(sched.current_order, key=sched.next_run_s):
                 if room <= 0:
                     break  # every job needs at least one block
@@ -286,6 +304,7 @@ class ProactivePolicy(ReactivePolicy):
                     continue  # a smaller job later may still fit
                 room -= n
                 wanted.add(rid)
+                self._wanted_order.append(req)
             self._wanted_now = wanted
         return self._wanted_now
 
@@ -326,7 +345,8 @@ class ProactivePolicy(ReactivePolicy):
             return
         in_batch = {r.request_id for r in batch}
         # Resident started jobs outside the batch, latest first.
-        victims = [r for r in order if r.request_id not in in_batch and sched.can_offload(r)]
+        victims = [r for _, r in sched.resident()
+                   if r.request_id not in in_batch and sched.can_offload(r)]
         victims.sort(key=sched.next_run_s, reverse=True)
         v = 0
         # 1. Keep the reserve.
@@ -342,9 +362,9 @@ class ProactivePolicy(ReactivePolicy):
             return
         # Only jobs the device should hold (see `_wanted`): uploading a job that the ones
         # ahead of it will push out again only churns.
-        wanted = self._wanted(sched)
-        swapped = [r for r in order if sched.can_upload(r) and r.request_id in wanted]
-        swapped.sort(key=sched.next_run_s)
+        self._wanted(sched)
+        assert self._wanted_order is not None
+        swapped = [r for r in self._wanted_order if sched.can_upload(r)]  # in ENST order
         horizon_s = HORIZON_ITERATIONS * budget.compute_s
         for req in swapped:
             need = len(kv.host_table(req.request_id))

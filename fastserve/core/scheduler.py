@@ -121,15 +121,25 @@ class Scheduler(ABC):
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
         order = self._order_now = self._not_in_flight(self._order(now))
         max_jobs = self._max_jobs()
-        # Started requests not yet walked past: once new requests stop being admitted and this
-        # reaches 0, nothing later in the order can run (a long queue is not walked for nothing).
+        # Started jobs the walk may pass without a look once the batch holds one (the KV
+        # policy's say), and the other started requests not yet walked past: once new
+        # requests stop being admitted and this reaches 0, nothing later in the order can run
+        # (a long queue is not walked for nothing).
         # NOTE: an upper bound (victims dropped below were counted), so stopping stays safe.
-        num_started_left = self.kv.num_requests
+        passable = self.kv_policy.passable(self)
+        num_started_left = self.kv.num_requests - len(passable)
         for i, req in enumerate(order):
             if len(batch) >= max_jobs:
                 break
-            started = self.kv.where(req.request_id) is not None
-            num_started_left -= started
+            if req.request_id in passable:
+                if batch:
+                    if not admitting and num_started_left <= 0:
+                        break
+                    continue
+                started = True
+            else:
+                started = self.kv.where(req.request_id) is not None
+                num_started_left -= started
             if not started and not admitting:
                 if num_started_left <= 0:
                     break
