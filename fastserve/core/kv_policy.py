@@ -205,7 +205,7 @@ class ProactivePolicy(ReactivePolicy):
         # Uploads still in flight, by the cost model: request -> when the copy lands.
         self._landing_s: dict[str, float] = {}
         self._wanted_now: set[str] | None = None  # see `_wanted`
-        self._wanted_order: list[Request] | None = None  # the same jobs, in ENST order
+        self._wanted_order: list[Request] = []  # the same jobs, in ENST order
         self._budget = _CopyBudget(self, None, 0.0)
 
     def begin(self, sched: Scheduler, now: float) -> None:
@@ -363,7 +363,6 @@ class ProactivePolicy(ReactivePolicy):
         # Only jobs the device should hold (see `_wanted`): uploading a job that the ones
         # ahead of it will push out again only churns.
         self._wanted(sched)
-        assert self._wanted_order is not None
         swapped = [r for r in self._wanted_order if sched.can_upload(r)]  # in ENST order
         horizon_s = HORIZON_ITERATIONS * budget.compute_s
         for req in swapped:
