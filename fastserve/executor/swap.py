@@ -191,7 +191,7 @@ class KVSwapper(ABC):
                    ) -> None:
         """A whole plan's copies on the CPU, swap-outs first: one gather and one scatter each
         way, every layer at once (per-run, per-layer copies of a few KiB cost ~44 us a block
-        on this machine, the indexed ops ~5 us)."""
+        on this machine, the indexed ops ~5-8 us)."""
         kv, host = self.attn.kv_cache, self.host.blocks
         if outs:
             dev, hst = _block_ids(outs)
