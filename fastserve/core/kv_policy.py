@@ -410,11 +410,15 @@ class ProactivePolicy(ReactivePolicy):
             self._add(sched, burst, req)
         if self.burst_queues == 0:
             return burst
+        # NOTE: counted down, so the scan ends with the last top-queue job rather than walking
+        # a long queue of lower-level jobs every iteration.
+        left = sched.num_in_top_queues(self.burst_queues)
         for req in order:
-            if len(burst.needs) >= limit:
+            if len(burst.needs) >= limit or left <= 0:
                 break
             level = sched.level_of(req.request_id)
             if level is not None and level < self.burst_queues:
+                left -= 1
                 self._add(sched, burst, req)
         return burst
 

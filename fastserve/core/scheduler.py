@@ -204,6 +204,10 @@ class Scheduler(ABC):
         One queue by default; the MLFQ policies have one per level."""
         return 0 if request_id in self.requests else None
 
+    def num_in_top_queues(self, num_queues: int) -> int:
+        """Unfinished requests in the `num_queues` most urgent queues."""
+        return len(self.requests) if num_queues > 0 else 0
+
     def estimate_next_run_s(self, order: Sequence[Request], now: float) -> list[float]:
         """Estimated next scheduled time (ENST) of each request of `order`, in seconds from
         `now`: the KV policies offload the largest first and upload the smallest first.

@@ -56,6 +56,26 @@ def test_skip_join_places_long_prompts_in_lower_levels() -> None:
     assert [sched.level_of(r.request_id) for r in reqs] == [0, 1, 2, 3, 3, 3]
 
 
+def test_queue_lengths_count_the_jobs_in_each_level_as_they_move_and_leave() -> None:
+    """What `/metrics` reports as `fastserve_queue_length{level=...}`."""
+    sched = mlfq()
+    reqs = make_requests([1, 3, 6, 12, 30, 500], [4] * 6)
+    for r in reqs:
+        sched.add_request(r, 0.0)
+    assert sched.queue_lengths() == {1: 1, 2: 1, 3: 1, 4: 3}
+    assert sched.num_in_top_queues(2) == 2
+    [lone] = make_requests([1], [30])
+    other = mlfq()
+    other.add_request(lone, 0.0)
+    core, _ = make_engine(other)
+    for _ in range(3):  # 3 ms of service: past Q1's 2 ms quantum
+        core.step()
+    assert other.queue_lengths() == {1: 0, 2: 1, 3: 0, 4: 0}
+    sched.abort(reqs[5].request_id, 0.0)
+    sched.abort(reqs[0].request_id, 0.0)
+    assert sched.queue_lengths() == {1: 0, 2: 1, 3: 1, 4: 2}
+
+
 def test_skip_join_runs_the_short_prompt_first_even_if_it_came_last() -> None:
     sched = mlfq(max_batch_size=1)
     reqs = make_requests([400, 200, 2], [3, 3, 3])

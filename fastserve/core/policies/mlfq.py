@@ -64,6 +64,7 @@ class MLFQBase(Scheduler):
         self._quanta_s = self.settings.quanta_s
         self._lowest = len(self._quanta_s) - 1
         self._jobs: dict[str, _Job] = {}
+        self._level_counts = [0] * len(self._quanta_s)  # unfinished jobs per level
         self._queue: KeyedOrder[Request] = KeyedOrder()
         # Jobs by starve_clock_s, oldest first (only kept when promotion is on): the scan
         # for starving jobs stops at the first one that is not.
@@ -76,6 +77,12 @@ class MLFQBase(Scheduler):
         """The request's queue (0 = Q1), or None when it is not here."""
         job = self._jobs.get(request_id)
         return None if job is None else job.level
+
+    def queue_lengths(self) -> dict[int, int]:
+        return {level + 1: n for level, n in enumerate(self._level_counts)}
+
+    def num_in_top_queues(self, num_queues: int) -> int:
+        return sum(self._level_counts[:num_queues])
 
     def estimate_next_run_s(self, order: Sequence[Request], now: float) -> list[float]:
         """ENST(i) = min(T_promote(i), T_execute(i)), FastServe's estimate (see the base).
@@ -128,12 +135,15 @@ class MLFQBase(Scheduler):
                    last_run_s=now, starve_clock_s=now)
         self._num_added += 1
         self._jobs[req.request_id] = job
+        self._level_counts[level] += 1
         if self.settings.starve_limit_s > 0:
             self._waiting[req.request_id] = job
         self._rekey(job)
 
     def _on_finish(self, req: Request, now: float) -> None:
-        self._jobs.pop(req.request_id, None)
+        job = self._jobs.pop(req.request_id, None)
+        if job is not None:
+            self._level_counts[job.level] -= 1
         self._queue.remove(req.request_id)
         self._waiting.pop(req.request_id, None)
 
@@ -204,7 +214,9 @@ class MLFQBase(Scheduler):
         return math.inf if level >= self._lowest else self._quanta_s[level]
 
     def _move(self, job: _Job, level: int) -> None:
+        self._level_counts[job.level] -= 1
         job.level = min(level, self._lowest)
+        self._level_counts[job.level] += 1
         job.attained_s = 0.0
         job.allowance_s = self._allowance_s(job.level)
 
