@@ -192,11 +192,22 @@ class _PlanFactory:
                                 _PARAMS, num_output_tokens=0 if start_pos == 0 else 1)
 
 
+# Batch sizes tried as the decode cost's knee (0: none; see `CostModel`), and how much better
+# (relative squared error) a knee must fit to be taken over a straight line.
+DECODE_KNEES = (0, 2, 4, 8)
+KNEE_MIN_GAIN = 0.02
+
+
 def fit_cost_model(
-    samples: list[Sample], kv_block_bytes: int = 0, fit_mean: bool = False
+    samples: list[Sample], kv_block_bytes: int = 0, fit_mean: bool = False,
+    decode_knees: tuple[int, ...] = DECODE_KNEES,
 ) -> CostModel:
     """Non-negative least squares on relative error (short decode steps count as much as long
     prefills). A term that would come out negative (noise) is dropped and the rest refitted.
+
+    The per-decode cost is fitted as two slopes, below and beyond a knee, for each knee in
+    `decode_knees`; the knee that fits best is kept if it beats the straight line by
+    `KNEE_MIN_GAIN` (both slopes are non-negative, so the cost still grows with the batch).
 
     `fit_mean`: the samples are single noisy timings (iterations recorded in a running engine)
     and the model should predict their mean, so that simulated iterations add up to the real
@@ -206,15 +217,36 @@ def fit_cost_model(
     """
     if len(samples) < 2:
         raise ValueError(f"need at least 2 timed iterations to fit a cost model, got {len(samples)}")
+    if not decode_knees:
+        raise ValueError("decode_knees must name at least one knee (0 = none)")
     x = np.array([s.features for s in samples], dtype=np.float64)
     y = np.array([s.duration_s for s in samples], dtype=np.float64)
-    coef = _nnls(x, y, 1.0 / np.maximum(y, 1e-9))
-    for _ in range(2 if fit_mean else 0):
-        coef = _nnls(x, y, 1.0 / np.maximum(x @ coef, 1e-9))
-    fixed, prefill, prefill2, decode, context = map(float, coef)  # FEATURES order
+    best: tuple[float, int, np.ndarray] | None = None
+    for knee in decode_knees:
+        xk = _split_decodes(x, knee)
+        coef = _nnls(xk, y, 1.0 / np.maximum(y, 1e-9))
+        for _ in range(2 if fit_mean else 0):
+            coef = _nnls(xk, y, 1.0 / np.maximum(xk @ coef, 1e-9))
+        err = float(np.mean(((xk @ coef - y) / np.maximum(y, 1e-9)) ** 2))
+        if best is None or err < best[0] * (1 - KNEE_MIN_GAIN):
+            best = (err, knee, coef)
+    _, knee, coef = best  # type: ignore[misc]
+    fixed, prefill, prefill2, decode, context = map(float, coef[:5])  # FEATURES order
     return CostModel(fixed_s=fixed, per_prefill_token_s=prefill, per_prefill_token2_s=prefill2,
                      per_decode_s=decode, per_context_token_s=context,
+                     decode_knee=knee, per_decode_beyond_knee_s=float(coef[5]) if knee else 0.0,
                      kv_block_bytes=kv_block_bytes)
+
+
+def _split_decodes(x: np.ndarray, knee: int) -> np.ndarray:
+    """FEATURES, the decodes counted up to `knee` only, then the decodes beyond it (a sixth
+    column) when there is a knee."""
+    if knee == 0:
+        return x
+    decodes = x[:, 3]
+    out = np.concatenate([x, np.maximum(decodes - knee, 0)[:, None]], axis=1)
+    out[:, 3] = np.minimum(decodes, knee)
+    return out
 
 
 def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -335,6 +367,8 @@ def run_profile(args: argparse.Namespace) -> int:
           f"total predicted / measured {total_ratio(cost, samples):.3f}")
     for name in FEATURES:
         print(f"  {name:22s} {getattr(cost, name):.3e}")
+    if cost.decode_knee:
+        print(f"  per decode beyond {cost.decode_knee:2d} decodes {cost.per_decode_beyond_knee_s:.3e}")
     print(f"wrote {args.out}")
     return 0
 

@@ -188,7 +188,8 @@ def job_work_s(item: WorkItem, cost: CostModel, max_batch_size: int) -> float:
     )
     decodes = item.output_len - 1  # the first output token comes out of the prefill
     mean_context = item.input_len + item.output_len / 2
-    per_step = cost.fixed_s / max_batch_size + cost.per_decode_s + cost.per_context_token_s * mean_context
+    per_step = (cost.fixed_s + cost.decodes_s(max_batch_size)) / max_batch_size \
+        + cost.per_context_token_s * mean_context
     return prefill + decodes * per_step
 
 

@@ -64,6 +64,33 @@ def test_profile_recovers_the_cost_model() -> None:
     assert started == dropped
 
 
+def test_profile_finds_where_decodes_get_cheaper_per_job() -> None:
+    """A CPU batches the weights' products more efficiently as decodes are added: the fit
+    takes a knee where the timings bend, and keeps a straight line where they do not."""
+    bent = CostModel(fixed_s=8e-4, per_prefill_token_s=8e-5, per_decode_s=3.2e-4,
+                     per_context_token_s=5e-7, decode_knee=4, per_decode_beyond_knee_s=1.8e-4)
+    runner = FakeRunner(bent)
+    cost = profile_engine(runner, ProfileGrid(), clock=runner.clock)  # type: ignore[arg-type]
+    assert cost.decode_knee == 4
+    assert cost.per_decode_s == pytest.approx(3.2e-4, rel=0.02)
+    assert cost.per_decode_beyond_knee_s == pytest.approx(1.8e-4, rel=0.02)
+    assert cost.iteration_s(0, 16, 4000) == pytest.approx(bent.iteration_s(0, 16, 4000), rel=0.01)
+    # 16 decodes: 4 at the first slope, 12 at the second.
+    assert bent.decodes_s(16) == pytest.approx(4 * 3.2e-4 + 12 * 1.8e-4)
+    straight = FakeRunner(TRUE)
+    assert profile_engine(straight, ProfileGrid(), clock=straight.clock).decode_knee == 0  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode_knees"):
+        fit_cost_model([Sample(0, 0, 1, 10, 1e-3)] * 2, decode_knees=())
+
+
+def test_a_knee_survives_the_profile_file(tmp_path: Path) -> None:
+    bent = CostModel(per_decode_s=3e-4, decode_knee=8, per_decode_beyond_knee_s=1e-4)
+    bent.to_json(tmp_path / "p.json")
+    assert CostModel.from_json(tmp_path / "p.json") == bent
+    with pytest.raises(ValueError, match="decode_knee"):
+        CostModel(decode_knee=-1)
+
+
 def test_the_time_budget_cuts_the_grid_but_keeps_enough_points() -> None:
     full, cut = FakeRunner(TRUE), FakeRunner(TRUE)
     profile_engine(full, ProfileGrid(), clock=full.clock)  # type: ignore[arg-type]
