@@ -288,13 +288,18 @@ def load_or_profile(
     return cost
 
 
+# Bumped when the fit changes what it would make of the same timings (2: the decode knee), so
+# cached profiles fitted the old way are measured again.
+FIT_VERSION = 2
+
+
 def profile_cache_key(model_path: str | Path, config: EngineConfig) -> str:
     """What the timings depend on: the checkpoint, dtypes, device, CPU threads, parallelism
-    and KV block size."""
+    and KV block size; and the fit's version."""
     m, c, p = config.model, config.cache, config.parallel
     return (f"{Path(model_path).resolve()}|{m.dtype}|kv-{c.kv_cache_dtype}|{m.device}"
             f"|threads{m.num_threads}|tp{p.tensor_parallel_size}|pp{p.pipeline_parallel_size}"
-            f"|bs{c.block_size}")
+            f"|bs{c.block_size}|fit{FIT_VERSION}")
 
 
 def save_profile(cost: CostModel, path: str | Path, **meta: object) -> None:
