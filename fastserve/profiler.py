@@ -206,8 +206,9 @@ def fit_cost_model(
     prefills). A term that would come out negative (noise) is dropped and the rest refitted.
 
     The per-decode cost is fitted as two slopes, below and beyond a knee, for each knee in
-    `decode_knees`; the knee that fits best is kept if it beats the straight line by
-    `KNEE_MIN_GAIN` (both slopes are non-negative, so the cost still grows with the batch).
+    `decode_knees` (0: one straight line); going through them in order, a knee replaces the
+    fit kept so far only if its relative squared error is `KNEE_MIN_GAIN` lower (both slopes
+    are non-negative, so the cost still grows with the batch).
 
     `fit_mean`: the samples are single noisy timings (iterations recorded in a running engine)
     and the model should predict their mean, so that simulated iterations add up to the real
@@ -221,16 +222,18 @@ def fit_cost_model(
         raise ValueError("decode_knees must name at least one knee (0 = none)")
     x = np.array([s.features for s in samples], dtype=np.float64)
     y = np.array([s.duration_s for s in samples], dtype=np.float64)
-    best: tuple[float, int, np.ndarray] | None = None
+    fits = []  # (mean squared relative error, knee, coefficients), in `decode_knees` order
     for knee in decode_knees:
         xk = _split_decodes(x, knee)
         coef = _nnls(xk, y, 1.0 / np.maximum(y, 1e-9))
         for _ in range(2 if fit_mean else 0):
             coef = _nnls(xk, y, 1.0 / np.maximum(xk @ coef, 1e-9))
-        err = float(np.mean(((xk @ coef - y) / np.maximum(y, 1e-9)) ** 2))
-        if best is None or err < best[0] * (1 - KNEE_MIN_GAIN):
-            best = (err, knee, coef)
-    _, knee, coef = best  # type: ignore[misc]
+        fits.append((float(np.mean(((xk @ coef - y) / np.maximum(y, 1e-9)) ** 2)), knee, coef))
+    best = fits[0]
+    for fit in fits[1:]:
+        if fit[0] < best[0] * (1 - KNEE_MIN_GAIN):
+            best = fit
+    _, knee, coef = best
     fixed, prefill, prefill2, decode, context = map(float, coef[:5])  # FEATURES order
     return CostModel(fixed_s=fixed, per_prefill_token_s=prefill, per_prefill_token2_s=prefill2,
                      per_decode_s=decode, per_context_token_s=context,
