@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastserve.args import engine_config
 from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
@@ -248,11 +249,12 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
 
 
 def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1,
-          copy_workers: Sequence[str] = ("auto",)) -> list[str]:
+          copy_workers: Sequence[str] = ("auto",), sim_profile: str | None = None) -> list[str]:
     """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
     times, interleaved (this machine is shared: a slow minute hits every policy alike), and
     the ratios are of the medians. With several `copy_workers`, proactive runs once per CPU
-    copy mode in each repetition (`proactive/<mode>`); the first is the one the ratios use."""
+    copy mode in each repetition (`proactive/<mode>`); the first is the one the ratios use.
+    With `sim_profile`, the simulator's prediction for the same workload and pool follows."""
     wl = real_workload(quick)
 
     def config(kv_policy: str, blocks: int, worker: str = "auto") -> EngineConfig:
@@ -285,7 +287,27 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
         f"reactive/proactive {_ratio(med['reactive'], pro, 1.0)}, "
         f"proactive/unlimited {pro / unlimited['jct_mean']:.2f} (avg JCT runs: {runs_text})"
     )
+    if sim_profile:
+        rows.append(_sim_of_part3(wl, variant, blocks, sim_profile, med, unlimited["jct_mean"]))
     return rows
+
+
+def _sim_of_part3(wl: Sequence[WorkItem], variant: str, blocks: int, profile: str,
+                  real: dict[str, float], real_unlimited: float) -> str:
+    """The simulator on part 3's workload and pool, with a profile of this machine (e.g.
+    `fastserve profile --through-engine --num-threads 2`): its average JCT per KV policy
+    beside the real medians."""
+    cost = CostModel.from_json(profile)
+    simulated = {}
+    for name, kv_policy, pool in (("unlimited", "proactive", 50_000), ("proactive", "proactive", blocks),
+                                  ("reactive", "reactive", blocks), ("defer", "defer", blocks)):
+        config = engine_config(policy="skip-join-mlfq", mlfq_variant=variant, kv_policy=kv_policy,
+                               max_batch_size=BATCH, dtype="float32", num_host_blocks=50_000)
+        simulated[name] = _result(simulate_run(wl, config, cost, pool), len(wl)).jct_mean
+    real = {**real, "unlimited": real_unlimited}
+    pairs = ", ".join(f"{k} {simulated[k]:.2f} vs {real[k]:.2f}" for k in simulated if k in real)
+    return (f"  {variant}, simulated with {Path(profile).name} vs real (avg JCT s): {pairs}; "
+            f"simulated defer/proactive {simulated['defer'] / simulated['proactive']:.2f}")
 
 
 def _real_row(variant: str, name: str, blocks: int, m: dict[str, float], run_s: float,
@@ -430,6 +452,9 @@ def main() -> None:
     p.add_argument("--orca-jobs", type=float, default=ORCA_JOBS,
                    help="part 1: size the pool so that Orca runs this many jobs at once on "
                         "average (the issue: 3-4; default %(default)s)")
+    p.add_argument("--sim-profile", default=None,
+                   help="part 3: also simulate its workload and pool with this profile of the "
+                        "machine (e.g. from `fastserve profile --through-engine --num-threads 2`)")
     p.add_argument("--real-blocks", type=int, default=None,
                    help="part 3's device pool (default: 25%% of the unlimited run's peak)")
     args = p.parse_args()
@@ -457,7 +482,8 @@ def main() -> None:
         torch.set_num_threads(2)
         workers = [w.strip() for w in args.copy_workers.split(",") if w.strip()]
         rows = [row for v in variants
-                for row in part3(v, args.quick, args.real_blocks, args.reps, workers)]
+                for row in part3(v, args.quick, args.real_blocks, args.reps, workers,
+                                 args.sim_profile)]
         _table("3. Real engine, CPU, tiny model (float32), 25% of peak KV, Zipf 1.2 / CV 4",
                PART3_HEADER, rows)
     if args.part in ("gpu", "all"):
