@@ -468,3 +468,6 @@ def test_metrics_exposition(server: ServerProcess) -> None:
     assert m["fastserve_ttft_seconds_count"] >= 1 and m["fastserve_jct_seconds_count"] >= 1
     assert m["fastserve_kv_blocks_total"] > 0
     assert m['fastserve_http_errors_total{status="404"}'] >= 1
+    # The default scheduler is a multi-level queue: one gauge per level, not one for all.
+    levels = {k for k in m if k.startswith("fastserve_queue_length{")}
+    assert len(levels) >= 2, levels
