@@ -1,8 +1,8 @@
 """KV swaps between the device cache and a host cache, carried out beside the compute.
 
 The scheduler's plan lists block copies (`swap_out`: device -> host, `swap_in`: host ->
-device). A swapper queues them on a copy engine in plan order, swap-outs first, by runs of
-consecutive blocks (`copy_runs`), and remembers which device blocks each queued task touches.
+device). A swapper queues them on a copy engine in plan order, swap-outs first (on CUDA by
+runs of consecutive blocks, `copy_runs`), and remembers which device blocks each queued task touches.
 Before an iteration runs, it waits only for the tasks touching the blocks that iteration reads
 or writes; everything else (uploads ahead of need, offloads of jobs not running) overlaps its
 compute and later ones.
@@ -116,9 +116,7 @@ class KVSwapper(ABC):
         if not swap_out and not swap_in:
             return
         self._begin()
-        outs = copy_runs(swap_out)  # (device, host, n)
-        ins = copy_runs(swap_in)  # (host, device, n)
-        for task in self._queue(outs, ins):
+        for task in self._queue(swap_out, swap_in):
             for b in task.device_blocks:
                 self._pending[b] = task
             self._tasks.append(task)
@@ -158,9 +156,9 @@ class KVSwapper(ABC):
         """Before an iteration's copies are queued."""
 
     @abstractmethod
-    def _queue(self, outs: list[tuple[int, int, int]], ins: list[tuple[int, int, int]]
+    def _queue(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                ) -> list[_Task]:
-        """Queue the runs, (device, host, n) out then (host, device, n) in; the tasks say
+        """Queue the plan's copies, (device, host) out then (host, device) in; the tasks say
         which device blocks each covers."""
 
     @abstractmethod
@@ -187,24 +185,23 @@ class KVSwapper(ABC):
         """`src` ([n, layers, 2, heads, bs, dim]) into device blocks [dev, dev + n)."""
         self.attn.kv_cache[:, :, :, dev : dev + n].copy_(src.permute(_TO_DEVICE))
 
-    def _copy_plan(self, outs: list[tuple[int, int, int]], ins: list[tuple[int, int, int]]
+    def _copy_plan(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                    ) -> None:
         """A whole plan's copies on the CPU, swap-outs first: one gather and one scatter each
         way, every layer at once (per-run, per-layer copies of a few KiB cost ~44 us a block
         on this machine, the indexed ops ~5-8 us)."""
         kv, host = self.attn.kv_cache, self.host.blocks
-        if outs:
-            dev, hst = _block_ids(outs)
+        if swap_out:
+            dev, hst = _index_pair(swap_out)
             host.index_copy_(0, hst, kv.index_select(3, dev).permute(_TO_HOST))
-        if ins:
-            hst, dev = _block_ids(ins)
+        if swap_in:
+            hst, dev = _index_pair(swap_in)
             kv.index_copy_(3, dev, host.index_select(0, hst).permute(_TO_DEVICE))
 
 
-def _block_ids(runs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source, destination) block ids of runs (src, dst, n), as index tensors."""
-    src = [s + k for s, _, n in runs for k in range(n)]
-    dst = [d + k for _, d, n in runs for k in range(n)]
+def _index_pair(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) block ids of a plan's pairs, as two index tensors."""
+    src, dst = zip(*pairs, strict=True)
     return torch.tensor(src), torch.tensor(dst)
 
 
@@ -234,19 +231,20 @@ class CudaSwapper(KVSwapper):
         # block before earlier compute is done reading it.
         self.stream.wait_stream(self.compute_stream)
 
-    def _queue(self, outs: list[tuple[int, int, int]], ins: list[tuple[int, int, int]]
+    def _queue(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                ) -> list[_Task]:
-        # One event per run: an iteration waits for the runs into or out of its blocks only.
+        # One event per run of consecutive blocks: an iteration waits for the runs into or
+        # out of its blocks only.
         tasks = []
         with torch.cuda.stream(self.stream):
-            for dev, host, n in outs:
+            for dev, host, n in copy_runs(swap_out):
                 # Allocated on the copy stream: its memory is reused only after these copies.
                 stage = torch.empty_like(self.host.blocks[host : host + n],
                                          device=self.stream.device)
                 self._copy_out(dev, stage, n)
                 self.host.blocks[host : host + n].copy_(stage, non_blocking=True)
                 tasks.append(self._record(dev, n))
-            for host, dev, n in ins:
+            for host, dev, n in copy_runs(swap_in):
                 stage = self.host.blocks[host : host + n].to(self.stream.device, non_blocking=True)
                 self._copy_in(stage, dev, n)
                 tasks.append(self._record(dev, n))
@@ -279,15 +277,14 @@ class ThreadSwapper(KVSwapper):
             self._thread = threading.Thread(target=self._run, name="fastserve-kv-copy", daemon=True)
             self._thread.start()
 
-    def _queue(self, outs: list[tuple[int, int, int]], ins: list[tuple[int, int, int]]
+    def _queue(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                ) -> list[_Task]:
         # One task per plan: handing a task to the thread costs ~0.1 ms of this machine's
         # CPU, more than copying a small run; the copies are done in plan order within it.
         def work() -> None:
-            self._copy_plan(outs, ins)
+            self._copy_plan(swap_out, swap_in)
 
-        blocks = [b for dev, _, n in outs for b in range(dev, dev + n)]
-        blocks += [b for _, dev, n in ins for b in range(dev, dev + n)]
+        blocks = [dev for dev, _ in swap_out] + [dev for _, dev in swap_in]
         task = _Task(event=threading.Event(), device_blocks=blocks, work=work)
         self._work.put(task)
         return [task]
@@ -332,10 +329,10 @@ class InlineSwapper(KVSwapper):
     """Copies on the calling (compute) thread, done by the time `submit` returns (CPU devices
     whose cores the compute already fills; see the module docstring)."""
 
-    def _queue(self, outs: list[tuple[int, int, int]], ins: list[tuple[int, int, int]]
+    def _queue(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                ) -> list[_Task]:
         with torch.inference_mode():
-            self._copy_plan(outs, ins)
+            self._copy_plan(swap_out, swap_in)
         return []  # nothing left in flight
 
     def _is_done(self, task: _Task) -> bool:

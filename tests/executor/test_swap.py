@@ -89,7 +89,8 @@ def test_run_copies_and_whole_plan_copies_move_the_same_bytes() -> None:
     swapper = make_swapper(attn, num_host_blocks=24, cpu_worker="inline")
     outs, ins = [(3, 0, 3), (9, 5, 2)], [(0, 20, 3), (5, 28, 2)]  # (src, dst, n) runs
     swapper.host.blocks.zero_()
-    swapper._copy_plan(outs, ins)
+    swapper._copy_plan([(s + k, d + k) for s, d, n in outs for k in range(n)],
+                       [(s + k, d + k) for s, d, n in ins for k in range(n)])
     by_plan = swapper.host.blocks.clone(), attn.kv_cache.clone()
     swapper.host.blocks.zero_()
     attn.kv_cache[:, :, :, [20, 21, 22, 28, 29]] = 0.0
