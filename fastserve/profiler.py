@@ -206,9 +206,10 @@ def fit_cost_model(
     prefills). A term that would come out negative (noise) is dropped and the rest refitted.
 
     The per-decode cost is fitted as two slopes, below and beyond a knee, for each knee in
-    `decode_knees` (0: one straight line); going through them in order, a knee replaces the
-    fit kept so far only if its relative squared error is `KNEE_MIN_GAIN` lower (both slopes
-    are non-negative, so the cost still grows with the batch).
+    `decode_knees` (0: one straight line) that has at least two timed batch sizes on each
+    side; a knee fit whose slopes are not both positive is dropped. Going through them in
+    order, a knee replaces the fit kept so far only if its relative squared error is
+    `KNEE_MIN_GAIN` lower.
 
     `fit_mean`: the samples are single noisy timings (iterations recorded in a running engine)
     and the model should predict their mean, so that simulated iterations add up to the real
@@ -222,12 +223,20 @@ def fit_cost_model(
         raise ValueError("decode_knees must name at least one knee (0 = none)")
     x = np.array([s.features for s in samples], dtype=np.float64)
     y = np.array([s.duration_s for s in samples], dtype=np.float64)
+    counts = np.unique(x[:, 3][x[:, 3] > 0])  # the batch sizes of decodes timed
     fits = []  # (mean squared relative error, knee, coefficients), in `decode_knees` order
-    for knee in decode_knees:
+    for knee in dict.fromkeys((0, *decode_knees)):  # the straight line always stands
+        # NOTE: a slope needs two batch sizes on its side of the knee: the start-up grid
+        # times batches of 1, 4 and 16 only, and a knee at 2 there made the first decodes
+        # free (the fixed cost took their share), which starved the KV copy budget.
+        if knee and ((counts <= knee).sum() < 2 or (counts > knee).sum() < 2):
+            continue
         xk = _split_decodes(x, knee)
         coef = _nnls(xk, y, 1.0 / np.maximum(y, 1e-9))
         for _ in range(2 if fit_mean else 0):
             coef = _nnls(xk, y, 1.0 / np.maximum(xk @ coef, 1e-9))
+        if knee and not (coef[3] > 0 and coef[5] > 0):
+            continue  # every decode costs something on either side
         fits.append((float(np.mean(((xk @ coef - y) / np.maximum(y, 1e-9)) ** 2)), knee, coef))
     best = fits[0]
     for fit in fits[1:]:
@@ -291,9 +300,10 @@ def load_or_profile(
     return cost
 
 
-# Bumped when the fit changes what it would make of the same timings (2: the decode knee), so
-# cached profiles fitted the old way are measured again.
-FIT_VERSION = 2
+# Bumped when the fit changes what it would make of the same timings (2: the decode knee;
+# 3: knees only with two batch sizes on each side), so cached profiles fitted the old way are
+# measured again.
+FIT_VERSION = 3
 
 
 def profile_cache_key(model_path: str | Path, config: EngineConfig) -> str:

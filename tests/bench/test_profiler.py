@@ -70,7 +70,9 @@ def test_profile_finds_where_decodes_get_cheaper_per_job() -> None:
     bent = CostModel(fixed_s=8e-4, per_prefill_token_s=8e-5, per_decode_s=3.2e-4,
                      per_context_token_s=5e-7, decode_knee=4, per_decode_beyond_knee_s=1.8e-4)
     runner = FakeRunner(bent)
-    cost = profile_engine(runner, ProfileGrid(), clock=runner.clock)  # type: ignore[arg-type]
+    # Two timed batch sizes on each side of a knee (the start-up grid's 1, 4, 16 have not).
+    sizes = ProfileGrid(decode_batches=tuple((b, c) for b in (1, 2, 4, 8, 16) for c in (16, 1024)))
+    cost = profile_engine(runner, sizes, clock=runner.clock)  # type: ignore[arg-type]
     assert cost.decode_knee == 4
     assert cost.per_decode_s == pytest.approx(3.2e-4, rel=0.02)
     assert cost.per_decode_beyond_knee_s == pytest.approx(1.8e-4, rel=0.02)
