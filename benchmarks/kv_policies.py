@@ -17,7 +17,7 @@
    `--copy-workers inline,thread` runs proactive with each CPU copy mode side by side.
 
     .venv/bin/python benchmarks/kv_policies.py [--part sim1|sim2|real|gpu|all] [--quick] [--jobs N]
-        [--reps R] [--copy-workers auto|thread|inline[,...]]
+        [--seeds 0,1,...] [--reps R] [--copy-workers auto|thread|inline[,...]]
 
 4. Where a GPU is available (`--part gpu`): an iteration's compute while the copy stream
    uploads the next iteration's KV, against the same compute with nothing to copy (target: no
@@ -89,7 +89,8 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"theta={self.theta} cv={self.cv:g} load={self.load:g}"
+        seed = f" seed={self.seed}" if self.seed else ""
+        return f"theta={self.theta} cv={self.cv:g} load={self.load:g}{seed}"
 
     def workload(self, cost: CostModel) -> list[WorkItem]:
         items = zipf_workload(self.num_requests, 1.0, self.cv, self.theta, MAX_INPUT, MAX_OUTPUT,
@@ -452,6 +453,8 @@ def main() -> None:
     p.add_argument("--orca-jobs", type=float, default=ORCA_JOBS,
                    help="part 1: size the pool so that Orca runs this many jobs at once on "
                         "average (the issue: 3-4; default %(default)s)")
+    p.add_argument("--seeds", default="0",
+                   help="parts 1 and 2: workload seeds, comma-separated (each cell runs on each)")
     p.add_argument("--sim-profile", default=None,
                    help="part 3: also simulate its workload and pool with this profile of the "
                         "machine (e.g. from `fastserve profile --through-engine --num-threads 2`)")
@@ -462,17 +465,18 @@ def main() -> None:
     cvs = (4.0,) if args.quick else (1.0, 4.0, 8.0)
     n = 500 if args.quick else 1000
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    seeds = [int(x) for x in args.seeds.split(",")]
     t0 = time.time()
     if args.part in ("sim1", "all"):
-        cells = [Cell(th, cv, 0.9, n) for th in thetas for cv in cvs]
+        cells = [Cell(th, cv, 0.9, n, s) for th in thetas for cv in cvs for s in seeds]
         _table(f"1. The paper's setting: sim, A100 13B profile, Orca admits ~{args.orca_jobs:g} "
                "jobs at once", PART1_HEADER,
                _map(part1_cell, [(c, args.orca_jobs) for c in cells], args.jobs))
     if args.part in ("sim2", "all"):
-        cells = [Cell(1.2, 4.0, 1.0, n)] if args.quick else [
-            Cell(1.2, 4.0, 1.0, n), Cell(1.2, 4.0, 0.9, n), Cell(1.2, 8.0, 0.9, n),
-            Cell(0.9, 4.0, 0.9, n), Cell(1.5, 4.0, 0.9, n),
+        shapes = [(1.2, 4.0, 1.0)] if args.quick else [
+            (1.2, 4.0, 1.0), (1.2, 4.0, 0.9), (1.2, 8.0, 0.9), (0.9, 4.0, 0.9), (1.5, 4.0, 0.9),
         ]
+        cells = [Cell(th, cv, load, n, s) for th, cv, load in shapes for s in seeds]
         work = [(c, v) for v in variants for c in cells]
         _table("2. Device KV at 25% of the peak demand: sim, A100 13B profile, skip-join-mlfq",
                PART2_HEADER, _map(part2_cell, work, args.jobs))

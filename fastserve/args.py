@@ -28,6 +28,8 @@ _HELP = {
     "kv_cache_gib": "device KV cache size in GiB (num_device_blocks overrides it)",
     "max_batch_size": "most requests in one iteration",
     "max_waiting": "most queued requests before new ones get 429 (0 = unbounded)",
+    "kv_reserve_blocks": "device KV blocks the proactive policy keeps free for bursts "
+                         "(None = 5%% of the device pool)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

@@ -74,7 +74,8 @@ class CacheConfig:
     # "auto": the model's dtype, except float32 on CPU for half types (CPU half-precision
     # attention kernels cost ~7x more per decode call than float32 ones).
     kv_cache_dtype: str = "auto"
-    kv_reserve_blocks: int = 0  # K: device blocks `proactive` keeps free at least
+    # K: device blocks `proactive` keeps free at least; None = 5% of the device pool
+    kv_reserve_blocks: int | None = None
     burst_queues: int = 2  # K': top queues whose non-resident jobs `proactive` keeps room for
     # KV copies on a CPU device: "thread" (a background copy worker), "inline" (on the compute
     # thread, before the iteration) or "auto": the worker only when the compute leaves a core
@@ -101,7 +102,10 @@ class CacheConfig:
             self.kv_cache_dtype in ("auto", *DTYPES),
             f"kv_cache_dtype must be 'auto' or one of {DTYPES}, got {self.kv_cache_dtype!r}",
         )
-        _check(self.kv_reserve_blocks >= 0, "kv_reserve_blocks must be >= 0")
+        _check(
+            self.kv_reserve_blocks is None or self.kv_reserve_blocks >= 0,
+            f"kv_reserve_blocks must be >= 0, got {self.kv_reserve_blocks}",
+        )
         _check(self.burst_queues >= 0, "burst_queues must be >= 0")
         _check(
             self.cpu_copy_worker in CPU_COPY_WORKERS,

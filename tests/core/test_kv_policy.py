@@ -48,10 +48,11 @@ def kv_scheduler(
     num_blocks: int = TIGHT_BLOCKS,
     num_host_blocks: int = 1000,
     cost: CostModel = UNIT_COST,
-    reserve: int = 0,
+    reserve: int | None = 0,
     **config: object,
 ) -> Scheduler:
-    """A real scheduler over device and host pools, with the named (or given) KV policy."""
+    """A real scheduler over device and host pools, with the named (or given) KV policy
+    (`reserve` None: proactive's default reserve)."""
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, num_host_blocks)
     if isinstance(kv_policy, str):
         kv_policy = make_kv_policy(CacheConfig(kv_policy=kv_policy, kv_reserve_blocks=reserve))
@@ -285,6 +286,31 @@ def test_proactive_keeps_the_reserve_free(variant: str) -> None:
     # Reactive, given the same reserve, ignores it: it moves KV only when it must.
     run("reactive")
     assert short_of_reserve
+
+
+def test_the_default_reserve_is_a_twentieth_of_the_device_pool() -> None:
+    short_of_reserve: list[int] = []
+
+    def check(sched: Scheduler, plan: SchedulerOutput) -> None:
+        free = free_if_more_could_move(sched, plan)
+        if free is not None and free < 5:
+            short_of_reserve.append(free)
+
+    sched = kv_scheduler("skip-join-mlfq", "proactive", num_blocks=100, reserve=None,
+                         max_batch_size=6, max_num_batched_tokens=128)
+    assert_all_done_and_free(serve_checked(sched, tight_requests(n=120), on_plan=check), 120)
+    assert isinstance(sched.kv_policy, ProactivePolicy)
+    assert sched.kv_policy.reserve_blocks == 5  # ceil(5% of 100)
+    assert sched.num_offloads > 0
+    assert short_of_reserve == []
+
+
+def test_a_job_that_needs_the_reserve_too_still_runs() -> None:
+    # The largest jobs need all 25 blocks: more than the pool less its reserve of 2.
+    sched = kv_scheduler("skip-join-mlfq", "proactive", num_blocks=25, reserve=None,
+                         max_batch_size=6, max_num_batched_tokens=128)
+    assert_all_done_and_free(serve_checked(sched, tight_requests(seed=3)), 60)
+    assert sched.num_offloads > 0
 
 
 def test_proactive_uploads_ahead_of_the_turn() -> None:
