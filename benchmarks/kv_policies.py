@@ -28,7 +28,8 @@ variant (`--mlfq-variant paper`): the robust variant serves each level in arriva
 jobs are ever started and preempted at once and its peak KV stays near one batch's working set
 (25% of it cannot hold a batch, whatever the KV policy); the paper variant's turn-taking within
 a level is what makes MLFQ's peak KV several times FCFS's, the situation proactive offloading is
-for. Both are printed.
+for. Both are printed, and the robust variant again on the paper variant's pool (the same
+memory for both).
 """
 
 from __future__ import annotations
@@ -172,15 +173,21 @@ PART1_HEADER = ["cell", "blocks", "orca jobs", "orca avg/p99 s", "fcfs+recompute
 # -- part 2: 25% of peak demand -------------------------------------------------------------
 
 
-def part2_cell(cell: Cell, variant: str, fraction: float = 0.25) -> str:
+def part2_cell(cell: Cell, variant: str, pool_variant: str | None = None,
+               fraction: float = 0.25) -> str:
+    """One row; `pool_variant` sizes the pool from that variant's peak instead (the same
+    memory for both variants)."""
     wl = cell.workload(A100_13B)
     unlimited = sim(wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", variant)
-    blocks = max(largest_job_blocks(wl), round(fraction * unlimited.peak_kv_blocks))
+    peak = unlimited.peak_kv_blocks if pool_variant in (None, variant) else sim(
+        wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", pool_variant).peak_kv_blocks
+    blocks = max(largest_job_blocks(wl), round(fraction * peak))
     r = {kv: sim(wl, blocks, "skip-join-mlfq", kv, variant)
          for kv in ("proactive", "reactive", "defer")}
     pro = r["proactive"]
     return _row([
-        f"{variant:6s} {cell.name}", f"{blocks}/{unlimited.peak_kv_blocks}",
+        f"{variant:6s} {cell.name}" + (f" ({pool_variant}'s pool)" if pool_variant else ""),
+        f"{blocks}/{unlimited.peak_kv_blocks}",
         f"{unlimited.jct_mean:.2f}", f"{pro.jct_mean:.2f}", f"{r['reactive'].jct_mean:.2f}",
         f"{r['defer'].jct_mean:.2f}",
         _ratio(r["defer"].jct_mean, pro.jct_mean, 2.0),
@@ -202,10 +209,13 @@ PART2_HEADER = ["variant cell", "blocks/peak", "unlimited s", "proactive s", "re
 # -- part 3: the real engine ----------------------------------------------------------------
 
 
-def real_workload(quick: bool) -> list[WorkItem]:
-    """Heavy-tailed (Zipf 1.2) and bursty (CV 4) arrivals, heavy for this CPU."""
+REAL_RATE = 30.0  # requests/s: heavy for this CPU
+
+
+def real_workload(quick: bool, rate: float = REAL_RATE) -> list[WorkItem]:
+    """Heavy-tailed (Zipf 1.2) and bursty (CV 4) arrivals."""
     n = 500 if quick else 1000
-    return zipf_workload(n, 30.0, 4.0, 1.2, 256, 1024, seed=0)
+    return zipf_workload(n, rate, 4.0, 1.2, 256, 1024, seed=0)
 
 
 def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0) -> tuple[
@@ -250,13 +260,15 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
 
 
 def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1,
-          copy_workers: Sequence[str] = ("auto",), sim_profile: str | None = None) -> list[str]:
+          copy_workers: Sequence[str] = ("auto",), sim_profile: str | None = None,
+          rate: float = REAL_RATE) -> list[str]:
     """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
     times, interleaved (this machine is shared: a slow minute hits every policy alike), and
     the ratios are of the medians. With several `copy_workers`, proactive runs once per CPU
     copy mode in each repetition (`proactive/<mode>`); the first is the one the ratios use.
     With `sim_profile`, the simulator's prediction for the same workload and pool follows."""
-    wl = real_workload(quick)
+    wl = real_workload(quick, rate)
+    label = f"{variant} @{rate:g}/s"
 
     def config(kv_policy: str, blocks: int, worker: str = "auto") -> EngineConfig:
         return engine_config(policy="skip-join-mlfq", mlfq_variant=variant, kv_policy=kv_policy,
@@ -269,7 +281,7 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
     # NOTE: the peak moves from run to run (wall-clock timing changes the schedule), so
     # --real-blocks can pin the pool for comparisons across runs.
     blocks = fixed_blocks or max(largest_job_blocks(wl), round(0.25 * unlimited["peak_kv_blocks"]))
-    rows.append(_real_row(variant, "unlimited", 50_000, unlimited, run_s, slow))
+    rows.append(_real_row(label, "unlimited", 50_000, unlimited, run_s, slow))
     runs = [("proactive", w, "proactive" if len(copy_workers) == 1 else f"proactive/{w}")
             for w in copy_workers] + [("reactive", copy_workers[0], "reactive"),
                                       ("defer", copy_workers[0], "defer")]
@@ -279,12 +291,12 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
             jobs, kv, run_s, slow = run_engine(wl, config(kv_policy, blocks, worker))
             m = compute_metrics(jobs, len(wl), kv)
             jct[name].append(m["jct_mean"])
-            rows.append(_real_row(variant, name, blocks, m, run_s, slow))
+            rows.append(_real_row(label, name, blocks, m, run_s, slow))
     med = {k: statistics.median(v) for k, v in jct.items()}
     pro = med[runs[0][2]]
     runs_text = "; ".join(f"{k} " + "/".join(f"{x:.2f}" for x in v) for k, v in jct.items())
     rows.append(
-        f"  {variant}, medians of {reps}: defer/proactive {_ratio(med['defer'], pro, 2.0)}, "
+        f"  {label}, medians of {reps}: defer/proactive {_ratio(med['defer'], pro, 2.0)}, "
         f"reactive/proactive {_ratio(med['reactive'], pro, 1.0)}, "
         f"proactive/unlimited {pro / unlimited['jct_mean']:.2f} (avg JCT runs: {runs_text})"
     )
@@ -458,6 +470,8 @@ def main() -> None:
     p.add_argument("--sim-profile", default=None,
                    help="part 3: also simulate its workload and pool with this profile of the "
                         "machine (e.g. from `fastserve profile --through-engine --num-threads 2`)")
+    p.add_argument("--real-rates", default=str(REAL_RATE),
+                   help="part 3: arrival rates (requests/s), comma-separated; each runs in turn")
     p.add_argument("--real-blocks", type=int, default=None,
                    help="part 3's device pool (default: 25%% of the unlimited run's peak)")
     args = p.parse_args()
@@ -466,6 +480,7 @@ def main() -> None:
     n = 500 if args.quick else 1000
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     seeds = [int(x) for x in args.seeds.split(",")]
+    rates = [float(x) for x in args.real_rates.split(",")]
     t0 = time.time()
     if args.part in ("sim1", "all"):
         cells = [Cell(th, cv, 0.9, n, s) for th in thetas for cv in cvs for s in seeds]
@@ -477,7 +492,9 @@ def main() -> None:
             (1.2, 4.0, 1.0), (1.2, 4.0, 0.9), (1.2, 8.0, 0.9), (0.9, 4.0, 0.9), (1.5, 4.0, 0.9),
         ]
         cells = [Cell(th, cv, load, n, s) for th, cv, load in shapes for s in seeds]
-        work = [(c, v) for v in variants for c in cells]
+        work = [(c, v, None) for v in variants for c in cells]
+        if {"robust", "paper"} <= set(variants):  # both variants on the same memory too
+            work += [(c, "robust", "paper") for c in cells]
         _table("2. Device KV at 25% of the peak demand: sim, A100 13B profile, skip-join-mlfq",
                PART2_HEADER, _map(part2_cell, work, args.jobs))
     if args.part in ("real", "all"):
@@ -486,8 +503,9 @@ def main() -> None:
         torch.set_num_threads(2)
         workers = [w.strip() for w in args.copy_workers.split(",") if w.strip()]
         rows = [row for v in variants
+                for rate in rates
                 for row in part3(v, args.quick, args.real_blocks, args.reps, workers,
-                                 args.sim_profile)]
+                                 args.sim_profile, rate)]
         _table("3. Real engine, CPU, tiny model (float32), 25% of peak KV, Zipf 1.2 / CV 4",
                PART3_HEADER, rows)
     if args.part in ("gpu", "all"):
