@@ -216,8 +216,9 @@ class ProactivePolicy(ReactivePolicy):
 
     def begin(self, sched: Scheduler, now: float) -> None:
         self._now = now
-        if self._reserve_setting is None:
+        if self._reserve_setting is None:  # the first iteration: the pool's size is known
             self.reserve_blocks = math.ceil(DEFAULT_RESERVE_FRACTION * sched.kv.num_total_blocks)
+            self._reserve_setting = self.reserve_blocks
         self._budget = _CopyBudget(self, sched, now)
         self._deferred = []
         self._wanted_now = None
