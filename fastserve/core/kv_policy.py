@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 HORIZON_ITERATIONS = 2.0
 # `proactive`'s default reserve K: this share of the device pool, rounded up (vLLM keeps a
 # similar watermark of 1% free). Measured in the simulator (benchmarks/kv_policies.py, parts 1
-# and 2): 2-15% all beat no reserve, by up to 15% on average JCT; 5% did in all 14 cells.
+# and 2, robust variant): shares from 2% to 15% beat no reserve in most cells; 5% did in all
+# 14, by 2-18% on average JCT.
 DEFAULT_RESERVE_FRACTION = 0.05
 
 
