@@ -301,12 +301,13 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
         f"proactive/unlimited {pro / unlimited['jct_mean']:.2f} (avg JCT runs: {runs_text})"
     )
     if sim_profile:
-        rows.append(_sim_of_part3(wl, variant, blocks, sim_profile, med, unlimited["jct_mean"]))
+        rows.append(_sim_of_part3(wl, variant, blocks, sim_profile, med, unlimited["jct_mean"],
+                                  label))
     return rows
 
 
 def _sim_of_part3(wl: Sequence[WorkItem], variant: str, blocks: int, profile: str,
-                  real: dict[str, float], real_unlimited: float) -> str:
+                  real: dict[str, float], real_unlimited: float, label: str) -> str:
     """The simulator on part 3's workload and pool, with a profile of this machine (e.g.
     `fastserve profile --through-engine --num-threads 2`): its average JCT per KV policy
     beside the real medians."""
@@ -319,7 +320,7 @@ def _sim_of_part3(wl: Sequence[WorkItem], variant: str, blocks: int, profile: st
         simulated[name] = _result(simulate_run(wl, config, cost, pool), len(wl)).jct_mean
     real = {**real, "unlimited": real_unlimited}
     pairs = ", ".join(f"{k} {simulated[k]:.2f} vs {real[k]:.2f}" for k in simulated if k in real)
-    return (f"  {variant}, simulated with {Path(profile).name} vs real (avg JCT s): {pairs}; "
+    return (f"  {label}, simulated with {Path(profile).name} vs real (avg JCT s): {pairs}; "
             f"simulated defer/proactive {simulated['defer'] / simulated['proactive']:.2f}")
 
 
