@@ -42,9 +42,8 @@ from sim_sweep import (
     MLFQ,
     ORACLE,
     PAPER,
+    grid,
     run_one,
-    trace_cells,
-    zipf_cells,
 )
 
 # Deeper skip-join-mlfq hierarchies: more levels come closer to least attained service.
@@ -77,12 +76,7 @@ def print_bound() -> None:
 
 
 def run_sim_part(quick: bool, jobs: int) -> int:
-    if quick:
-        cells = zipf_cells(500, [0.9, 1.2], [1, 8], [0.8, 0.95], 0)
-        cells += trace_cells(300.0, [0.0], [0.95, 1.1])
-    else:
-        cells = zipf_cells(1000, [0.6, 0.9, 1.2, 1.5], [1, 4, 8], [0.5, 0.8, 0.95], 0)
-        cells += trace_cells(600.0, [0.0, 1200.0, 2400.0], [0.5, 0.8, 0.95, 1.1])
+    cells = grid(quick)
     policies = (FCFS, ORACLE, *CANDIDATES)
     print(f"\n2. Simulator: {len(cells)} cells x {len(policies)} policies, {jobs} processes")
     print("candidates: " + ", ".join(CANDIDATES))
@@ -130,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("bound", "sim", "all"), default="all")
-    ap.add_argument("--quick", action="store_true", help="a smaller grid")
+    ap.add_argument("--quick", action="store_true", help="sim_sweep.py's smaller grid")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     args = ap.parse_args(argv)
     if args.part in ("bound", "all"):

@@ -96,6 +96,16 @@ def trace_cells(window_s: float, starts: list[float], loads: list[float]) -> lis
     ]
 
 
+def grid(quick: bool = False, num_requests: int = 1000, trace_window_s: float = 600.0,
+         seed: int = 0) -> list[Cell]:
+    """The sweep's cells (`quick`: a smaller grid, for a quick look)."""
+    if quick:
+        cells = zipf_cells(min(num_requests, 500), [0.9, 1.5], [1, 8], [0.8, 0.95], seed)
+        return cells + trace_cells(min(trace_window_s, 300.0), [0.0], [0.8, 1.1])
+    cells = zipf_cells(num_requests, [0.6, 0.9, 1.2, 1.5], [1, 4, 8], [0.5, 0.8, 0.95], seed)
+    return cells + trace_cells(trace_window_s, [0.0, 1200.0, 2400.0], [0.5, 0.8, 0.95, 1.1])
+
+
 def run_one(cell: Cell, policy: str, cost: CostModel) -> tuple[str, str, dict[str, float], float]:
     start = time.perf_counter()
     config = policy_config(engine_config(max_batch_size=BATCH), policy)
@@ -150,13 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cost = CostModel.from_json(args.profile) if args.profile else GPU_CLASS
     policies = list(REQUIRED) + (list(EXTRA) if args.extra_policies else [])
-    if args.quick:
-        cells = zipf_cells(min(args.num_requests, 500), [0.9, 1.5], [1, 8], [0.8, 0.95], args.seed)
-        cells += trace_cells(min(args.trace_window_s, 300.0), [0.0], [0.8, 1.1])
-    else:
-        cells = zipf_cells(args.num_requests, [0.6, 0.9, 1.2, 1.5], [1, 4, 8], [0.5, 0.8, 0.95],
-                           args.seed)
-        cells += trace_cells(args.trace_window_s, [0.0, 1200.0, 2400.0], [0.5, 0.8, 0.95, 1.1])
+    cells = grid(args.quick, args.num_requests, args.trace_window_s, args.seed)
     print(f"cost model: {dataclasses.asdict(cost)}")
     print(f"{len(cells)} cells x {len(policies)} policies ({', '.join(policies)}), batch {BATCH}, "
           f"ample KV, {args.jobs} processes", flush=True)
