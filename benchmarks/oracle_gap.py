@@ -14,7 +14,8 @@ not know output lengths could close, two ways:
    arrives with ~28 others within a tenth of the mean gap; CV 4: ~7), and at high load the
    backlog is such a burst. (One server, output tokens as time; no prefill, no batching.)
 2. The simulator (the production schedulers, the sweep's GPU-class cost model, batch 16, ample
-   KV), over `benchmarks/sim_sweep.py`'s grid: skip-join-mlfq at several depths, the paper
+   KV), over `benchmarks/sim_sweep.py`'s grid: the default skip-join-mlfq (4 or 6 levels, as
+   the finished jobs' lengths say), skip-join-mlfq with a fixed number of levels, the paper
    variant and `gittins` (the Gittins order with the length distribution learned online).
    Per cell it prints the default's ratio to the oracle, the best ratio any of them reaches,
    and the best among those that also keep the sweep's other two targets (average <= 1.05x
@@ -46,11 +47,11 @@ from sim_sweep import (
     run_one,
 )
 
-# Deeper skip-join-mlfq hierarchies: more levels come closer to least attained service.
-DEEPER = tuple(f"{MLFQ}:mlfq-levels={n}" for n in (5, 6, 8)) + (
+# skip-join-mlfq with a fixed number of levels: more come closer to least attained service.
+FIXED_DEPTHS = tuple(f"{MLFQ}:mlfq-levels={n}" for n in (4, 5, 6, 8)) + (
     f"{MLFQ}:mlfq-levels=6:quantum-ratio=3",
 )
-CANDIDATES = (MLFQ, *DEEPER, PAPER, "gittins")
+CANDIDATES = (MLFQ, *FIXED_DEPTHS, PAPER, "gittins")
 BURSTS = (16, 64, 256, 1024)
 
 

@@ -30,6 +30,8 @@ _HELP = {
     "max_waiting": "most queued requests before new ones get 429 (0 = unbounded)",
     "kv_reserve_blocks": "device KV blocks the proactive policy keeps free for bursts "
                          "(None = 5%% of the device pool)",
+    "mlfq_levels": "MLFQ queue levels (None = robust: 4, or 6 while the finished jobs' output "
+                   "lengths are heavy-tailed; paper: enough that the lowest outlasts any job)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

@@ -126,7 +126,9 @@ class SchedulerConfig:
     base_quantum_ms: float = 0.0  # Q1's quantum; 0 = quantum_decode_steps decode steps' charge
     quantum_decode_steps: float | None = None  # robust 2; paper 1
     quantum_ratio: float = 2.0
-    mlfq_levels: int | None = None  # robust 4; paper enough that Q_lowest outlasts any job
+    # robust 4, or 6 while finished jobs' lengths are heavy-tailed (a number fixes it); paper
+    # enough that Q_lowest outlasts any job
+    mlfq_levels: int | None = None
     mlfq_charge: str | None = None  # robust "own"; paper "iteration"
     starve_limit_s: float | None = None  # robust 0 (off); paper 10 s; 0 = no promotion
     # robust: a job that has not started in the lowest level lets at most this many later

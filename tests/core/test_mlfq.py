@@ -196,7 +196,8 @@ def test_started_job_keeps_its_place_in_the_lowest_level_only_when_robust(varian
 def test_settings_follow_the_variant_unless_set() -> None:
     cost = CostModel()
     robust = MLFQSettings.from_config(SchedulerConfig(), cost)
-    assert (robust.charge, robust.num_levels, robust.starve_limit_s) == ("own", 4, 0.0)
+    assert (robust.charge, robust.shallow_levels, robust.num_levels, robust.starve_limit_s) == (
+        "own", 4, 6, 0.0)
     assert robust.is_arrival_order
     step = ChargeModel(cost, "own", 16).step_s
     assert robust.quanta_s[0] == pytest.approx(ROBUST_QUANTUM_STEPS * step)

@@ -28,9 +28,10 @@ running are not counted), which leans the estimate short early in a run.
 
 A reference, not the default. In benchmarks/sim_sweep.py's grid (GPU-class cost model, batch
 16, ample KV) it is the closest of our policies to `srpt-oracle` on Zipf lengths (worst cell
-2.07x the oracle's mean JCT, against 3.00x for skip-join-mlfq), but the index starves: a long
-prompt or a long-running job keeps a poor rank while short newcomers keep arriving, so p99 JCT
-reaches 10x FCFS's on the Azure trace at load 1, and the mean 1.12x FCFS's at load 1.1.
+2.07x the oracle's mean JCT; skip-join-mlfq's worst Zipf cell 2.37x, 3.00x with 4 fixed
+levels), but the index starves: a long prompt or a long-running job keeps a poor rank while
+short newcomers keep arriving, so p99 JCT reaches 10x FCFS's on the Azure trace at load 1,
+and the mean 1.12x FCFS's at load 1.1.
 `--mlfq-max-overtakes N` bounds the unfairness: once N jobs that arrived after a job have
 finished before it, it goes to the front and runs to completion, oldest first. With N = 64
 (4 batches) p99 stays within 2.3x FCFS's but most of the mean gain on Zipf lengths goes

@@ -29,9 +29,9 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.policies.keyed_order import Key, KeyedOrder
-from fastserve.core.policies.mlfq_settings import ChargeModel, MLFQSettings
+from fastserve.core.policies.mlfq_settings import ChargeModel, MLFQSettings, TailEstimate
 from fastserve.core.scheduler import Scheduler
-from fastserve.request import Request, RequestStatus
+from fastserve.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -62,7 +62,11 @@ class MLFQBase(Scheduler):
         self.settings = MLFQSettings.from_config(config, cost)
         self.charge = ChargeModel(cost, self.settings.charge, config.max_batch_size)
         self._quanta_s = self.settings.quanta_s
-        self._lowest = len(self._quanta_s) - 1
+        shallow = self.settings.shallow_levels
+        self._lowest = (shallow or len(self._quanta_s)) - 1
+        # robust, levels left to it: opens the deeper levels while lengths are heavy-tailed.
+        self._tail = None if shallow is None else TailEstimate(
+            sum(self._quanta_s[: shallow - 1]) / self.charge.step_s)
         self._jobs: dict[str, _Job] = {}
         self._level_counts = [0] * len(self._quanta_s)  # unfinished jobs per level
         self._queue: KeyedOrder[Request] = KeyedOrder()
@@ -79,7 +83,8 @@ class MLFQBase(Scheduler):
         return None if job is None else job.level
 
     def queue_lengths(self) -> dict[int, int]:
-        return {level + 1: n for level, n in enumerate(self._level_counts)}
+        """Jobs per level in use (robust may open more levels, see `_set_lowest`)."""
+        return {level + 1: n for level, n in enumerate(self._level_counts[: self._lowest + 1])}
 
     def num_in_top_queues(self, num_queues: int) -> int:
         return sum(self._level_counts[:num_queues])
@@ -146,6 +151,25 @@ class MLFQBase(Scheduler):
             self._level_counts[job.level] -= 1
         self._queue.remove(req.request_id)
         self._waiting.pop(req.request_id, None)
+        if self._tail is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
+                and self._tail.add(req.num_output_tokens):
+            shallow = self.settings.shallow_levels or len(self._quanta_s)
+            self._set_lowest((len(self._quanta_s) if self._tail.is_heavy else shallow) - 1)
+
+    def _set_lowest(self, lowest: int) -> None:
+        """Use levels 0..`lowest`: jobs below a raised lowest level join it, and the old and
+        new lowest levels' jobs get their new allowance (and, in the lowest, rank)."""
+        if lowest == self._lowest:
+            return
+        old, self._lowest = self._lowest, lowest
+        for job in self._jobs.values():
+            if job.level > lowest:
+                self._move(job, lowest)
+            elif job.level in (old, lowest):
+                job.allowance_s = self._allowance_s(job.level)
+            else:
+                continue
+            self._rekey(job)
 
     def _order(self, now: float) -> list[Request]:
         if self.settings.starve_limit_s > 0:
