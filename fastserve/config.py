@@ -124,7 +124,7 @@ class SchedulerConfig:
     max_waiting: int = 0  # 0 = unbounded; the server answers 429 beyond it
     # MLFQ knobs. None = the variant's default (see fastserve.core.policies.mlfq_settings).
     base_quantum_ms: float = 0.0  # Q1's quantum; 0 = quantum_decode_steps decode steps' charge
-    quantum_decode_steps: float | None = None  # robust 2; paper 1
+    quantum_decode_steps: float | None = None  # robust 4; paper 1
     quantum_ratio: float = 2.0
     # robust 4, or 6 while finished jobs' lengths are heavy-tailed (a number fixes it); paper
     # enough that Q_lowest outlasts any job

@@ -62,10 +62,10 @@ class MLFQBase(Scheduler):
         self.settings = MLFQSettings.from_config(config, cost)
         self.charge = ChargeModel(cost, self.settings.charge, config.max_batch_size)
         self._quanta_s = self.settings.quanta_s
-        shallow = self.settings.shallow_levels
-        self._lowest = (shallow or len(self._quanta_s)) - 1
+        shallow = self.settings.shallow_levels or len(self._quanta_s)
+        self._lowest = self._shallow_lowest = shallow - 1  # the lowest level in use
         # robust, levels left to it: opens the deeper levels while lengths are heavy-tailed.
-        self._tail = None if shallow is None else TailEstimate(
+        self._tail = None if self.settings.shallow_levels is None else TailEstimate(
             sum(self._quanta_s[: shallow - 1]) / self.charge.step_s)
         self._jobs: dict[str, _Job] = {}
         self._level_counts = [0] * len(self._quanta_s)  # unfinished jobs per level
@@ -153,8 +153,8 @@ class MLFQBase(Scheduler):
         self._waiting.pop(req.request_id, None)
         if self._tail is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
                 and self._tail.add(req.num_output_tokens):
-            shallow = self.settings.shallow_levels or len(self._quanta_s)
-            self._set_lowest((len(self._quanta_s) if self._tail.is_heavy else shallow) - 1)
+            self._set_lowest(len(self._quanta_s) - 1 if self._tail.is_heavy
+                             else self._shallow_lowest)
 
     def _set_lowest(self, lowest: int) -> None:
         """Use levels 0..`lowest`: jobs below a raised lowest level join it, and the old and
