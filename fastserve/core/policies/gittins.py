@@ -43,15 +43,15 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
 from collections.abc import Sequence
 from itertools import accumulate
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.policies.finished_lengths import FinishedLengths, finished_length
 from fastserve.core.policies.keyed_order import KeyedOrderScheduler
-from fastserve.request import FinishReason, Request
+from fastserve.request import Request
 
 MIN_SAMPLES = 32
 REFIT_EVERY = 64
@@ -133,12 +133,11 @@ class GittinsScheduler(KeyedOrderScheduler):
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(config, kv, cost, eos_token_ids)
-        self._lengths: deque[int] = deque(maxlen=WINDOW)
+        self._lengths = FinishedLengths(WINDOW, MIN_SAMPLES, REFIT_EVERY)
         self._promoted: set[str] = set()  # overtaken too often: they run first
         self._num_finished = 0
         overtakes = config.mlfq_max_overtakes
         self.max_overtakes = math.inf if overtakes is None else overtakes
-        self._since_fit = 0
         b = config.max_batch_size
         self._step_s = cost.iteration_s(0, b, 0) / b  # one decode step's share of a full batch
         self.model: LengthModel | None = None
@@ -152,13 +151,9 @@ class GittinsScheduler(KeyedOrderScheduler):
         self._promoted.discard(req.request_id)
         self._num_finished += 1
         self._promote_overtaken()
-        if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self._lengths.append(req.num_output_tokens)
-            self._since_fit += 1
-            if len(self._lengths) >= MIN_SAMPLES and (
-                self.model is None or self._since_fit >= REFIT_EVERY
-            ):
-                self._refit()
+        length = finished_length(req)
+        if length is not None and self._lengths.add(length):
+            self._refit()
 
     def _promote_overtaken(self) -> None:
         """Send to the front every job that `max_overtakes` later arrivals have finished
@@ -175,8 +170,7 @@ class GittinsScheduler(KeyedOrderScheduler):
                 self._rekey(req)
 
     def _refit(self) -> None:
-        self.model = LengthModel(list(self._lengths), self._step_s)
-        self._since_fit = 0
+        self.model = LengthModel(list(self._lengths.values), self._step_s)
         for req in list(self.requests.values()):
             self._rekey(req)
 

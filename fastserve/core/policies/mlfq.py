@@ -28,10 +28,11 @@ from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.core.policies.finished_lengths import finished_length
 from fastserve.core.policies.keyed_order import Key, KeyedOrder
 from fastserve.core.policies.mlfq_settings import ChargeModel, MLFQSettings, TailEstimate
 from fastserve.core.scheduler import Scheduler
-from fastserve.request import FinishReason, Request, RequestStatus
+from fastserve.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -151,8 +152,8 @@ class MLFQBase(Scheduler):
             self._level_counts[job.level] -= 1
         self._queue.remove(req.request_id)
         self._waiting.pop(req.request_id, None)
-        if self._tail is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
-                and self._tail.add(req.num_output_tokens):
+        length = finished_length(req)
+        if self._tail is not None and length is not None and self._tail.add(length):
             self._set_lowest(len(self._quanta_s) - 1 if self._tail.is_heavy
                              else self._shallow_lowest)
 

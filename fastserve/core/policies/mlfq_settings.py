@@ -23,12 +23,12 @@ Two variants share one mechanism (`mlfq.py`):
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import SchedulerOutput
+from fastserve.core.policies.finished_lengths import FinishedLengths
 
 ROBUST_LEVELS = 4
 # robust's levels when the finished jobs' lengths are heavy-tailed: the lowest is then reached
@@ -223,20 +223,17 @@ class TailEstimate:
 
     def __init__(self, age: float) -> None:
         self.age = age
-        self._lengths: deque[int] = deque(maxlen=TAIL_WINDOW)
-        self._since = 0
+        self._lengths = FinishedLengths(TAIL_WINDOW, TAIL_MIN_SAMPLES, TAIL_MIN_SAMPLES)
         self.ratio: float | None = None  # the last estimate; None before the first
         self.is_heavy = False
 
     def add(self, num_output_tokens: int) -> bool:
         """Record a finished job's length; True when the estimate was just renewed."""
-        self._lengths.append(num_output_tokens)
-        self._since += 1
-        if self._since < TAIL_MIN_SAMPLES:
+        if not self._lengths.add(num_output_tokens):
             return False
-        self._since = 0
-        mean = sum(self._lengths) / len(self._lengths)
-        older = [n - self.age for n in self._lengths if n > self.age]
+        lengths = self._lengths.values
+        mean = sum(lengths) / len(lengths)
+        older = [n - self.age for n in lengths if n > self.age]
         self.ratio = sum(older) / len(older) / mean if older else 0.0
         self.is_heavy = self.ratio > (SHALLOW_TAIL_RATIO if self.is_heavy else DEEP_TAIL_RATIO)
         return True
