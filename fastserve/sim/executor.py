@@ -16,6 +16,8 @@ a little more than they might.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from fastserve.clock import Clock
 from fastserve.core.block_pool import copy_runs
 from fastserve.core.cost_model import CostModel
@@ -44,6 +46,9 @@ class SimExecutor:
         self._copies_done_s = 0.0  # when the copy engine finishes what it has queued
         self._ready_s: dict[int, float] = {}  # device block -> when its pending copy lands
         self.batch_job_s = 0.0  # sum over iterations of duration x batch size (concurrency)
+        # Seconds of iterations by the device blocks their batch reads: how much KV the
+        # schedule needed on the device at once, whatever else was resident.
+        self.batch_kv_s: defaultdict[int, float] = defaultdict(float)
 
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         start_s = self.clock.now() if self.clock is not None else self._time_s
@@ -55,12 +60,16 @@ class SimExecutor:
         compute_s = self.cost.iteration_s(*batch_shape(plan))
         duration_s = wait_s + compute_s
         self._time_s = start_s + duration_s
-        self.batch_job_s += duration_s * len(plan.scheduled)
+        self._record(plan, duration_s)
         return ExecutorOutput(
             sampled_token_ids=[self.token_id] * len(plan.scheduled),
             duration_s=duration_s,
             swap_wait_s=wait_s,
         )
+
+    def _record(self, plan: SchedulerOutput, duration_s: float) -> None:
+        self.batch_job_s += duration_s * len(plan.scheduled)
+        self.batch_kv_s[sum(len(s.block_ids) for s in plan.scheduled)] += duration_s
 
     def _queue_copies(self, plan: SchedulerOutput, start_s: float) -> None:
         t = max(self._copies_done_s, start_s)

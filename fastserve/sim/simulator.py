@@ -8,7 +8,7 @@ and jumps the clock over idle gaps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -75,6 +75,16 @@ class SimRun:
     peak_kv_blocks: int  # most device blocks in use at once
     busy_s: float  # time spent in iterations
     mean_batch_size: float = 0.0  # jobs per iteration, weighted by its duration (not pipelined)
+    # Seconds of iterations by the device blocks their batch read (not pipelined).
+    batch_kv_s: dict[int, float] = field(default_factory=dict)
+
+    def share_batch_kv_over(self, num_blocks: int) -> float:
+        """The share of busy time whose batch read more than `num_blocks` device blocks: on a
+        pool of that size this run's schedule was impossible that long, whatever the KV policy
+        (every job in a batch reads its KV from the device)."""
+        total = sum(self.batch_kv_s.values())
+        over = sum(s for n, s in self.batch_kv_s.items() if n > num_blocks)
+        return over / total if total > 0 else 0.0
 
 
 def simulate(
@@ -149,6 +159,7 @@ def simulate_run(
         peak_kv_blocks=kv.peak_used_blocks,
         busy_s=core.busy_s,
         mean_batch_size=executor.batch_job_s / core.busy_s if core.busy_s > 0 else 0.0,
+        batch_kv_s=dict(executor.batch_kv_s),
     )
 
 

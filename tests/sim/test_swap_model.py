@@ -8,7 +8,7 @@ import pytest
 from fastserve.args import engine_config
 from fastserve.bench.metrics import METRIC_KEYS
 from fastserve.bench.runner import run_policies
-from fastserve.bench.workloads import zipf_workload
+from fastserve.bench.workloads import WorkItem, zipf_workload
 from fastserve.clock import VirtualClock
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
@@ -96,3 +96,15 @@ def test_bench_results_carry_the_kv_counters() -> None:
         assert set(metrics) == set(METRIC_KEYS)
         assert 0 < metrics["peak_kv_blocks"] <= 24
     assert results["skip-join-mlfq:kv-policy=defer"]["swap_out_blocks"] == 0
+
+
+def test_run_records_how_much_kv_its_batches_read() -> None:
+    # Two jobs of 16 prompt + 16 output tokens (block size 16), arriving together: their
+    # prefill reads one block each, their 15 decodes (the 17th token on) two each.
+    workload = [WorkItem(0.0, 16, 16), WorkItem(0.0, 16, 16)]
+    run = simulate_run(workload, engine_config(policy="fcfs"), COST, 100)
+    assert sum(run.batch_kv_s.values()) == pytest.approx(run.busy_s)
+    assert set(run.batch_kv_s) == {2, 4}  # prefill: one block each; then two each
+    assert run.share_batch_kv_over(4) == 0.0
+    assert run.share_batch_kv_over(2) == pytest.approx(15 / 16)  # 15 decode iterations of 16
+    assert run.share_batch_kv_over(1) == 1.0
