@@ -321,7 +321,8 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
     rows.append(
         f"  {label}, medians of {reps}: defer/proactive {_ratio(med['defer'], pro, 2.0)}, "
         f"reactive/proactive {_ratio(med['reactive'], pro, 1.0)}, "
-        f"proactive/unlimited {pro / unlimited['jct_mean']:.2f} (avg JCT runs: {runs_text})"
+        f"proactive/unlimited {pro / unlimited['jct_mean']:.2f}, defer/unlimited (defer/pro's "
+        f"ceiling) {med['defer'] / unlimited['jct_mean']:.2f} (avg JCT runs: {runs_text})"
     )
     if sim_profile:
         rows.append(_sim_of_part3(wl, variant, blocks, sim_profile, med, unlimited["jct_mean"],
@@ -344,7 +345,8 @@ def _sim_of_part3(wl: Sequence[WorkItem], variant: str, blocks: int, profile: st
     real = {**real, "unlimited": real_unlimited}
     pairs = ", ".join(f"{k} {simulated[k]:.2f} vs {real[k]:.2f}" for k in simulated if k in real)
     return (f"  {label}, simulated with {Path(profile).name} vs real (avg JCT s): {pairs}; "
-            f"simulated defer/proactive {simulated['defer'] / simulated['proactive']:.2f}")
+            f"simulated defer/proactive {simulated['defer'] / simulated['proactive']:.2f}, "
+            f"defer/unlimited {simulated['defer'] / simulated['unlimited']:.2f}")
 
 
 def _real_row(variant: str, name: str, blocks: int, m: dict[str, float], run_s: float,
