@@ -246,3 +246,26 @@ def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
     if worker != "auto":
         assert isinstance(runner.swapper, CPU_SWAPPERS[worker])
     runner.swapper.close()
+
+
+@pytest.mark.parametrize("kv_policy", ["proactive", "reactive"])
+def test_a_full_host_pool_back_pressures_and_loses_nothing(
+    kv_policy: str, unlimited_tokens: list[list[int]]
+) -> None:
+    torch.set_num_threads(1)
+    prompts, params = workload()
+    # Host memory for about two jobs' KV: offloading soon fails, new jobs wait and a started
+    # job that cannot grow recomputes a victim instead; every job still gets its own tokens.
+    llm = LLM(kv_policy=kv_policy, num_device_blocks=24, num_host_blocks=8,
+              max_batch_size=16, dtype="float32")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == unlimited_tokens
+    stats = llm.engine.stats()
+    assert int(stats["swap_out_blocks"]) > 0  # type: ignore[call-overload]
+    assert int(stats["num_recomputes"]) > 0  # type: ignore[call-overload]  # the host was full
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
+    assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 8
+    assert stats["num_swapped"] == 0
+    runner = llm.engine.runner
+    assert isinstance(runner, ModelRunner)
+    runner.swapper.close()
