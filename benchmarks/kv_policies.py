@@ -110,12 +110,7 @@ class Cell:
 class Result:
     jct_mean: float
     jct_p99: float
-    swap_wait_s: float
-    busy_s: float
-    peak_kv_blocks: int
-    swap_out_blocks: int
-    mean_batch_size: float
-    run: SimRun
+    run: SimRun  # the KV counters, batch sizes and the rest
 
 
 def mlfq_options(variant: str) -> dict[str, Any]:
@@ -136,8 +131,7 @@ def sim(workload: Sequence[WorkItem], blocks: int, policy: str, kv_policy: str,
 def _result(run: SimRun, n: int) -> Result:
     m = compute_metrics([JobTimes.from_request(r) for r in run.finished], n)
     assert m["num_finished"] == n, "a job was lost"
-    return Result(m["jct_mean"], m["jct_p99"], run.swap_wait_s, run.busy_s, run.peak_kv_blocks,
-                  run.swap_out_blocks, run.mean_batch_size, run)
+    return Result(m["jct_mean"], m["jct_p99"], run)
 
 
 def largest_job_blocks(workload: Sequence[WorkItem]) -> int:
@@ -152,10 +146,10 @@ def orca_sized_blocks(workload: Sequence[WorkItem], orca_jobs: float = ORCA_JOBS
     """The device pool on which Orca's duration-weighted batch size is closest to
     `orca_jobs` (at least the largest job: smaller pools could not run it)."""
     lo, hi = largest_job_blocks(workload), ample_blocks(workload, 16)
-    best = (lo, sim(workload, lo, "orca", "defer").mean_batch_size)
+    best = (lo, sim(workload, lo, "orca", "defer").run.mean_batch_size)
     while hi - lo > max(2, lo // 50):
         mid = (lo + hi) // 2
-        jobs = sim(workload, mid, "orca", "defer").mean_batch_size
+        jobs = sim(workload, mid, "orca", "defer").run.mean_batch_size
         if abs(jobs - orca_jobs) < abs(best[1] - orca_jobs):
             best = (mid, jobs)
         if jobs < orca_jobs:
@@ -176,7 +170,7 @@ def part1_cell(cell: Cell, orca_jobs: float = ORCA_JOBS) -> str:
         f"{orca.jct_mean:.2f}/{orca.jct_p99:.1f}", f"{fcfs.jct_mean:.2f}/{fcfs.jct_p99:.1f}",
         f"{fast.jct_mean:.2f}/{fast.jct_p99:.1f}",
         _ratio(orca.jct_mean, fast.jct_mean, 5.0), _ratio(orca.jct_p99, fast.jct_p99, 2.0),
-        _ratio(fcfs.jct_mean, fast.jct_mean, 1.3), f"{100 * fast.swap_wait_s / fast.busy_s:.1f}%",
+        _ratio(fcfs.jct_mean, fast.jct_mean, 1.3), _share(fast),
     ])
 
 
@@ -194,8 +188,8 @@ def part2_cell(cell: Cell, variant: str, pool_variant: str | None = None,
     memory for both variants)."""
     wl = cell.workload(A100_13B)
     unlimited = sim(wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", variant)
-    peak = unlimited.peak_kv_blocks if pool_variant in (None, variant) else sim(
-        wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", pool_variant).peak_kv_blocks
+    peak = unlimited.run.peak_kv_blocks if pool_variant in (None, variant) else sim(
+        wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", pool_variant).run.peak_kv_blocks
     blocks = max(largest_job_blocks(wl), round(fraction * peak))
     r = {kv: sim(wl, blocks, "skip-join-mlfq", kv, variant)
          for kv in ("proactive", "reactive", "defer")}
@@ -205,7 +199,7 @@ def part2_cell(cell: Cell, variant: str, pool_variant: str | None = None,
                   dataclasses.replace(A100_13B, swap_bytes_per_s=math.inf))
     return _row([
         f"{variant:6s} {cell.name}" + (f" ({pool_variant}'s pool)" if pool_variant else ""),
-        f"{blocks}/{unlimited.peak_kv_blocks}",
+        f"{blocks}/{unlimited.run.peak_kv_blocks}",
         f"{unlimited.jct_mean:.2f}", f"{pro.jct_mean:.2f}", f"{r['reactive'].jct_mean:.2f}",
         f"{r['defer'].jct_mean:.2f}",
         _ratio(r["defer"].jct_mean, pro.jct_mean, 2.0),
@@ -219,7 +213,7 @@ def part2_cell(cell: Cell, variant: str, pool_variant: str | None = None,
 
 
 def _share(r: Result) -> str:
-    return f"{100 * r.swap_wait_s / r.busy_s:.1f}%"
+    return f"{100 * r.run.swap_wait_s / r.run.busy_s:.1f}%"
 
 
 PART2_HEADER = ["variant cell", "blocks/peak", "unlimited s", "proactive s", "reactive s",

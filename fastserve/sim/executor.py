@@ -60,16 +60,13 @@ class SimExecutor:
         compute_s = self.cost.iteration_s(*batch_shape(plan))
         duration_s = wait_s + compute_s
         self._time_s = start_s + duration_s
-        self._record(plan, duration_s)
+        self.batch_job_s += duration_s * len(plan.scheduled)
+        self.batch_kv_s[sum(len(s.block_ids) for s in plan.scheduled)] += duration_s
         return ExecutorOutput(
             sampled_token_ids=[self.token_id] * len(plan.scheduled),
             duration_s=duration_s,
             swap_wait_s=wait_s,
         )
-
-    def _record(self, plan: SchedulerOutput, duration_s: float) -> None:
-        self.batch_job_s += duration_s * len(plan.scheduled)
-        self.batch_kv_s[sum(len(s.block_ids) for s in plan.scheduled)] += duration_s
 
     def _queue_copies(self, plan: SchedulerOutput, start_s: float) -> None:
         t = max(self._copies_done_s, start_s)
