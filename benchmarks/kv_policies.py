@@ -13,6 +13,9 @@
    best), the share of the unlimited run's busy time whose batch alone read more KV than the
    pool holds (its schedule is impossible there, whatever moves where), and defer over the
    unlimited run (the most a KV policy could gain over defer, if it matched unlimited memory).
+   Table 2b runs other schedulers (`--others`, by default gittins and srpt-oracle) with
+   proactive on the same pools: how much the memory costs even a scheduler that knows the
+   output lengths.
 3. The real engine on this machine (CPU, the tiny model in float32), the same memory pressure
    (25% of the unlimited run's peak), a heavy-tailed bursty workload. Targets: proactive >= 2x
    better than defer on average JCT and not worse than reactive; swap_wait_s as a share of the
@@ -214,6 +217,22 @@ def part2_cell(cell: Cell, variant: str, pool_variant: str | None = None,
 
 def _share(r: Result) -> str:
     return f"{100 * r.run.swap_wait_s / r.run.busy_s:.1f}%"
+
+
+def part2_others_cell(cell: Cell, policies: Sequence[str]) -> str:
+    """Other schedulers, each with proactive, on the robust pool of `part2_cell` (25% of
+    the default skip-join-mlfq's unlimited peak): each one's average JCT there and over its
+    own run with unlimited memory. What the memory costs a scheduler that knows the lengths
+    (srpt-oracle) shows what no KV policy could avoid."""
+    wl = cell.workload(A100_13B)
+    ample = ample_blocks(wl, 16)
+    peak = sim(wl, ample, "skip-join-mlfq", "proactive").run.peak_kv_blocks
+    blocks = max(largest_job_blocks(wl), round(0.25 * peak))
+    cells: list[object] = [cell.name, blocks]
+    for policy in policies:
+        tight, unlimited = (sim(wl, b, policy, "proactive").jct_mean for b in (blocks, ample))
+        cells.append(f"{tight:.2f} / {unlimited:.2f} ({tight / unlimited:.2f}x)")
+    return _row(cells)
 
 
 PART2_HEADER = ["variant cell", "blocks/peak", "unlimited s", "proactive s", "reactive s",
@@ -479,6 +498,9 @@ def main() -> None:
     p.add_argument("--variants", default="paper,robust",
                    help="MLFQ variants for parts 2 and 3, comma-separated: robust, paper, or "
                         "either with a fixed number of levels, e.g. robust:levels=4")
+    p.add_argument("--others", default="skip-join-mlfq,gittins,srpt-oracle",
+                   help="part 2: schedulers run with proactive on the same pools, each against "
+                        "its own unlimited run (empty: none)")
     p.add_argument("--reps", type=int, default=1,
                    help="part 3: runs per KV policy, interleaved; ratios of the medians")
     p.add_argument("--copy-workers", default="auto",
@@ -519,6 +541,11 @@ def main() -> None:
             work += [(c, "robust", "paper") for c in cells]
         _table("2. Device KV at 25% of the peak demand: sim, A100 13B profile, skip-join-mlfq",
                PART2_HEADER, _map(part2_cell, work, args.jobs))
+        others = [x.strip() for x in args.others.split(",") if x.strip()]
+        if others:
+            _table("2b. Other schedulers with proactive on the robust pools: avg JCT s, that "
+                   "pool / unlimited memory", ["cell", "blocks", *others],
+                   _map(part2_others_cell, [(c, others) for c in cells], args.jobs))
     if args.part in ("real", "all"):
         import torch
 
