@@ -13,8 +13,8 @@
    best), the share of the unlimited run's busy time whose batch alone read more KV than the
    pool holds (its schedule is impossible there, whatever moves where), and defer over the
    unlimited run (the most a KV policy could gain over defer, if it matched unlimited memory).
-   Table 2b runs other schedulers (`--others`, by default gittins and srpt-oracle) with
-   proactive on the same pools: how much the memory costs even a scheduler that knows the
+   Table 2b runs schedulers (`--others`, by default skip-join-mlfq, gittins and srpt-oracle)
+   with proactive on robust's pools: how much the memory costs even a scheduler that knows the
    output lengths.
 3. The real engine on this machine (CPU, the tiny model in float32), the same memory pressure
    (25% of the unlimited run's peak), a heavy-tailed bursty workload. Targets: proactive >= 2x
@@ -190,10 +190,9 @@ def part2_cell(cell: Cell, variant: str, pool_variant: str | None = None,
     """One row; `pool_variant` sizes the pool from that variant's peak instead (the same
     memory for both variants)."""
     wl = cell.workload(A100_13B)
-    unlimited = sim(wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", variant)
-    peak = unlimited.run.peak_kv_blocks if pool_variant in (None, variant) else sim(
-        wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", pool_variant).run.peak_kv_blocks
-    blocks = max(largest_job_blocks(wl), round(fraction * peak))
+    unlimited, blocks = _pool_of(wl, variant, fraction)
+    if pool_variant not in (None, variant):
+        blocks = _pool_of(wl, pool_variant, fraction)[1]
     r = {kv: sim(wl, blocks, "skip-join-mlfq", kv, variant)
          for kv in ("proactive", "reactive", "defer")}
     pro = r["proactive"]
@@ -215,6 +214,13 @@ def part2_cell(cell: Cell, variant: str, pool_variant: str | None = None,
     ])
 
 
+def _pool_of(wl: Sequence[WorkItem], variant: str, fraction: float = 0.25) -> tuple[Result, int]:
+    """skip-join-mlfq + proactive with unlimited memory, and the pool of `fraction` of its
+    peak KV (at least the largest job)."""
+    unlimited = sim(wl, ample_blocks(wl, 16), "skip-join-mlfq", "proactive", variant)
+    return unlimited, max(largest_job_blocks(wl), round(fraction * unlimited.run.peak_kv_blocks))
+
+
 def _share(r: Result) -> str:
     return f"{100 * r.run.swap_wait_s / r.run.busy_s:.1f}%"
 
@@ -225,12 +231,12 @@ def part2_others_cell(cell: Cell, policies: Sequence[str]) -> str:
     own run with unlimited memory. What the memory costs a scheduler that knows the lengths
     (srpt-oracle) shows what no KV policy could avoid."""
     wl = cell.workload(A100_13B)
-    ample = ample_blocks(wl, 16)
-    peak = sim(wl, ample, "skip-join-mlfq", "proactive").run.peak_kv_blocks
-    blocks = max(largest_job_blocks(wl), round(0.25 * peak))
+    sj_unlimited, blocks = _pool_of(wl, "robust")
     cells: list[object] = [cell.name, blocks]
     for policy in policies:
-        tight, unlimited = (sim(wl, b, policy, "proactive").jct_mean for b in (blocks, ample))
+        tight = sim(wl, blocks, policy, "proactive").jct_mean
+        unlimited = sj_unlimited.jct_mean if policy == "skip-join-mlfq" else sim(
+            wl, ample_blocks(wl, 16), policy, "proactive").jct_mean
         cells.append(f"{tight:.2f} / {unlimited:.2f} ({tight / unlimited:.2f}x)")
     return _row(cells)
 
