@@ -46,7 +46,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _make_model(args: argparse.Namespace) -> int:
     from fastserve.model.make_model import make_model
 
-    path = make_model(args.preset, args.out, seed=args.seed)
+    path = make_model(args.preset, args.out, seed=args.seed,
+                      max_position_embeddings=args.max_position_embeddings)
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
 
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--preset", choices=["tiny", "small"], default="tiny")
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--max-position-embeddings", type=int, default=None,
+                    help="context length in tokens (default: the preset's, 2048)")
     mk.set_defaults(func=_make_model)
 
     for name in ("fastserve.server.cli", "fastserve.bench.cli", "fastserve.profiler"):

@@ -49,9 +49,14 @@ class ModelConfig:
     # Keep the batch shape and wall time of the last N engine iterations (a ring buffer read
     # by `fastserve profile --through-engine` and benchmarks/sim_vs_real.py); 0 = off.
     record_iterations: int = 0
+    # Most tokens of one request (prompt + output); None = the checkpoint's
+    # max_position_embeddings. A longer prompt is rejected naming this limit.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.max_model_len is None or self.max_model_len >= 2,
+               f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
         _check(self.record_iterations >= 0,
                f"record_iterations must be >= 0 (0 = off), got {self.record_iterations}")
@@ -119,7 +124,8 @@ class SchedulerConfig:
 
     policy: str = "skip-join-mlfq"
     max_batch_size: int = 16
-    # NOTE: a whole prompt is prefilled in one iteration, so this also bounds the prompt length.
+    # The iteration's token budget: decodes take one token each, and a prefill what is left
+    # (a longer prompt is prefilled in chunks over several iterations).
     max_num_batched_tokens: int = 4096
     max_waiting: int = 0  # 0 = unbounded; the server answers 429 beyond it
     # MLFQ knobs. None = the variant's default (see fastserve.core.policies.mlfq_settings).

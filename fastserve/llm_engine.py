@@ -30,6 +30,18 @@ from fastserve.request import FinishReason, Request, RequestOutput, RequestStatu
 logger = logging.getLogger(__name__)
 
 
+def _max_model_len(configured: int | None, max_position_embeddings: int) -> int:
+    """The context limit: the configured one, which may not exceed the checkpoint's."""
+    if configured is None:
+        return max_position_embeddings
+    if configured > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={configured} exceeds the model's max_position_embeddings="
+            f"{max_position_embeddings}"
+        )
+    return configured
+
+
 def resolve_model_path(model: str | None) -> Path:
     """A model directory, or the built-in `tiny` preset (made once into the cache)."""
     return default_model_path() if model is None else Path(model)
@@ -58,7 +70,8 @@ class LLMEngine:
             self.tokenizer = Tokenizer(path)
         except FileNotFoundError as exc:
             raise ValueError(f"cannot load the tokenizer: {exc}") from None
-        self.max_model_len = self.arch.max_position_embeddings
+        self.max_model_len = _max_model_len(config.model.max_model_len,
+                                            self.arch.max_position_embeddings)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self.runner: ModelRunner | DistributedExecutor
         if is_distributed:
@@ -139,11 +152,6 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens but the model's maximum context length is "
                 f"{self.max_model_len} (the prompt must leave room for at least one new token)"
-            )
-        limit = self.config.scheduler.max_num_batched_tokens
-        if len(token_ids) > limit:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens={limit}"
             )
         return token_ids
 

@@ -123,9 +123,11 @@ class CostModel:
             stage_s += self.p2p_s(num_tokens)
         return stage_s
 
-    def prefill_s(self, num_tokens: int) -> float:
-        """A job's first iteration alone (what skip-join uses to place it)."""
-        return self.iteration_s(num_tokens, 0, 0, num_tokens * num_tokens)
+    def prefill_s(self, num_tokens: int, start_pos: int = 0) -> float:
+        """A prefill of `num_tokens` tokens alone, after `start_pos` tokens already cached
+        (an earlier chunk, or a cached prefix) that its attention reads too."""
+        pairs = num_tokens * num_tokens + 2 * num_tokens * start_pos
+        return self.iteration_s(num_tokens, 0, 0, pairs)
 
     def decode_s(self, context_tokens: int) -> float:
         """One decode step of one job alone."""

@@ -6,14 +6,18 @@ from dataclasses import dataclass, field
 
 from fastserve.request import SamplingParams
 
+# The token of a scheduled request that samples none (a prefill chunk with prompt left).
+NO_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of an iteration."""
 
     request_id: str
-    # Tokens fed to the model this iteration: the whole prompt (plus any tokens generated
-    # before a recompute preemption) for a prefill, the last sampled token for a decode.
+    # Tokens fed to the model this iteration: the uncached prompt (plus any tokens generated
+    # before a recompute preemption), or the chunk of it that fits the iteration's token
+    # budget, for a prefill; the last sampled token for a decode.
     token_ids: list[int]
     # Position of token_ids[0]; the KV of every earlier position is already cached.
     start_pos: int
@@ -22,10 +26,24 @@ class ScheduledRequest:
     # Sampling needs the params, and min_tokens needs how many tokens came out already.
     params: SamplingParams
     num_output_tokens: int
+    # False for a prefill chunk that leaves tokens for later iterations: it samples nothing
+    # (a seeded generator must not advance, so chunked and whole prefills sample alike).
+    samples: bool = True
 
     @property
     def is_prefill(self) -> bool:
-        return self.start_pos == 0
+        """Prefill (or a chunk of one): new tokens attend to each other, not only to the
+        cache. A one-token last chunk after cached tokens is shaped like a decode and runs as
+        one."""
+        return self.start_pos == 0 or len(self.token_ids) > 1
+
+    @property
+    def num_prefill_pairs(self) -> int:
+        """What the cost model's quadratic prefill term counts: n^2 for n new tokens, plus
+        2 n x start_pos for their attention over the cached tokens before them (the same
+        query-key pairs, scaled like n^2 = 2 x the n^2/2 causal pairs)."""
+        n = len(self.token_ids)
+        return n * n + 2 * n * self.start_pos
 
     @property
     def num_context_tokens(self) -> int:
@@ -68,7 +86,7 @@ class SchedulerOutput:
 class ExecutorOutput:
     """What one iteration produced."""
 
-    # One sampled token per scheduled request, in plan order.
+    # One sampled token per scheduled request, in plan order (NO_TOKEN where it samples none).
     sampled_token_ids: list[int]
     # How long the iteration took: measured by the real executor, predicted by the simulator.
     duration_s: float

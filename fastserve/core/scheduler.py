@@ -2,7 +2,9 @@
 
 Every iteration the batch is chosen afresh: the policy orders the unfinished requests by
 priority (`_order`), and the base class walks that order filling the batch up to the batch size,
-the token budget and the KV blocks. A request that ran last iteration and is not picked now is
+the token budget and the KV blocks. A prefill takes what is left of the token budget: a prompt
+longer than that is prefilled in chunks over several iterations (chunked prefill), beside the
+running decodes, and may be preempted between chunks like any started job. A request that ran last iteration and is not picked now is
 preempted between tokens and keeps its KV cache. When a request cannot get its blocks, the
 KV policy (`fastserve.core.kv_policy`) may take them from started requests less urgent than it
 and outside the batch: their KV is offloaded to host memory or dropped for recompute, so the
@@ -117,7 +119,9 @@ class Scheduler(ABC):
         self.kv_policy.begin(self, now)
         batch: list[Request] = []
         in_batch: set[str] = set()
+        chunks: dict[str, int] = {}  # tokens each batched job runs this iteration
         num_tokens = 0
+        budget = self.config.max_num_batched_tokens
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
         order = self._order_now = self._not_in_flight(self._order(now))
         max_jobs = self._max_jobs()
@@ -145,18 +149,22 @@ class Scheduler(ABC):
                     break
                 continue
             num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > 1 and batch and num_tokens + num_new > self.config.max_num_batched_tokens:
-                admitting = admitting and started
-                continue
-            if not self._allocate(req, _Tail(order, i + 1), in_batch, now):
+            if num_new > 1:  # a prefill: what is left of the budget (a decode always fits)
+                num_new = min(num_new, budget - num_tokens)
+                if num_new <= 0:
+                    admitting = admitting and started
+                    continue
+            target = req.num_computed_tokens + num_new
+            if not self._allocate(req, target, _Tail(order, i + 1), in_batch, now):
                 if not started:
                     admitting = False
                 continue
             batch.append(req)
             in_batch.add(req.request_id)
+            chunks[req.request_id] = num_new
             num_tokens += num_new
         self.kv_policy.plan_ahead(self, order, batch, now)
-        return self._plan(batch, in_batch)
+        return self._plan(batch, chunks)
 
     def _not_in_flight(self, order: Sequence[Request]) -> Sequence[Request]:
         if not self.in_flight:
@@ -180,6 +188,8 @@ class Scheduler(ABC):
             if not self._keeps_result(sched):  # the policy abandoned this job's iteration
                 continue
             req.num_computed_tokens = sched.num_context_tokens
+            if not sched.samples:  # a prefill chunk with prompt left: no token yet
+                continue
             req.output_token_ids.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
@@ -196,8 +206,9 @@ class Scheduler(ABC):
         """Unfinished requests, most urgent first. Requests left out are not run."""
 
     def _admit_tokens(self, req: Request) -> int:
-        """Tokens of KV to allocate when a request (re)starts. Orca reserves the maximum."""
-        return req.num_tokens
+        """Tokens of KV to reserve when a request (re)starts, beyond what its first iteration
+        writes (0: blocks come as its chunks and tokens need them). Orca reserves the maximum."""
+        return 0
 
     def level_of(self, request_id: str) -> int | None:
         """The request's priority queue (0 = the most urgent), or None when it is not here.
@@ -329,9 +340,10 @@ class Scheduler(ABC):
         return self._enst.get(req.request_id, float("inf"))
 
     def _allocate(
-        self, req: Request, rest: Sequence[Request], in_batch: set[str], now: float
+        self, req: Request, target: int, rest: Sequence[Request], in_batch: set[str], now: float
     ) -> bool:
-        """Find KV blocks for the request's tokens this iteration, making room if it must.
+        """Find KV blocks for the request to hold `target` tokens after this iteration,
+        making room if it must.
 
         A swapped request is uploaded first. Returns False when it cannot run now.
         """
@@ -341,11 +353,11 @@ class Scheduler(ABC):
         if self.kv.is_swapped(rid):
             if not self.can_upload(req) or self.kv_policy.defers(self, req, len(in_batch), rest):
                 return False
-            if not self._make_room(req, self.kv.upload_shortfall(rid, req.num_tokens), rest, now):
+            if not self._make_room(req, self.kv.upload_shortfall(rid, target), rest, now):
                 return False
-            self.upload(req, req.num_tokens)
+            self.upload(req, target)
         started = self.kv.has_blocks(rid)
-        num_tokens = req.num_tokens if started else self.admit_tokens(req)
+        num_tokens = target if started else max(target, self._admit_tokens(req))
         if self.kv.allocate(rid, num_tokens) is not None:
             return True
         if self.kv_policy.defers(self, req, len(in_batch), rest):
@@ -378,11 +390,11 @@ class Scheduler(ABC):
             victims = [r for r in victims if self.can_offload(r)]
         return True
 
-    def _plan(self, batch: list[Request], in_batch: set[str]) -> SchedulerOutput:
+    def _plan(self, batch: list[Request], chunks: dict[str, int]) -> SchedulerOutput:
         preempted: list[str] = []
         for rid in self._batch_ids:
             req = self.requests.get(rid)
-            if req is not None and rid not in in_batch and rid not in self.in_flight:
+            if req is not None and rid not in chunks and rid not in self.in_flight:
                 if req.status is RequestStatus.RUNNING:
                     req.status = RequestStatus.PREEMPTED
                 req.num_preemptions += 1
@@ -391,14 +403,16 @@ class Scheduler(ABC):
         scheduled = []
         for req in batch:
             req.status = RequestStatus.RUNNING
+            n = chunks[req.request_id]
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    token_ids=_new_tokens(req),
+                    token_ids=_new_tokens(req, n),
                     start_pos=req.num_computed_tokens,
                     block_ids=list(self.kv.block_table(req.request_id)),
                     params=req.params,
                     num_output_tokens=req.num_output_tokens,
+                    samples=req.num_computed_tokens + n == req.num_tokens,
                 )
             )
         # Jobs still in flight ran in an earlier batch: they are checked once they are back.
@@ -469,8 +483,13 @@ class _Moves:
     uploaded_ids: set[str] = field(default_factory=set)
 
 
-def _new_tokens(req: Request) -> list[int]:
-    """Tokens to feed this iteration: the last one for a decode, all uncached ones otherwise."""
-    if req.num_computed_tokens == req.num_tokens - 1:
+def _new_tokens(req: Request, n: int) -> list[int]:
+    """The `n` tokens to feed this iteration: the last one for a decode, the next uncached
+    ones (the whole rest, or a chunk) otherwise."""
+    start = req.num_computed_tokens
+    if start == req.num_tokens - 1:
         return [req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]]
-    return req.all_token_ids()[req.num_computed_tokens :]
+    num_prompt = req.num_prompt_tokens
+    if start + n <= num_prompt:  # NOTE: no copy of a long prompt for each of its chunks
+        return req.prompt_token_ids[start : start + n]
+    return req.all_token_ids()[start : start + n]

@@ -90,7 +90,8 @@ class PagedAttention:
         if md.decodes is not None and self.decode_kernel is not None:
             return self._forward_with_kernel(md, md.decodes, q, k, v, k_cache, v_cache)
         outs = [
-            self._prefill(s, q, k, v) if s.is_prefill else self._decode(s, q, k_cache, v_cache)
+            self._prefill(s, q, k, v, k_cache, v_cache) if s.is_prefill
+            else self._decode(s, q, k_cache, v_cache)
             for s in md.seqs
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -114,12 +115,23 @@ class PagedAttention:
         out.index_copy_(0, dec.token_idx, od.to(q.dtype))
         for s in md.seqs:
             if s.is_prefill:
-                out[s.q_start : s.q_start + s.q_len] = self._prefill(s, q, k, v)
+                out[s.q_start : s.q_start + s.q_len] = self._prefill(s, q, k, v, k_cache, v_cache)
         return out
 
-    def _prefill(self, s: SeqSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Prefills start at position 0: attend over the fresh K/V, causally."""
+    def _prefill(
+        self,
+        s: SeqSlice,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """A prefill from position 0 attends over the fresh K/V, causally; a later chunk (or
+        the rest of a prompt whose prefix is cached) over the cache (`_extend`)."""
         sl = slice(s.q_start, s.q_start + s.q_len)
+        if s.ctx_len > s.q_len:
+            return self._extend(s, q[sl], k_cache, v_cache)
         o = F.scaled_dot_product_attention(
             q[sl].transpose(0, 1).unsqueeze(0),
             k[sl].transpose(0, 1).unsqueeze(0),
@@ -129,16 +141,43 @@ class PagedAttention:
         )  # [1, num_heads, q_len, head_dim]
         return o[0].transpose(0, 1)
 
+    def _extend(
+        self, s: SeqSlice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """`q_len` new tokens after `ctx_len - q_len` cached ones: each attends to the whole
+        cached prefix and causally to the new tokens (their K/V are in the cache already)."""
+        # q: [q_len, num_heads, head_dim]
+        kc, vc = self._context(s, k_cache, v_cache)  # [num_kv_heads, ctx_len, head_dim]
+        start = s.ctx_len - s.q_len
+        # Bottom-right causal: query i (position start + i) sees keys 0..start + i. A boolean
+        # mask keeps SDPA on its fused CPU kernel (no [heads, q_len, ctx_len] scores in memory).
+        keys = torch.arange(s.ctx_len, device=q.device)
+        mask = keys.unsqueeze(0) <= (start + torch.arange(s.q_len, device=q.device)).unsqueeze(1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0).to(k_cache.dtype),
+            kc.unsqueeze(0),
+            vc.unsqueeze(0),
+            attn_mask=mask,  # [q_len, ctx_len]
+            enable_gqa=q.shape[1] != kc.shape[0],
+        )  # [1, num_heads, q_len, head_dim]
+        return o[0].transpose(0, 1).to(q.dtype)
+
+    @staticmethod
+    def _context(
+        s: SeqSlice, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's cached K and V, [num_kv_heads, ctx_len, head_dim] each: a view when
+        its blocks run consecutively, a gather otherwise."""
+        if s.slot_index is None:
+            end = s.slot_start + s.ctx_len
+            return k_cache[:, s.slot_start : end], v_cache[:, s.slot_start : end]
+        return k_cache.index_select(1, s.slot_index), v_cache.index_select(1, s.slot_index)
+
     def _decode(
         self, s: SeqSlice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """One query token against the cached context, as a view when blocks are contiguous."""
-        if s.slot_index is None:
-            kc = k_cache[:, s.slot_start : s.slot_start + s.ctx_len]
-            vc = v_cache[:, s.slot_start : s.slot_start + s.ctx_len]
-        else:
-            kc = k_cache.index_select(1, s.slot_index)
-            vc = v_cache.index_select(1, s.slot_index)
+        kc, vc = self._context(s, k_cache, v_cache)
         num_heads = q.shape[1]
         group = num_heads // self.num_kv_heads
         # The `group` query heads sharing a KV head become `group` query rows against it,

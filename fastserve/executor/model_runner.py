@@ -119,6 +119,9 @@ class ModelRunner:
             last.append(q_start + n - 1)
             ctx = r.start_pos + n
             contiguous = is_contiguous(table[: -(-ctx // bs)])
+            # Who reads the cache through a gather index: a prefill after cached tokens (a
+            # later chunk), and a decode unless the kernel reads the block table itself.
+            reads_cache = r.start_pos > 0 and (r.is_prefill or not gathers_in_kernel)
             seqs.append(
                 SeqSlice(
                     q_start=q_start,
@@ -127,7 +130,7 @@ class ModelRunner:
                     ctx_len=ctx,
                     slot_start=table[0] * bs,
                     slot_index=None
-                    if contiguous or r.is_prefill or gathers_in_kernel
+                    if contiguous or not reads_cache
                     else self.attn.block_slots(table[: -(-ctx // bs)])[:ctx],
                 )
             )

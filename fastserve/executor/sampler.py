@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastserve.core.plan import ScheduledRequest
+from fastserve.core.plan import NO_TOKEN, ScheduledRequest
 
 
 class Sampler:
@@ -23,7 +23,19 @@ class Sampler:
             self._generators.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
+        """One token per request, NO_TOKEN for a prefill chunk that samples none."""
         # logits: [num_reqs, vocab] float32
+        if not all(r.samples for r in reqs):
+            rows = [i for i, r in enumerate(reqs) if r.samples]
+            out = [NO_TOKEN] * len(reqs)
+            if rows:
+                tokens = self._sample(logits[rows], [reqs[i] for i in rows])
+                for i, t in zip(rows, tokens, strict=True):
+                    out[i] = t
+            return out
+        return self._sample(logits, reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
         self._mask_early_stop(logits, reqs)
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):

@@ -9,6 +9,7 @@ Everything is deterministic for a given (preset, seed).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -191,8 +192,14 @@ PROJ_GAIN = 2.0  # v/o/mlp: layer outputs must outweigh the token's own (tied) e
 LOGIT_STD = 4.0  # set through the final norm's weight; gives a peaked but not one-hot softmax
 
 
-def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
+def make_model(
+    preset: str, out: str | Path, seed: int = 0, max_position_embeddings: int | None = None
+) -> Path:
     """Write the `preset` checkpoint (weights from `seed`) into directory `out`; return `out`.
+
+    `max_position_embeddings` sets the context length (default: the preset's, 2048); the
+    weights do not depend on it (rotary embeddings have none), so long prompts can be served
+    by the same model.
 
     The checkpoint is built in a temporary sibling directory and renamed into place,
     so a concurrent reader never sees half of it. If `out` already holds a
@@ -201,6 +208,11 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     p = PRESETS[preset]
+    if max_position_embeddings is not None:
+        if max_position_embeddings < 2:
+            raise ValueError(
+                f"max_position_embeddings must be >= 2, got {max_position_embeddings}")
+        p = dataclasses.replace(p, max_position_embeddings=max_position_embeddings)
     out = Path(out)
     if (out / "config.json").is_file():
         return out

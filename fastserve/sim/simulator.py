@@ -124,7 +124,7 @@ def simulate_run(
         core = EngineCore(scheduler, executor, clock)
 
     pending = sorted(make_requests(workload), key=lambda r: r.arrival_s)
-    _check_fits(pending, kv, config.scheduler.max_num_batched_tokens)
+    _check_fits(pending, kv)
     finished: list[Request] = []
     bar = tqdm(total=len(pending), desc=config.scheduler.policy, unit="req", disable=not progress,
                leave=False)
@@ -163,16 +163,11 @@ def simulate_run(
     )
 
 
-def _check_fits(reqs: Sequence[Request], kv: KVCacheManager, max_prompt_tokens: int) -> None:
-    """Reject what `LLMEngine.add_request` rejects: a prompt over the iteration's token budget
-    (it is prefilled in one iteration), and a job larger than the whole pool (which could
-    never run: the loop would spin)."""
+def _check_fits(reqs: Sequence[Request], kv: KVCacheManager) -> None:
+    """Reject what `LLMEngine.add_request` rejects: a job larger than the whole pool (which
+    could never run: the loop would spin). A prompt over the token budget is prefilled in
+    chunks."""
     for r in reqs:
-        if r.num_prompt_tokens > max_prompt_tokens:
-            raise ValueError(
-                f"request {r.request_id} has a {r.num_prompt_tokens}-token prompt, more than "
-                f"max_num_batched_tokens={max_prompt_tokens}; cap or scale the input lengths"
-            )
         need = num_blocks_for(r.max_total_tokens, kv.block_size)
         if need > kv.num_total_blocks:
             raise ValueError(

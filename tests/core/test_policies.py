@@ -33,10 +33,10 @@ BLOCK_SIZE = 4
 TIGHT_BLOCKS = 40  # the largest job (60 + 40 tokens) needs 25
 
 
-def _tight_run(policy: str, config: dict, seed: int = 0, n: int = 60) -> Run:
+def _tight_run(policy: str, config: dict, seed: int = 0, n: int = 60, budget: int = 128) -> Run:
     prompts, outputs, arrivals = random_workload(n, seed)
     sched = make_scheduler(policy, num_blocks=TIGHT_BLOCKS, block_size=BLOCK_SIZE,
-                           max_batch_size=6, max_num_batched_tokens=128, **config)
+                           max_batch_size=6, max_num_batched_tokens=budget, **config)
     return serve(sched, make_requests(prompts, outputs, arrivals))
 
 
@@ -57,6 +57,21 @@ def test_every_policy_finishes_all_jobs_without_leaking_blocks(policy: str, conf
 
 
 @pytest.mark.parametrize(("policy", "config"), CASES, ids=CASE_IDS)
+def test_chunked_prefills_finish_every_job_without_leaking_blocks(policy: str,
+                                                                  config: dict) -> None:
+    """A 12-token budget under prompts of up to 60: most prefill in chunks, under the same
+    memory pressure (preemption, offload, recompute between chunks)."""
+    run = _tight_run(policy, config, seed=3, budget=12)
+    assert len(run.finished) == 60
+    for req in run.finished:
+        assert req.num_output_tokens == req.params.max_tokens
+    assert run.scheduler.kv.num_free_blocks == run.scheduler.kv.num_total_blocks
+    assert any(not s.samples for p in run.plans for s in p.scheduled)  # chunks did run
+    for plan in run.plans:  # one-token jobs always fit, as decodes do
+        assert sum(len(s.token_ids) for s in plan.scheduled if len(s.token_ids) > 1) <= 12
+
+
+@pytest.mark.parametrize(("policy", "config"), CASES, ids=CASE_IDS)
 def test_batches_respect_batch_size_token_budget_and_kv_blocks(policy: str, config: dict) -> None:
     run = _tight_run(policy, config, seed=1)
     cfg = run.scheduler.config
@@ -64,9 +79,9 @@ def test_batches_respect_batch_size_token_budget_and_kv_blocks(policy: str, conf
         assert len(plan.scheduled) <= cfg.max_batch_size
         tokens = 0
         blocks: list[int] = []
-        for i, s in enumerate(plan.scheduled):
+        for s in plan.scheduled:
             tokens += len(s.token_ids)
-            if len(s.token_ids) > 1 and i > 0:  # only a batch's first prefill may exceed it
+            if len(s.token_ids) > 1:  # one token always fits; a prefill takes what is left
                 assert tokens <= cfg.max_num_batched_tokens
             assert len(s.block_ids) >= num_blocks_for(s.num_context_tokens, BLOCK_SIZE)
             blocks += s.block_ids

@@ -98,9 +98,20 @@ def test_fcfs_and_orca_differ_under_tight_kv() -> None:
 def test_jobs_the_engine_would_reject_are_rejected() -> None:
     with pytest.raises(ValueError, match="needs 3 KV blocks but num_device_blocks=2"):
         simulate([WorkItem(0.0, 40, 8)], engine_config(policy="fcfs"), COST, num_device_blocks=2)
-    with pytest.raises(ValueError, match="more than max_num_batched_tokens=32"):
-        simulate([WorkItem(0.0, 40, 8)], engine_config(policy="fcfs", max_num_batched_tokens=32),
-                 COST, num_device_blocks=100)
+
+
+
+def test_prompts_over_the_token_budget_prefill_in_chunks() -> None:
+    """A 40-token prompt at a 16-token budget: three prefill iterations, then its tokens."""
+    [alone] = simulate([WorkItem(0.0, 40, 8)], engine_config(policy="fcfs"), COST,
+                       num_device_blocks=100)
+    [chunked] = simulate([WorkItem(0.0, 40, 8)],
+                         engine_config(policy="fcfs", max_num_batched_tokens=16), COST,
+                         num_device_blocks=100)
+    assert chunked.num_output_tokens == alone.num_output_tokens == 8
+    assert chunked.first_token_s is not None and alone.first_token_s is not None
+    # Two more iterations' fixed cost before the first token; the rest is the same work.
+    assert chunked.first_token_s > alone.first_token_s + COST.fixed_s
 
 
 def test_sim_executor_predicts_the_cost_model_and_emits_no_eos() -> None:

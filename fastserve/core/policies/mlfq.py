@@ -47,6 +47,12 @@ class _Job:
     last_run_s: float = 0.0  # end of its last iteration, or its arrival (paper's turn-taking)
     starve_clock_s: float = 0.0  # since when it has waited, for starvation promotion
     is_started: bool = False  # has run an iteration (robust: it stays ahead of new jobs)
+    # (attained_s, last_run_s) as of its last token, what the paper variant ranks by: a job
+    # whose prefill runs in chunks keeps its place until the prefill is done, so jobs taking
+    # turns in a level take them between tokens. Ranked by its chunks, each job would run one
+    # chunk and drop behind, and under memory pressure the next would recompute it away:
+    # none would ever finish its prefill.
+    turn: tuple[float, float] = (0.0, 0.0)
 
 
 class MLFQBase(Scheduler):
@@ -138,7 +144,7 @@ class MLFQBase(Scheduler):
     def _on_add(self, req: Request, now: float) -> None:
         level = self._join_level(req)
         job = _Job(req, self._num_added, level, self._allowance_s(level),
-                   last_run_s=now, starve_clock_s=now)
+                   last_run_s=now, starve_clock_s=now, turn=(0.0, now))
         self._num_added += 1
         self._jobs[req.request_id] = job
         self._level_counts[level] += 1
@@ -188,11 +194,22 @@ class MLFQBase(Scheduler):
 
     def _charge(self, job: _Job, sched: ScheduledRequest, charge_s: float, now: float) -> None:
         self._account(job, charge_s, now)
+        if sched.samples:
+            job.turn = (job.attained_s, job.last_run_s)
         if job.attained_s >= job.allowance_s:
             # NOTE: demoted before `update` knows whether this token finished the job; a
             # finished job leaves in `_on_finish`, so the order is never wrong.
-            self._demote(job, self.charge.decode_s(sched.num_context_tokens + 1))
+            self._demote(job, self._charge_after_s(job.req, sched))
         self._rekey(job)
+
+    def _charge_after_s(self, req: Request, sched: ScheduledRequest) -> float:
+        """Predicted charge of the iteration after `sched`: its prefill's next chunk, or a
+        decode step."""
+        done = sched.num_context_tokens
+        if not sched.samples:
+            chunk = min(self.config.max_num_batched_tokens, req.num_tokens - done)
+            return self.charge.prefill_s(chunk, done)
+        return self.charge.decode_s(done + 1)
 
     def _account(self, job: _Job, charge_s: float, now: float) -> None:
         job.attained_s += charge_s
@@ -243,13 +260,15 @@ class MLFQBase(Scheduler):
         job.level = min(level, self._lowest)
         self._level_counts[job.level] += 1
         job.attained_s = 0.0
+        job.turn = (0.0, job.last_run_s)
         job.allowance_s = self._allowance_s(job.level)
 
     def _next_charge_s(self, req: Request) -> float:
         """Predicted charge of the request's next iteration, from its current KV state."""
         num_new = req.num_tokens - req.num_computed_tokens
         if req.num_computed_tokens == 0 or num_new > 1:
-            return self.charge.prefill_s(num_new)
+            chunk = min(num_new, self.config.max_num_batched_tokens)
+            return self.charge.prefill_s(chunk, req.num_computed_tokens)
         return self.charge.decode_s(req.num_tokens)
 
     def _key(self, job: _Job) -> Key:
@@ -265,7 +284,7 @@ class MLFQBase(Scheduler):
             else:
                 rank = math.inf
             return (job.level, rank, 0 if job.is_started else 1, job.seq)
-        return (job.level, job.attained_s, job.last_run_s, job.seq)
+        return (job.level, *job.turn, job.seq)
 
     def _rekey(self, job: _Job) -> None:
         self._queue.put(job.req.request_id, self._key(job), job.req)
@@ -274,12 +293,15 @@ class MLFQBase(Scheduler):
 class SkipJoinMLFQScheduler(MLFQBase):
     """FastServe's skip-join MLFQ: a job starts in the level that fits its prefill.
 
-    A long prompt's first iteration would use up the top quanta at once, so the job skips
-    them and cannot delay the short jobs that the top levels are for.
+    A long prompt's prefill would use up the top quanta at once, so the job skips them and
+    cannot delay the short jobs that the top levels are for. A prompt longer than the token
+    budget prefills in chunks, one iteration each: the level is the one whose quantum covers
+    all of them (after the first chunks it would be demoted there anyway).
     """
 
     def _join_level(self, req: Request) -> int:
-        return self._level_for(self.charge.prefill_s(req.num_tokens))
+        chunk = self.config.max_num_batched_tokens
+        return self._level_for(self.charge.prefill_s(req.num_tokens, 0, chunk))
 
 
 class MLFQScheduler(MLFQBase):
@@ -361,8 +383,9 @@ class MLFQPreemptScheduler(MLFQBase):
             super()._charge(job, sched, charge_s, now)
             return
         self._account(job, charge_s, now)  # paid and lost
-        if sched.is_prefill:
+        if sched.start_pos == 0:
             # Nothing it computed is kept, so its blocks would hold no KV: give them back.
+            # (A later chunk keeps its blocks: they hold the earlier chunks.)
             self.kv.free(sched.request_id)
             job.req.status = RequestStatus.WAITING
         self._demote(job, redo_s)

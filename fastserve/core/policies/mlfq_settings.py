@@ -77,11 +77,21 @@ class ChargeModel:
         self.mode = mode
         self.max_batch_size = max_batch_size
 
-    def prefill_s(self, num_tokens: int) -> float:
-        """Predicted charge of a first iteration (prefill) of `num_tokens` tokens."""
-        if self.mode == "iteration":
-            return self.cost.prefill_s(num_tokens)
-        return self._fixed_share(self.max_batch_size) + self._prefill_part(num_tokens)
+    def prefill_s(self, num_tokens: int, start_pos: int = 0, chunk: int = 0) -> float:
+        """Predicted charge of prefilling `num_tokens` tokens after `start_pos` cached ones,
+        in iterations of at most `chunk` tokens each (0 = all in one): what the job is
+        charged for its chunks, each attending over the tokens before it."""
+        chunk = chunk or num_tokens
+        total_s = 0.0
+        while num_tokens > 0:
+            n = min(chunk, num_tokens)
+            if self.mode == "iteration":
+                total_s += self.cost.prefill_s(n, start_pos)
+            else:
+                total_s += self._fixed_share(self.max_batch_size) + self._prefill_part(n, start_pos)
+            num_tokens -= n
+            start_pos += n
+        return total_s
 
     def decode_s(self, num_context_tokens: int) -> float:
         """Predicted charge of one decode step at this context length."""
@@ -106,7 +116,7 @@ class ChargeModel:
         shares = [
             fixed
             + (
-                self._prefill_part(len(s.token_ids))
+                self._prefill_part(len(s.token_ids), s.start_pos)
                 if s.is_prefill
                 else self._decode_part(s.num_context_tokens)
             )
@@ -125,19 +135,21 @@ class ChargeModel:
     def _fixed_share(self, batch_size: int) -> float:
         return self.cost.fixed_s / max(1, batch_size)
 
-    def _prefill_part(self, n: int) -> float:
-        return self.cost.per_prefill_token_s * n + self.cost.per_prefill_token2_s * n * n
+    def _prefill_part(self, n: int, start_pos: int = 0) -> float:
+        """n new tokens after `start_pos` cached ones (see `ScheduledRequest.num_prefill_pairs`)."""
+        pairs = n * n + 2 * n * start_pos
+        return self.cost.per_prefill_token_s * n + self.cost.per_prefill_token2_s * pairs
 
     def _decode_part(self, num_context_tokens: int) -> float:
         return self.cost.per_decode_s + self.cost.per_context_token_s * num_context_tokens
 
     def _predicted_duration_s(self, plan: SchedulerOutput) -> float:
-        prefill_lens = [len(s.token_ids) for s in plan.scheduled if s.is_prefill]
+        prefills = [s for s in plan.scheduled if s.is_prefill]
         return self.cost.iteration_s(
-            sum(prefill_lens),
+            sum(len(s.token_ids) for s in prefills),
             plan.num_decodes,
             plan.num_decode_context_tokens,
-            sum(n * n for n in prefill_lens),
+            sum(s.num_prefill_pairs for s in prefills),
         )
 
 
