@@ -86,6 +86,9 @@ class CacheConfig:
     # thread, before the iteration) or "auto": the worker only when the compute leaves a core
     # free (see fastserve/executor/swap.py).
     cpu_copy_worker: str = "auto"
+    # Share the KV of full blocks whose tokens (and all before them) an earlier request had
+    # (see fastserve.core.prefix_cache); cached blocks nobody uses are evicted LRU for room.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")

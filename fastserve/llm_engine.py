@@ -84,7 +84,8 @@ class LLMEngine:
             self._warmup()
         self.cost = self._cost_model()
         self.kv = KVCacheManager(
-            self.runner.num_blocks, config.cache.block_size, self.runner.num_host_blocks
+            self.runner.num_blocks, config.cache.block_size, self.runner.num_host_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.scheduler = make_scheduler(config.scheduler, self.kv, self.cost, self.eos_token_ids,
                                         kv_policy=make_kv_policy(config.cache))
@@ -212,6 +213,9 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "num_recomputes": s.num_recomputes,
             "num_iterations": self.core.num_iterations,
+            "prefix_cache_query_tokens": s.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
+            "prefix_cache_device_blocks": self.kv.num_cached_blocks,
         }
 
     # -- start-up -------------------------------------------------------------------------

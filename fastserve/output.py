@@ -73,6 +73,7 @@ class OutputProcessor:
             new_text=(st.text if req.is_finished else text)[st.num_sent_chars :],
             error=req.error,
             num_preemptions=req.num_preemptions,
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
         st.num_sent_tokens = req.num_output_tokens
         st.num_sent_chars = len(out.text)

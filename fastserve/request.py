@@ -86,6 +86,13 @@ class Request:
     # Set by the engine when the request may not exceed the model's context.
     max_model_len: int = 1 << 30
     error: str | None = None  # why the engine failed it (finish_reason ERROR)
+    # Prefix caching: requests with different salts share no cached blocks (vLLM's
+    # cache_salt); the chained hashes of its full blocks, extended as tokens come (see
+    # fastserve.core.prefix_cache); and the prompt tokens found cached when it first started
+    # (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    cache_salt: str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -131,6 +138,9 @@ class RequestOutput:
     new_text: str = ""
     error: str | None = None
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:

@@ -3,14 +3,19 @@
 Pure bookkeeping over block ids; the executor owns the tensors these ids index and carries out
 the copies that `offload` / `upload` return. A request's KV moves as a whole, block by block,
 and its block table follows it from one pool to the other.
+
+With prefix caching (`fastserve.core.prefix_cache`) a request's device table may begin with
+blocks it shares with others: leaving the device (free, offload) drops its references, and a
+cached block nobody references stays on the device until an allocation needs the room.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from fastserve.core.block_pool import BlockPool
+from fastserve.core.prefix_cache import CachingBlockPool
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -33,11 +38,13 @@ class KVCacheManager:
     only uploads (whose copies run after the swap-outs) may take them.
     """
 
-    def __init__(self, num_device_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(self, num_device_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
-        self.device = BlockPool(num_device_blocks)
+        self.device = CachingBlockPool(num_device_blocks, enable_prefix_caching)
         self.host = BlockPool(num_host_blocks)
         self._tables: dict[str, list[int]] = {}  # device block tables
+        self._num_registered: dict[str, int] = {}  # leading blocks of a table registered
         self._host_tables: dict[str, list[int]] = {}
         self._host_releasing: list[int] = []  # read by this iteration's uploads
         self._device_releasing: list[int] = []  # being copied out by this iteration's offloads
@@ -114,14 +121,25 @@ class KVCacheManager:
 
     # -- device allocation ------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def allocate(self, request_id: str, num_tokens: int,
+                 prefix_hashes: Sequence[int] = ()) -> list[int] | None:
         """Grow the request's device table to hold `num_tokens` tokens; None (nothing taken)
-        if short. NOTE: a swapped request must be uploaded first."""
+        if short. A request holding no blocks starts with the cached blocks of
+        `prefix_hashes` (all cached: `num_cached_prefix`), shared, not copied.
+        NOTE: a swapped request must be uploaded first."""
         if request_id in self._host_tables:
             raise ValueError(f"request {request_id!r} is swapped out; upload it before allocating")
+        if request_id in self._tables:
+            prefix_hashes = ()
+        elif self.shortfall(request_id, num_tokens, prefix_hashes) > 0:
+            return None
+        elif prefix_hashes:
+            self._tables[request_id] = self.device.share(prefix_hashes)
+            self._num_registered[request_id] = len(prefix_hashes)
         need = self.num_new_blocks(request_id, num_tokens)
         table = self._tables.setdefault(request_id, [])
         if need == 0:
+            self._note_peak()
             return []
         new = self.device.allocate(need, after=table[-1] if table else None)
         if new is None:
@@ -135,6 +153,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> int:
         """Release every block the request holds, on either pool; returns how many."""
         table = self._tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         if table is not None:
             self.device.free(table)
             return len(table)
@@ -165,10 +184,11 @@ class KVCacheManager:
         if host is None:
             return None
         del self._tables[request_id]
+        self._num_registered.pop(request_id, None)
         if release_now:
             self.device.free(table)
         else:
-            self._device_releasing += table
+            self._device_releasing += self.device.release_later(table)
         self._host_tables[request_id] = host
         self.num_swap_out_blocks += len(valid)
         return list(zip(valid, host, strict=True))
@@ -203,7 +223,9 @@ class KVCacheManager:
                         min(len(host), self.device.num_free - grow))
         device = self.device.allocate(from_pool) or []
         reuse = len(host) - from_pool
-        device += self._device_releasing[:reuse]
+        reused = self._device_releasing[:reuse]
+        self.device.take_released(reused)
+        device += reused
         del self._device_releasing[:reuse]
         del self._host_tables[request_id]
         self._tables[request_id] = device
@@ -217,9 +239,49 @@ class KVCacheManager:
         if self._host_releasing:
             self.host.free(self._host_releasing)
             self._host_releasing = []
-        if self._device_releasing:
-            self.device.free(self._device_releasing)
-            self._device_releasing = []
+        self.device.free_released(self._device_releasing)
+        self._device_releasing = []
+
+    # -- prefix cache -----------------------------------------------------------------------
+
+    @property
+    def is_caching(self) -> bool:
+        """Whether prefix caching is on."""
+        return self.device.enabled
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Device blocks registered in the prefix cache (shared, in use or evictable)."""
+        return self.device.num_cached
+
+    def num_cached_prefix(self, hashes: Sequence[int], max_blocks: int) -> int:
+        """How many of the first `max_blocks` of these hashes are cached on the device, from
+        the first on (changes nothing)."""
+        return self.device.lookup(hashes, max_blocks)
+
+    def shortfall(self, request_id: str, num_tokens: int,
+                  prefix_hashes: Sequence[int] = ()) -> int:
+        """Device blocks missing for `allocate(request_id, num_tokens, prefix_hashes)`: the
+        shared prefix needs none of its own, but those of its blocks nobody references
+        stop being free (evictable) once it holds them."""
+        if request_id in self._tables or not prefix_hashes:
+            return self.num_new_blocks(request_id, num_tokens) - self.num_free_blocks
+        need = num_blocks_for(num_tokens, self.block_size) - len(prefix_hashes)
+        pinned = self.device.num_unreferenced(prefix_hashes)
+        return need + pinned - self.num_free_blocks
+
+    def cache_blocks(self, request_id: str, hashes: Sequence[int], num_blocks: int) -> None:
+        """The request's first `num_blocks` blocks are full and computed (their hashes lead
+        `hashes`): register them so later requests can share them."""
+        done = self._num_registered.get(request_id, 0)
+        if num_blocks <= done:
+            return
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        n = min(num_blocks, len(table))
+        self.device.register(table[done:n], hashes[done:n])
+        self._num_registered[request_id] = n
 
     # -- internals --------------------------------------------------------------------------
 

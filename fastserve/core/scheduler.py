@@ -26,6 +26,7 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.kv_policy import KVPolicy, make_kv_policy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.request import FinishReason, Request, RequestStatus
 
 
@@ -51,6 +52,10 @@ class Scheduler(ABC):
         self.num_recomputes = 0  # times a request's KV was dropped for recompute
         self.num_offloads = 0  # times a request's KV was moved to host memory
         self.num_uploads = 0  # times it was moved back
+        # Prefix cache: tokens of the jobs started (or restarted after a recompute), and of
+        # those the tokens found cached (/metrics: queries and hits).
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
         # What gives way when device blocks run short; `make_scheduler` sets the configured one.
         self.kv_policy: KVPolicy = make_kv_policy(CacheConfig())
         self._moves = _Moves()  # this iteration's KV copies
@@ -148,14 +153,17 @@ class Scheduler(ABC):
                 if num_started_left <= 0:
                     break
                 continue
-            num_new = req.num_tokens - req.num_computed_tokens
+            # A job starting (or restarting) with no KV shares the longest cached prefix.
+            prefix = () if started else self._cached_prefix(req)
+            done = req.num_computed_tokens + len(prefix) * self.kv.block_size
+            num_new = req.num_tokens - done
             if num_new > 1:  # a prefill: what is left of the budget (a decode always fits)
                 num_new = min(num_new, budget - num_tokens)
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
-            target = req.num_computed_tokens + num_new
-            if not self._allocate(req, target, _Tail(order, i + 1), in_batch, now):
+            if not self._allocate(req, done + num_new, _Tail(order, i + 1), in_batch, now,
+                                  prefix):
                 if not started:
                     admitting = False
                 continue
@@ -188,6 +196,7 @@ class Scheduler(ABC):
             if not self._keeps_result(sched):  # the policy abandoned this job's iteration
                 continue
             req.num_computed_tokens = sched.num_context_tokens
+            self._cache_computed(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet
                 continue
             req.output_token_ids.append(token)
@@ -340,10 +349,12 @@ class Scheduler(ABC):
         return self._enst.get(req.request_id, float("inf"))
 
     def _allocate(
-        self, req: Request, target: int, rest: Sequence[Request], in_batch: set[str], now: float
+        self, req: Request, target: int, rest: Sequence[Request], in_batch: set[str], now: float,
+        prefix: Sequence[int] = (),
     ) -> bool:
         """Find KV blocks for the request to hold `target` tokens after this iteration,
-        making room if it must.
+        making room if it must; a job holding no KV starts with the cached blocks of
+        `prefix` (their tokens count as computed).
 
         A swapped request is uploaded first. Returns False when it cannot run now.
         """
@@ -358,17 +369,51 @@ class Scheduler(ABC):
             self.upload(req, target)
         started = self.kv.has_blocks(rid)
         num_tokens = target if started else max(target, self._admit_tokens(req))
-        if self.kv.allocate(rid, num_tokens) is not None:
-            return True
+        if self.kv.allocate(rid, num_tokens, prefix) is not None:
+            return self._started(req, started, prefix)
         if self.kv_policy.defers(self, req, len(in_batch), rest):
             return False
-        shortfall = self.kv.num_new_blocks(rid, num_tokens) - self.kv.num_free_blocks
+        shortfall = self.kv.shortfall(rid, num_tokens, prefix)
         if self._make_room(req, shortfall, rest, now) \
-                and self.kv.allocate(rid, num_tokens) is not None:
-            return True
+                and self.kv.allocate(rid, num_tokens, prefix) is not None:
+            return self._started(req, started, prefix)
         if started:  # nothing below it gives way: it gives up its own blocks
             self.kv_policy.give_up(self, req)
         return False
+
+    # -- prefix cache -------------------------------------------------------------------
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Tokens of the request's longest prefix cached on the device (changes nothing but
+        the request's block hashes): what it would not compute if it started now."""
+        return len(self._cached_prefix(req)) * self.kv.block_size
+
+    def _cached_prefix(self, req: Request) -> Sequence[int]:
+        """Hashes of the request's longest cached run of leading blocks, leaving at least one
+        token to compute (its logits give the next token)."""
+        if not self.kv.is_caching:
+            return ()
+        hashes = extend_block_hashes(req, self.kv.block_size)
+        n = self.kv.num_cached_prefix(hashes, (req.num_tokens - 1) // self.kv.block_size)
+        return hashes[:n]
+
+    def _started(self, req: Request, was_started: bool, prefix: Sequence[int]) -> bool:
+        """A job got its blocks; one that was not started counts as a prefix-cache query."""
+        if not was_started and self.kv.is_caching:
+            cached = len(prefix) * self.kv.block_size
+            req.num_computed_tokens = cached
+            self.num_prefix_query_tokens += req.num_tokens
+            self.num_prefix_hit_tokens += cached
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(cached, req.num_prompt_tokens)
+        return True
+
+    def _cache_computed(self, req: Request) -> None:
+        """Register the request's full blocks computed so far, for later requests to share."""
+        if self.kv.is_caching and req.num_computed_tokens >= self.kv.block_size:
+            hashes = extend_block_hashes(req, self.kv.block_size)
+            self.kv.cache_blocks(req.request_id, hashes,
+                                 req.num_computed_tokens // self.kv.block_size)
 
     def _make_room(self, req: Request, shortfall: int, rest: Sequence[Request],
                    now: float) -> bool:

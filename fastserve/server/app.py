@@ -43,6 +43,7 @@ from fastserve.server.schemas import (
     FinishReason,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
     now_s,
 )
@@ -415,7 +416,8 @@ class _TextChunk:
 def _usage(job: _Job, out: RequestOutput) -> Usage:
     num_prompt = len(job.prompt_token_ids)
     num_out = len(out.token_ids)
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out)
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
 def _finish_reason(out: RequestOutput) -> FinishReason:

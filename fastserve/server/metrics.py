@@ -52,8 +52,18 @@ class _EngineCollector(Collector):
             ("fastserve_preemptions", "num_preemptions", "requests preempted by the scheduler"),
             ("fastserve_recomputes", "num_recomputes", "preemptions that dropped KV to recompute"),
             ("fastserve_iterations", "num_iterations", "engine iterations run"),
+            ("fastserve_prefix_cache_queries", "prefix_cache_query_tokens",
+             "tokens of the requests started, looked up in the prefix cache"),
+            ("fastserve_prefix_cache_hits", "prefix_cache_hit_tokens",
+             "of those, tokens whose KV was found cached"),
         ):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        cached = GaugeMetricFamily("fastserve_prefix_cache_blocks",
+                                   "KV blocks held by the prefix cache, per memory tier",
+                                   labels=["tier"])
+        cached.add_metric(["device"], s.get("prefix_cache_device_blocks", 0))
+        cached.add_metric(["host"], s.get("prefix_cache_host_blocks", 0))
+        yield cached
 
 
 class ServerMetrics:

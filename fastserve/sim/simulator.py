@@ -48,7 +48,10 @@ def make_requests(workload: Sequence[WorkItem]) -> list[Request]:
             p = params[w.output_len] = SamplingParams(
                 max_tokens=w.output_len, temperature=0.0, ignore_eos=True
             )
-        reqs.append(Request(f"sim-{i}", prompt, p, w.arrival_s, oracle_output_len=w.output_len))
+        # NOTE: the shared prompt lists stand for different prompts: a salt per request keeps
+        # the prefix cache from sharing them.
+        reqs.append(Request(f"sim-{i}", prompt, p, w.arrival_s, oracle_output_len=w.output_len,
+                            cache_salt=f"sim-{i}"))
     return reqs
 
 
@@ -110,7 +113,8 @@ def simulate_run(
     progress: bool = False,
 ) -> SimRun:
     """`simulate`, also returning the KV counters (swaps, copy waits, peak blocks)."""
-    kv = KVCacheManager(num_device_blocks, config.cache.block_size, host_blocks(config.cache, cost))
+    kv = KVCacheManager(num_device_blocks, config.cache.block_size, host_blocks(config.cache, cost),
+                        enable_prefix_caching=config.cache.enable_prefix_caching)
     scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids=(),
                                kv_policy=make_kv_policy(config.cache))
     clock = VirtualClock(start_s=min((w.arrival_s for w in workload), default=0.0))

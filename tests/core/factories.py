@@ -35,10 +35,11 @@ def make_scheduler(
     num_blocks: int = 4096,
     block_size: int = 16,
     cost: CostModel | None = None,
+    prefix_caching: bool = False,
     **config: Any,
 ) -> Scheduler:
     """A real scheduler of `policy` over a fresh KV manager; `config` sets SchedulerConfig."""
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     return build_scheduler(SchedulerConfig(policy=policy, **config), kv, cost or CostModel())
 
 

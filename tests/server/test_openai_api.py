@@ -98,7 +98,28 @@ def test_completion_schema_and_usage(server: ServerProcess) -> None:
     body = resp.json()
     validate(body, "CreateCompletionResponse")
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
+    assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_usage_reports_cached_prompt_tokens_and_metrics_count_them(server: ServerProcess) -> None:
+    def metric(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+    before = httpx.get(server.url + "/metrics").text
+    ids = list(range(300, 340))  # 40 tokens: two full 16-token blocks, then 8
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "ignore_eos": True}
+    first = post(server, "/completions", body).json()["usage"]
+    again = post(server, "/completions", body).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["prompt_tokens_details"] == {"cached_tokens": 32}
+    after = httpx.get(server.url + "/metrics").text
+    hits = "fastserve_prefix_cache_hits_total"
+    queries = "fastserve_prefix_cache_queries_total"
+    assert metric(after, hits) - metric(before, hits) == 32
+    assert metric(after, queries) - metric(before, queries) == 80
+    assert metric(after, 'fastserve_prefix_cache_blocks{tier="device"}') >= 2
 
 
 def test_completion_with_openai_client(client: openai.OpenAI, tokenizer: Any) -> None:

@@ -296,12 +296,14 @@ class SkipJoinMLFQScheduler(MLFQBase):
     A long prompt's prefill would use up the top quanta at once, so the job skips them and
     cannot delay the short jobs that the top levels are for. A prompt longer than the token
     budget prefills in chunks, one iteration each: the level is the one whose quantum covers
-    all of them (after the first chunks it would be demoted there anyway).
+    all of them (after the first chunks it would be demoted there anyway). A prompt whose
+    prefix is cached is placed by the prefill of the rest, which is all it will run.
     """
 
     def _join_level(self, req: Request) -> int:
         chunk = self.config.max_num_batched_tokens
-        return self._level_for(self.charge.prefill_s(req.num_tokens, 0, chunk))
+        cached = self.cached_prefix_tokens(req)
+        return self._level_for(self.charge.prefill_s(req.num_tokens - cached, cached, chunk))
 
 
 class MLFQScheduler(MLFQBase):

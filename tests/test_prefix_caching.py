@@ -1,0 +1,99 @@
+"""Prefix caching on the real engine: requests sharing a prefix reuse its KV, and every job
+gets the tokens it gets with caching off, with chunked prefill and under heavy offloading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastserve import SamplingParams
+from fastserve.args import engine_config
+from fastserve.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _engine(**kw: object) -> LLMEngine:
+    opts: dict[str, object] = dict(dtype="float32", max_batch_size=4, block_size=4,
+                                   num_device_blocks=400, num_host_blocks=400, warmup=False,
+                                   startup_profile=False)
+    opts.update(kw)
+    return LLMEngine(engine_config(**opts))
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """A shared 45-token system prompt, then turns: some repeat an earlier prompt whole."""
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(3, vocab, (45,), generator=g).tolist()
+    turns = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 17, 30, 8, 22)]
+    prompts = [system + t for t in turns]
+    prompts.append(list(prompts[1]))  # the same prompt again
+    prompts.append(prompts[2] + turns[3])  # a follow-up turn of the third conversation
+    prompts.append(torch.randint(3, vocab, (40,), generator=g).tolist())  # shares nothing
+    return prompts
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Two waves: the second arrives once the first has started, so it finds cached blocks."""
+    out: dict[str, list[int]] = {}
+    half = len(prompts) // 2
+    for i, p in enumerate(prompts[:half]):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    for _ in range(3):
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+    for i, p in enumerate(prompts[half:], start=half):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    engine = _engine(enable_prefix_caching=False)
+    return _run(engine, _prompts(engine.arch.vocab_size))
+
+
+@pytest.mark.parametrize("config", [
+    dict(policy="skip-join-mlfq"),
+    dict(policy="fcfs", max_num_batched_tokens=16),  # chunked, over cached prefixes too
+    # Heavy offloading: 30 device blocks hold two or three of these jobs.
+    dict(policy="skip-join-mlfq", num_device_blocks=30, kv_policy="proactive"),
+    dict(policy="fcfs", num_device_blocks=30, kv_policy="reactive",
+         max_num_batched_tokens=24),
+    dict(policy="skip-join-mlfq", num_device_blocks=30, kv_policy="recompute"),
+], ids=["mlfq", "fcfs-chunked", "proactive-tight", "reactive-tight-chunked", "recompute-tight"])
+def test_cached_prefixes_give_the_same_tokens(config: dict[str, object],
+                                              expected: dict[str, list[int]]) -> None:
+    engine = _engine(**config)
+    prompts = _prompts(engine.arch.vocab_size)
+    assert _run(engine, prompts) == expected
+    s = engine.scheduler
+    assert s.num_prefix_hit_tokens >= 44  # at least the system prompt, once
+    assert s.num_prefix_query_tokens >= sum(len(p) for p in prompts)
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    if config.get("num_device_blocks") == 30:
+        assert s.num_preemptions > 0
+        assert s.num_offloads + s.num_recomputes > 0
+
+
+def test_outputs_report_the_cached_prompt_tokens() -> None:
+    engine = _engine()
+    prompts = _prompts(engine.arch.vocab_size)
+    engine.add_request(prompts[1], GREEDY, request_id="first")
+    while engine.has_unfinished:
+        engine.step()
+    engine.add_request(prompts[1], GREEDY, request_id="again")
+    engine.add_request(prompts[7], GREEDY, request_id="other")
+    cached = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.finished:
+                cached[o.request_id] = o.num_cached_tokens
+    # 62 tokens = 15 full blocks and 2 tokens: all 15 blocks hit the first run's cache.
+    assert cached == {"again": 60, "other": 0}
+    assert engine.stats()["prefix_cache_hit_tokens"] == 60
