@@ -31,7 +31,8 @@ L x capacity / mean output length, keeping the workload's own gap pattern.
 
 Default dtype: bfloat16 where the CPU has AVX-512 BF16, else float32 (bf16 is emulated and slow
 there for every engine). vLLM runs with VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>,
-VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=4 unless the environment sets them.
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=1 (GiB, fastserve's default KV pool)
+unless the environment sets them.
 vLLM is a yardstick only: nothing in fastserve imports it.
 
     flock /tmp/fastserve-bench.lock .venv/bin/python benchmarks/vs_vllm.py \\
@@ -182,7 +183,11 @@ def vllm_env(num_threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # NOTE: 1 GiB, fastserve's default pool, not the 4 GiB the peers README used: on the shared
+    # 24 GiB machine vLLM's worker, the largest process, got OOM-killed with 4 and with 2.
+    # 1 GiB holds 14.5k tokens of the small preset, more than these workloads keep in flight
+    # at batch 16 (or offline at batch 32: 8k).
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("PYTHONPATH", None)  # the peer must not see this repo's packages
     return env
 
