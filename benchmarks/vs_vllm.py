@@ -158,11 +158,13 @@ class Endpoint(Protocol):
 @dataclass
 class VllmServer:
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | None  # None: started by someone else (--vllm-url)
     url: str
     log_path: Path
 
     def stop(self) -> None:
+        if self.proc is None:
+            return
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(60)
@@ -300,7 +302,8 @@ def run_served(args: argparse.Namespace, workloads: list[Workload], vocab_size: 
     if True:
         servers: list[Endpoint] = []
         try:
-            servers.append(start_vllm(args, Path(tmp)))
+            servers.append(VllmServer(VLLM, None, args.vllm_url, Path(tmp)) if args.vllm_url
+                           else start_vllm(args, Path(tmp)))
             servers += [start_fastserve(p, args, Path(tmp)) for p in args.policies]
             max_in = max(w.input_len for wl in workloads for w in wl.items)
             for server in servers:
@@ -449,6 +452,10 @@ def main() -> None:
     ap.add_argument("--offline-input-len", type=int, default=128)
     ap.add_argument("--offline-output-len", type=int, default=128)
     ap.add_argument("--vllm-args", default="", help="extra arguments for vLLM's server")
+    ap.add_argument("--vllm-url", default=None,
+                    help="use this running vLLM server (same model, dtype, --max-num-seqs and "
+                    "env as start_vllm gives it) instead of starting one: saves its start-up "
+                    "(minutes) in every invocation")
     ap.add_argument("--vllm-start-timeout-s", type=float, default=900.0)
     args = ap.parse_args()
     if args.model is None:
