@@ -26,9 +26,11 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
+# Style, types, and the import layers (.importlinter: who may import whom, no cycles).
 lint: install
-	$(VENV)/bin/ruff check fastserve tests
+	$(VENV)/bin/ruff check fastserve tests benchmarks
 	$(VENV)/bin/mypy fastserve
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache

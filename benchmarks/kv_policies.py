@@ -267,7 +267,7 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
     iterations' measured time over what the engine's cost model predicts for them (how much
     slower each batch ran than its shape alone explains: a copy worker competing with the
     compute for the cores shows here, whatever the schedule did)."""
-    from fastserve.llm_engine import LLMEngine
+    from fastserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(dataclasses.replace(
         config, model=dataclasses.replace(config.model, record_iterations=1 << 20)))

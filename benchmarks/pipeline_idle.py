@@ -20,7 +20,7 @@ import time
 import torch
 
 from fastserve import LLM, SamplingParams
-from fastserve.engine import PipelinedEngineCore
+from fastserve.engine.core import PipelinedEngineCore
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.messages import RankStats
 from fastserve.model.make_model import cached_model_path

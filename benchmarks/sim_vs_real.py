@@ -30,7 +30,7 @@ from fastserve.args import engine_config
 from fastserve.bench.metrics import compute_metrics
 from fastserve.bench.runner import WorkloadSpec, policy_config, run_real, run_sim
 from fastserve.core.cost_model import CostModel
-from fastserve.profiler import Sample, fit_error, total_ratio
+from fastserve.profiling.fit import Sample, fit_error, total_ratio
 
 
 def main() -> int:

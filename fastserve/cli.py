@@ -7,12 +7,15 @@ import sys
 from collections.abc import Sequence
 
 from fastserve.args import add_engine_args, engine_config_from_args
+from fastserve.bench.cli import add_bench_parser
+from fastserve.bench.profile_cli import add_profile_parser
 from fastserve.executor.distributed.env import is_torchrun_worker
+from fastserve.request import SamplingParams
+from fastserve.server.cli import add_serve_parser
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from fastserve.llm_engine import LLMEngine
-    from fastserve.request import SamplingParams
+    from fastserve.engine.llm_engine import LLMEngine  # here, not above: keeps `fastserve -h` fast
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -75,24 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context length in tokens (default: the preset's, 2048)")
     mk.set_defaults(func=_make_model)
 
-    for name in ("fastserve.server.cli", "fastserve.bench.cli", "fastserve.profiler"):
-        _add_optional(sub, name)
+    # Subcommands that live with their feature.
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_profile_parser(sub)
     return parser
-
-
-def _add_optional(sub: argparse._SubParsersAction, module: str) -> None:  # type: ignore[type-arg]
-    """Subcommands that live with their feature (server, bench, profile)."""
-    import importlib
-
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:
-            raise
-        return
-    for attr in dir(mod):
-        if attr.startswith("add_") and attr.endswith("_parser"):
-            getattr(mod, attr)(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

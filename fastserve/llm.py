@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from fastserve.args import engine_config
-from fastserve.llm_engine import LLMEngine
+from fastserve.engine.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams
 
 

@@ -149,3 +149,12 @@ class RequestOutput:
     @property
     def jct_s(self) -> float | None:
         return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One job: when it arrives and how many tokens go in and come out."""
+
+    arrival_s: float
+    input_len: int
+    output_len: int

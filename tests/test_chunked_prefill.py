@@ -9,7 +9,7 @@ import torch
 from fastserve import SamplingParams
 from fastserve.args import engine_config
 from fastserve.core.plan import SchedulerOutput
-from fastserve.llm_engine import LLMEngine
+from fastserve.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)

@@ -10,7 +10,7 @@ import pytest
 
 from fastserve import LLM, SamplingParams
 from fastserve.args import engine_config
-from fastserve.llm_engine import LLMEngine
+from fastserve.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from fastserve import LLM, SamplingParams
 from fastserve.args import engine_config
-from fastserve.llm_engine import LLMEngine
+from fastserve.engine.llm_engine import LLMEngine
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

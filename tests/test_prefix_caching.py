@@ -8,7 +8,7 @@ import torch
 
 from fastserve import SamplingParams
 from fastserve.args import engine_config
-from fastserve.llm_engine import LLMEngine
+from fastserve.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

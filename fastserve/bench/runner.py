@@ -13,11 +13,12 @@ from tqdm import tqdm
 
 from fastserve.args import engine_config
 from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
-from fastserve.bench.workloads import WorkItem, scale_to_load, trace_workload, zipf_workload
+from fastserve.bench.workloads import scale_to_load, trace_workload, zipf_workload
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.profiler import Sample
-from fastserve.request import SamplingParams
+from fastserve.profiling.fit import Sample
+from fastserve.request import SamplingParams, WorkItem
+from fastserve.sim.simulator import ample_blocks, simulate_run
 
 EXECUTORS = ("sim", "real")
 
@@ -158,8 +159,6 @@ def run_sim(
 ) -> list[JobTimes]:
     """The simulator; `num_device_blocks=None` gives an ample pool (memory never binds).
     The run's KV counters are appended to `kv_out` when given."""
-    from fastserve.sim.simulator import ample_blocks, simulate_run
-
     blocks = num_device_blocks or ample_blocks(workload, config.cache.block_size)
     run = simulate_run(workload, config, cost, blocks, progress)
     if kv_out is not None:
@@ -183,7 +182,7 @@ async def run_real(
     is told that length. The engine's KV counters are appended to `kv_out` when given, and its
     recorded iterations (`record_iterations` > 0) to `iterations_out`.
     """
-    from fastserve.async_engine import AsyncLLM
+    from fastserve.engine.async_llm import AsyncLLM  # here, not above: keeps `fastserve -h` fast
 
     llm = AsyncLLM(config)
     bar = tqdm(total=len(workload), desc=config.scheduler.policy, unit="req", disable=not progress,

@@ -10,23 +10,14 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from fastserve.core.cost_model import CostModel
+from fastserve.request import WorkItem
 
 TRACE_HEADER = ("arrival_s", "input_tokens", "output_tokens")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkItem:
-    """One job: when it arrives and how many tokens go in and come out."""
-
-    arrival_s: float
-    input_len: int
-    output_len: int
 
 
 # -- synthetic ------------------------------------------------------------------------------

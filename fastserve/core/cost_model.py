@@ -1,6 +1,6 @@
 """Iteration cost model: predicts how long one iteration takes for a given batch.
 
-Fitted by the profiler (fastserve.profiler) on the real engine, or written by hand from
+Fitted by the profiler (fastserve.profiling) on the real engine, or written by hand from
 published figures, and read by the scheduler (skip-join placement, per-job charges) and by the
 simulator (its virtual clock).
 """

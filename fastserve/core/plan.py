@@ -82,6 +82,23 @@ class SchedulerOutput:
         return sum(s.num_context_tokens for s in self.scheduled if not s.is_prefill)
 
 
+def batch_shape(plan: SchedulerOutput) -> tuple[int, int, int, int]:
+    """(prefill tokens, decodes, decode context tokens, prefill attention pairs): the cost
+    model's arguments, in one pass over the batch (the plan's properties walk it thrice). A
+    prefill chunk after cached tokens counts its attention over them too
+    (`ScheduledRequest.num_prefill_pairs`)."""
+    num_prefill = sum_sq = num_decodes = num_context = 0
+    for s in plan.scheduled:
+        n = len(s.token_ids)
+        if s.is_prefill:
+            num_prefill += n
+            sum_sq += s.num_prefill_pairs
+        else:
+            num_decodes += 1
+            num_context += s.start_pos + n
+    return num_prefill, num_decodes, num_context, sum_sq
+
+
 @dataclass(frozen=True)
 class ExecutorOutput:
     """What one iteration produced."""

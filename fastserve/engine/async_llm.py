@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastserve.config import EngineConfig
-from fastserve.llm_engine import LLMEngine
+from fastserve.engine.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)

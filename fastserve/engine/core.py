@@ -4,52 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
 
 from fastserve.clock import Clock
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+from fastserve.core.plan import SchedulerOutput
 from fastserve.core.scheduler import Scheduler
+from fastserve.executor.base import Executor, ExecutorDeadError, PipelinedExecutor
 from fastserve.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
-
-
-class Executor(Protocol):
-    """Runs one iteration's plan: the real model (`ModelRunner`) or the simulator."""
-
-    def execute(self, plan: SchedulerOutput) -> ExecutorOutput: ...
-
-
-class ExecutorDeadError(RuntimeError):
-    """The executor can run no more iterations (a distributed rank died or stopped answering):
-    the engine must stop, not just fail the batch."""
-
-
-@dataclass(frozen=True)
-class PipelineResult:
-    """A batch back from the pipeline."""
-
-    out: ExecutorOutput
-    # How long the engine waited for it: a virtual clock advances by this (the wall clock
-    # moves by itself).
-    wait_s: float
-
-
-class PipelinedExecutor(Executor, Protocol):
-    """An executor that keeps up to `max_in_flight` batches in its pipeline stages at once.
-    Batches come back in the order they were submitted."""
-
-    max_in_flight: int
-
-    def submit(self, plan: SchedulerOutput, now: float) -> None:
-        """Start a plan. One with no batch (only swaps and finished ids) is done at once and is
-        not collected."""
-        ...
-
-    def collect(self, now: float) -> PipelineResult:
-        """Wait for the oldest batch in flight."""
-        ...
 
 
 class EngineCore:

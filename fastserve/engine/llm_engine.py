@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from pathlib import Path
 
 import torch
 
@@ -16,15 +15,16 @@ from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_policy import make_kv_policy
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.policies import make_scheduler
-from fastserve.engine import EngineCore, PipelinedEngineCore
-from fastserve.engine_profile import IterationRecorder
+from fastserve.engine.core import EngineCore, PipelinedEngineCore
+from fastserve.engine.output import OutputProcessor
 from fastserve.executor.distributed.executor import DistributedExecutor
+from fastserve.executor.distributed.launch import start_executor
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
-from fastserve.model.make_model import cache_dir, default_model_path
+from fastserve.model.make_model import cache_dir, resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
-from fastserve.output import OutputProcessor
-from fastserve.profiler import load_or_profile, profile_cache_key
+from fastserve.profiling.cache import load_or_profile, profile_cache_key
+from fastserve.profiling.recorder import IterationRecorder
 from fastserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,11 +40,6 @@ def _max_model_len(configured: int | None, max_position_embeddings: int) -> int:
             f"{max_position_embeddings}"
         )
     return configured
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A model directory, or the built-in `tiny` preset (made once into the cache)."""
-    return default_model_path() if model is None else Path(model)
 
 
 class LLMEngine:
@@ -75,8 +70,6 @@ class LLMEngine:
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self.runner: ModelRunner | DistributedExecutor
         if is_distributed:
-            from fastserve.executor.distributed.launch import start_executor
-
             self.runner = start_executor(config, path, self.eos_token_ids)
         else:
             self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from fastserve.model.make_model import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "decode_attention.cpp"
@@ -23,8 +25,6 @@ def decode_attention_kernel() -> ModuleType | None:
         return None
     try:
         from torch.utils.cpp_extension import load
-
-        from fastserve.model.make_model import cache_dir
 
         build = cache_dir() / "torch_extensions" / "decode_attention"
         build.mkdir(parents=True, exist_ok=True)

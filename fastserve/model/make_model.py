@@ -257,6 +257,11 @@ def default_model_path() -> Path:
     return cached_model_path("tiny", 0)
 
 
+def resolve_model_path(model: str | None) -> Path:
+    """A model directory, or the built-in `tiny` preset (made once into the cache)."""
+    return default_model_path() if model is None else Path(model)
+
+
 # --------------------------------------------------------------------------- pieces
 
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastserve.async_engine import AsyncLLM, EngineDeadError, QueueFullError
+from fastserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from fastserve.request import RequestOutput, SamplingParams
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from fastserve.server.schemas import (

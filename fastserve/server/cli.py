@@ -23,7 +23,7 @@ from fastserve.args import add_engine_args, engine_config_from_args
 if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastserve -h` fast)
     from fastapi import FastAPI
 
-    from fastserve.async_engine import AsyncLLM
+    from fastserve.engine.async_llm import AsyncLLM
 
 DEFAULT_HOST = "127.0.0.1"  # NOTE: never all interfaces unless asked (`--host 0.0.0.0`)
 DEFAULT_PORT = 8000
@@ -102,7 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
     """Start-up, main loop, shutdown. Returns the process exit code."""
-    from fastserve.async_engine import AsyncLLM
+    from fastserve.engine.async_llm import AsyncLLM
     from fastserve.server.app import build_app
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -21,7 +21,7 @@ from collections import defaultdict
 from fastserve.clock import Clock
 from fastserve.core.block_pool import copy_runs
 from fastserve.core.cost_model import CostModel
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput, batch_shape
 
 
 class SimExecutor:
@@ -95,20 +95,3 @@ class SimExecutor:
                 if t is not None and t > until_s:
                     until_s = t
         return until_s - start_s
-
-
-def batch_shape(plan: SchedulerOutput) -> tuple[int, int, int, int]:
-    """(prefill tokens, decodes, decode context tokens, prefill attention pairs): the cost
-    model's arguments, in one pass over the batch (the plan's properties walk it thrice). A
-    prefill chunk after cached tokens counts its attention over them too
-    (`ScheduledRequest.num_prefill_pairs`)."""
-    num_prefill = sum_sq = num_decodes = num_context = 0
-    for s in plan.scheduled:
-        n = len(s.token_ids)
-        if s.is_prefill:
-            num_prefill += n
-            sum_sq += s.num_prefill_pairs
-        else:
-            num_decodes += 1
-            num_context += s.start_pos + n
-    return num_prefill, num_decodes, num_context, sum_sq

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from fastserve.clock import Clock
 from fastserve.core.cost_model import CostModel
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput
-from fastserve.engine import PipelineResult
-from fastserve.sim.executor import SimExecutor, batch_shape
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput, batch_shape
+from fastserve.executor.base import PipelineResult
+from fastserve.sim.executor import SimExecutor
 
 
 @dataclass(frozen=True)

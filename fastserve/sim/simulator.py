@@ -12,15 +12,14 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from fastserve.bench.workloads import WorkItem
 from fastserve.clock import VirtualClock
 from fastserve.config import CacheConfig, EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_policy import make_kv_policy, uses_host
 from fastserve.core.policies import make_scheduler
-from fastserve.engine import EngineCore, PipelinedEngineCore
-from fastserve.request import Request, SamplingParams
+from fastserve.engine.core import EngineCore, PipelinedEngineCore
+from fastserve.request import Request, SamplingParams, WorkItem
 from fastserve.sim.executor import SimExecutor
 from fastserve.sim.pipeline import PipelinedSimExecutor
 

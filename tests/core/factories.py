@@ -19,7 +19,7 @@ from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.scheduler import Scheduler
-from fastserve.engine import EngineCore
+from fastserve.engine.core import EngineCore
 from fastserve.request import Request, SamplingParams
 from fastserve.sim.executor import SimExecutor
 

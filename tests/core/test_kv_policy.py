@@ -31,7 +31,7 @@ from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.policies.mlfq import MLFQBase
 from fastserve.core.scheduler import Scheduler
-from fastserve.engine import EngineCore
+from fastserve.engine.core import EngineCore
 from fastserve.request import FinishReason, Request, RequestStatus
 from fastserve.sim.executor import SimExecutor
 from fastserve.sim.simulator import simulate_run

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from fastserve.args import engine_config
-from fastserve.async_engine import AsyncLLM
+from fastserve.engine.async_llm import AsyncLLM
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.server.app import build_app
 

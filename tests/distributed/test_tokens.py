@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastserve import LLM, SamplingParams
-from fastserve.engine import PipelinedEngineCore
+from fastserve.engine.core import PipelinedEngineCore
 from fastserve.executor.distributed.executor import DistributedExecutor
 
 PROMPT_LENS = [3, 7, 12, 20, 33, 50, 64, 100]

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from fastserve.args import engine_config
-from fastserve.async_engine import AsyncLLM
+from fastserve.engine.async_llm import AsyncLLM
 from fastserve.request import RequestOutput, SamplingParams
 
 

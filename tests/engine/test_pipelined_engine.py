@@ -8,7 +8,7 @@ import dataclasses
 from fastserve.clock import VirtualClock
 from fastserve.core.plan import SchedulerOutput
 from fastserve.core.scheduler import Scheduler
-from fastserve.engine import PipelinedEngineCore
+from fastserve.engine.core import PipelinedEngineCore
 from fastserve.request import Request
 from fastserve.sim.pipeline import PipelinedSimExecutor
 from tests.core.factories import UNIT_COST, make_requests, make_scheduler

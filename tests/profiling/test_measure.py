@@ -10,14 +10,9 @@ import pytest
 
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
-from fastserve.profiler import (
-    FEATURES,
-    ProfileGrid,
-    Sample,
-    fit_cost_model,
-    load_or_profile,
-    profile_engine,
-)
+from fastserve.profiling.cache import load_or_profile, profile_engine
+from fastserve.profiling.fit import FEATURES, Sample, fit_cost_model
+from fastserve.profiling.measure import ProfileGrid
 
 TRUE = CostModel(fixed_s=2e-3, per_prefill_token_s=4e-5, per_prefill_token2_s=1e-8,
                  per_decode_s=3e-4, per_context_token_s=2e-7)
@@ -135,7 +130,8 @@ def _assert_close(cost: CostModel, want: CostModel) -> None:
 
 def test_profile_of_the_real_tiny_model(tiny_model_path: Path, one_thread: None) -> None:
     from fastserve.args import engine_config
-    from fastserve.profiler import build_runner, fit_error, measure
+    from fastserve.profiling.fit import fit_error
+    from fastserve.profiling.measure import build_runner, measure
 
     config = engine_config(model=str(tiny_model_path), num_device_blocks=64, warmup=False)
     runner, _ = build_runner(config)
@@ -151,7 +147,7 @@ def test_profile_of_the_real_tiny_model(tiny_model_path: Path, one_thread: None)
 
 def test_cache_keys_separate_what_changes_timings(tmp_path: Path) -> None:
     from fastserve.args import engine_config
-    from fastserve.profiler import profile_cache_key
+    from fastserve.profiling.cache import profile_cache_key
 
     base = profile_cache_key(tmp_path, engine_config())
     assert profile_cache_key(tmp_path, engine_config()) == base

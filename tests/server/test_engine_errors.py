@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 
 from fastserve.args import engine_config
-from fastserve.async_engine import AsyncLLM
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+from fastserve.engine.async_llm import AsyncLLM
 from fastserve.server.app import build_app
 from tests.server.helpers import validate
 

@@ -15,7 +15,7 @@ from fastserve.clock import VirtualClock
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.policies import make_scheduler
-from fastserve.engine import PipelinedEngineCore
+from fastserve.engine.core import PipelinedEngineCore
 from fastserve.sim.pipeline import PipelinedSimExecutor
 from fastserve.sim.simulator import ample_blocks, make_requests, simulate_run
 

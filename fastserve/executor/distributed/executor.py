@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
-from fastserve.engine import ExecutorDeadError, PipelineResult
+from fastserve.executor.base import ExecutorDeadError, PipelineResult
 from fastserve.executor.distributed.comm import (
     TAG_TOKENS,
     Groups,

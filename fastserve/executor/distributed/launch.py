@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fastserve.args import engine_config_from_args
 from fastserve.config import EngineConfig
 from fastserve.executor.distributed.env import (
     env_local_rank,
@@ -137,8 +138,6 @@ def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
 
 def run_torchrun_worker(args: argparse.Namespace) -> int:
     """Rank > 0 of a torchrun launch: serve rank 0's plans until it stops (never returns)."""
-    from fastserve.args import engine_config_from_args
-
     config = engine_config_from_args(args)  # for the backend and timeout; the rest comes from rank 0
     rank = env_rank()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")

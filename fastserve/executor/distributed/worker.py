@@ -15,7 +15,6 @@ import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from fastserve.executor.distributed.heartbeat import Heartbeat
 from fastserve.executor.distributed.layout import RankLayout
 from fastserve.executor.distributed.messages import StatsRequest, Step, Stop
 from fastserve.executor.distributed.stage import StageRunner, load_stage, rank_device
+from fastserve.model.make_model import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,9 @@ def join(rank: int, local_rank: int, init: Init | None) -> tuple[Init, RankLayou
     stage: StageRunner | None = None
     error: str | None = None
     try:
-        stage = load_stage(init.config, _model_path(init.config), layout, local_rank,
-                           init.eos_token_ids, groups)
+        # NOTE: each machine resolves the path itself (the tiny preset lives in its own cache).
+        path = resolve_model_path(init.config.model.model)
+        stage = load_stage(init.config, path, layout, local_rank, init.eos_token_ids, groups)
     except Exception as exc:  # reported to every rank below
         logger.exception("rank %d failed to load its shard", rank)
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -156,13 +157,6 @@ def spawned_main(argv: list[str] | None = None) -> None:
     store.set(f"fastserve/started/{rank}", "1")  # see launch.started_key
     init_default_group(config, store=store, rank=rank, world_size=args.world_size)
     run_worker(rank, local_rank=rank)
-
-
-def _model_path(config: EngineConfig) -> Path:
-    # NOTE: each machine resolves the path itself (the tiny preset lives in its own cache).
-    from fastserve.llm_engine import resolve_model_path  # not at the top: it imports this package
-
-    return resolve_model_path(config.model.model)
 
 
 def _exit(code: int) -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
-from fastserve.engine_profile import IterationRecorder
-from fastserve.profiler import Sample, fit_cost_model, total_ratio
+from fastserve.profiling.fit import Sample, fit_cost_model, total_ratio
+from fastserve.profiling.recorder import IterationRecorder
 from fastserve.request import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -64,7 +64,7 @@ def test_recorder_times_cycles_and_keeps_the_last_iterations() -> None:
 
 def test_engine_records_one_sample_per_iteration(tiny_model_path: Path) -> None:
     from fastserve.args import engine_config
-    from fastserve.llm_engine import LLMEngine
+    from fastserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(model=str(tiny_model_path), warmup=False,
                                      startup_profile=False, record_iterations=1000,
@@ -90,7 +90,7 @@ def test_engine_records_one_sample_per_iteration(tiny_model_path: Path) -> None:
 
 def test_engine_does_not_record_unless_asked(tiny_model_path: Path) -> None:
     from fastserve.args import engine_config
-    from fastserve.llm_engine import LLMEngine
+    from fastserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(model=str(tiny_model_path), warmup=False,
                                      startup_profile=False))
@@ -132,8 +132,8 @@ def test_through_engine_fit_predicts_engine_iterations_better(
     the measured total, and no worse than the executor-only grid profile, which misses the
     engine's own work."""
     from fastserve.args import engine_config
-    from fastserve.engine_profile import EngineLoad, measure_through_engine
-    from fastserve.profiler import ProfileGrid, build_runner, measure
+    from fastserve.bench.through_engine import EngineLoad, measure_through_engine
+    from fastserve.profiling.measure import ProfileGrid, build_runner, measure
 
     config = engine_config(model=str(tiny_model_path), num_threads=1, num_device_blocks=512)
     load = EngineLoad(batch_sizes=(8, 1, 4), max_prompt_len=128, max_output_len=64,
