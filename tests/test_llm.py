@@ -77,7 +77,7 @@ def test_mixed_prefill_decode_and_alone_agree(llm: LLM) -> None:
             if out.finished:
                 results[out.request_id] = out.token_ids
         step += 1
-    assert any(p.num_prefill_tokens and p.num_decodes for p in plans)
+    assert any(p.shape.num_prefill_tokens and p.shape.num_decodes for p in plans)
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
     assert [results[str(i)] for i in range(8)] == alone
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks

@@ -78,7 +78,7 @@ def test_cached_prefixes_give_the_same_tokens(config: dict[str, object],
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     if config.get("num_device_blocks") == 30:
         assert s.num_preemptions > 0
-        assert s.num_offloads + s.num_recomputes > 0
+        assert s.moves.num_offloads + s.moves.num_recomputes > 0
 
 
 def test_outputs_report_the_cached_prompt_tokens() -> None:

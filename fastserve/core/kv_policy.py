@@ -33,15 +33,14 @@ from __future__ import annotations
 import math
 from abc import ABC
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
-from fastserve.config import CacheConfig
-from fastserve.core.kv_manager import num_blocks_for
-
-if TYPE_CHECKING:
-    from fastserve.core.scheduler import Scheduler
-    from fastserve.request import Request
-
+from fastserve.config import CacheConfig, SchedulerConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
+from fastserve.core.kv_moves import KVMoves
+from fastserve.core.plan import BatchShape
+from fastserve.request import Request
 
 # Proactive exchanges (offloading a resident job to upload a swapped one) are made only for a
 # job due within this many iterations, against jobs due at least that much later.
@@ -53,6 +52,40 @@ HORIZON_ITERATIONS = 2.0
 DEFAULT_RESERVE_FRACTION = 0.05
 
 
+class SchedulerView(Protocol):
+    """What a KV policy may ask of the scheduler, and the moves it may make (`moves`)."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager  # where each job's KV is; a policy moves it only through `moves`
+    cost: CostModel  # what an iteration and a copy cost
+    moves: KVMoves
+
+    @property
+    def order(self) -> Sequence[Request]:
+        """This iteration's order, most urgent first (what the scheduler walks)."""
+        ...
+
+    def resident(self) -> list[tuple[int, Request]]:
+        """(place in `order`, job) of the jobs whose KV was on the device when the walk began."""
+        ...
+
+    def next_run_s(self, req: Request) -> float:
+        """The job's estimated next scheduled time (ENST), seconds from now."""
+        ...
+
+    def admit_tokens(self, req: Request) -> int:
+        """Tokens of KV the job needs to start."""
+        ...
+
+    def level_of(self, request_id: str) -> int | None:
+        """The job's priority queue (0 = the most urgent)."""
+        ...
+
+    def num_in_top_queues(self, num_queues: int) -> int:
+        """Unfinished jobs in the `num_queues` most urgent queues."""
+        ...
+
+
 class KVPolicy(ABC):
     """Decides whose KV gives way when device blocks run short."""
 
@@ -61,47 +94,49 @@ class KVPolicy(ABC):
     uses_host: ClassVar[bool] = False
 
     def make_room(
-        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+        self, sched: SchedulerView, requester: Request, victims: Sequence[Request], now: float
     ) -> bool:
         """An allocation for `requester` failed: free device blocks from `victims` (started,
         resident, less urgent than it, outside the batch). False when nothing was freed: the
         requester waits (or, a started job that cannot grow, gives up its own KV)."""
         raise NotImplementedError
 
-    def begin(self, sched: Scheduler, now: float) -> None:
+    def begin(self, sched: SchedulerView, now: float) -> None:
         """A new iteration's planning starts."""
 
-    def defers(self, sched: Scheduler, req: Request, batch_size: int,
-               rest: Sequence[Request]) -> bool:
-        """Whether a job whose turn has come but whose KV is not on the device (swapped, or a
-        new job whose blocks are not free) runs from the next iteration instead, its room made
-        (and its upload queued) now by the policy, so that the copies overlap this iteration's
-        compute rather than stall it. Default: no, the scheduler makes room now."""
+    def defer_turn(self, sched: SchedulerView, req: Request, batch_size: int,
+                   start: int) -> bool:
+        """A job's turn has come but its KV is not on the device (swapped, or a new job whose
+        blocks are not free): True defers it to the next iteration, having made its room (and
+        queued its upload) from the jobs at place `start` on, so that the copies overlap this
+        iteration's compute rather than stall it. Default: False, the scheduler makes room
+        now."""
         return False
 
-    def passable(self, sched: Scheduler) -> Collection[str]:
+    def passable(self, sched: SchedulerView) -> Collection[str]:
         """Started jobs that cannot run this iteration once the batch holds a job, and whose
         turn in the walk would do nothing: the scheduler passes them without a look.
         Default: none."""
         return ()
 
-    def is_landing(self, sched: Scheduler, req: Request, batch_size: int,
-                   rest: Sequence[Request]) -> bool:
+    def is_landing(self, sched: SchedulerView, req: Request, batch_size: int,
+                   start: int) -> bool:
         """Whether a resident job should sit this iteration out because its upload is still
-        in flight (the iteration would wait for it). Default: no."""
+        in flight (the iteration would wait for it), and a job from place `start` on could run
+        instead. Default: no."""
         return False
 
-    def give_up(self, sched: Scheduler, req: Request) -> None:
+    def give_up(self, sched: SchedulerView, req: Request) -> None:
         """A started job cannot grow and nothing less urgent gives way: it gives up its own
         device blocks. Default: drop its KV for recompute."""
-        sched.recompute(req)
+        sched.moves.recompute(req)
 
-    def plan_ahead(self, sched: Scheduler, order: Sequence[Request], batch: Sequence[Request],
+    def plan_ahead(self, sched: SchedulerView, order: Sequence[Request], batch: Sequence[Request],
                    now: float) -> None:
         """After the batch is chosen: move KV ahead of need. Default: nothing."""
 
 
-def latest(sched: Scheduler, victims: Sequence[Request]) -> Request | None:
+def latest(sched: SchedulerView, victims: Sequence[Request]) -> Request | None:
     """The victim expected to run last: largest ENST, the later in the order on a tie."""
     if not victims:
         return None
@@ -120,12 +155,12 @@ class RecomputePolicy(KVPolicy):
     name = "recompute"
 
     def make_room(
-        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+        self, sched: SchedulerView, requester: Request, victims: Sequence[Request], now: float
     ) -> bool:
         victim = latest(sched, victims)
         if victim is None:
             return False
-        sched.recompute(victim)
+        sched.moves.recompute(victim)
         return True
 
 
@@ -136,7 +171,7 @@ class DeferPolicy(RecomputePolicy):
     name = "defer"
 
     def make_room(
-        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+        self, sched: SchedulerView, requester: Request, victims: Sequence[Request], now: float
     ) -> bool:
         if not sched.kv.has_blocks(requester.request_id):
             return False
@@ -150,24 +185,24 @@ class ReactivePolicy(KVPolicy):
     uses_host = True
 
     def make_room(
-        self, sched: Scheduler, requester: Request, victims: Sequence[Request], now: float
+        self, sched: SchedulerView, requester: Request, victims: Sequence[Request], now: float
     ) -> bool:
         victim = latest(sched, victims)
         if victim is None:
             return False
-        if sched.offload(victim):
+        if sched.moves.offload(victim):
             return True
         # Host memory is full too: back-pressure. A started job must still be able to grow
         # (or nothing would ever finish), so it takes the victim's blocks by recompute.
         if sched.kv.has_blocks(requester.request_id):
-            sched.recompute(victim)
+            sched.moves.recompute(victim)
             return True
         return False
 
-    def give_up(self, sched: Scheduler, req: Request) -> None:
+    def give_up(self, sched: SchedulerView, req: Request) -> None:
         """Keep its work: offload it, unless it just came back or host memory is full."""
-        if not (sched.can_offload(req) and sched.offload(req)):
-            sched.recompute(req)
+        if not (sched.moves.can_offload(req) and sched.moves.offload(req)):
+            sched.moves.recompute(req)
 
 
 class ProactivePolicy(ReactivePolicy):
@@ -178,13 +213,13 @@ class ProactivePolicy(ReactivePolicy):
     1. Keep at least max(K, burst) device blocks free, K = `reserve_blocks`. The burst
        prediction is the blocks needed by the non-resident jobs of the top `burst_queues`
        queues, and by the jobs whose turn came this iteration while their KV was not on the
-       device (see `defers`), at most a batch of them. Victims: resident jobs outside the
+       device (see `defer_turn`), at most a batch of them. Victims: resident jobs outside the
        batch, largest ENST first, each later than the earliest job it makes room for.
     2. Upload swapped jobs, smallest ENST first, whenever the reserve allows, offloading
        resident jobs with a larger ENST to make room if need be.
 
     A job whose turn comes while its KV is on the host, or while the blocks it needs are not
-    free, does not stall the batch (`defers`): its room is made and its upload queued now, and
+    free, does not stall the batch (`defer_turn`): its room is made and its upload queued now, and
     it runs from the next iteration, once the copies have landed by the cost model's estimate
     (`is_landing`); the batch is filled from the resident jobs after it meanwhile. Only the
     first job of a batch may make it wait, when no resident job could run instead. A started
@@ -205,34 +240,32 @@ class ProactivePolicy(ReactivePolicy):
         self.reserve_blocks = reserve_blocks or 0
         self.burst_queues = burst_queues
         self._deferred: list[Request] = []  # this iteration's jobs waiting for room / upload
-        self._backlog_s = 0.0  # copies queued but (by the cost model) not finished yet
-        self._last_s: float | None = None
-        self._last_compute_s = 0.0  # the last iteration's predicted compute
         self._now = 0.0
         # Uploads still in flight, by the cost model: request -> when the copy lands.
         self._landing_s: dict[str, float] = {}
         self._wanted_now: set[str] | None = None  # see `_wanted`
         self._wanted_order: list[Request] = []  # the same jobs, in ENST order
-        self._budget = _CopyBudget(self, None, 0.0)
+        self._budget = _CopyBudget()
 
-    def begin(self, sched: Scheduler, now: float) -> None:
+    def begin(self, sched: SchedulerView, now: float) -> None:
         self._now = now
         if self._reserve_setting is None:  # the first iteration: the pool's size is known
             self.reserve_blocks = math.ceil(DEFAULT_RESERVE_FRACTION * sched.kv.num_total_blocks)
             self._reserve_setting = self.reserve_blocks
-        self._budget = _CopyBudget(self, sched, now)
+        self._budget.begin(now, sched.cost.swap_s(1))
         self._deferred = []
         self._wanted_now = None
-        if len(self._landing_s) > 4 * sched.config.max_batch_size:  # forget landed uploads
-            self._landing_s = {k: t for k, t in self._landing_s.items() if t > now}
+        # Forget uploads that landed, and those of jobs that left the device since (a job
+        # uploaded again gets a new landing time).
+        has_blocks = sched.kv.has_blocks
+        self._landing_s = {k: t for k, t in self._landing_s.items() if t > now and has_blocks(k)}
 
-    def defers(self, sched: Scheduler, req: Request, batch_size: int,
-               rest: Sequence[Request]) -> bool:
+    def defer_turn(self, sched: SchedulerView, req: Request, batch_size: int,
+                   start: int) -> bool:
         kv = sched.kv
         if kv.num_total_host_blocks == 0:
             return False  # nothing can move ahead: act as `defer` does
         is_new = kv.where(req.request_id) is None
-        start = len(sched.current_order) - len(rest)  # where `rest` starts in the order
         keep = None
         if batch_size == 0:
             # NOTE: a batch is never left empty while a job could run (and two jobs never
@@ -255,7 +288,7 @@ class ProactivePolicy(ReactivePolicy):
             # slots: evicting a job about to run for another started one would only churn.
             slots = 0 if is_new else max(0, sched.config.max_batch_size - batch_size - 1)
             victims = [r for r in self._resident_after(sched, start, slots)
-                       if r is not keep and sched.can_offload(r)]
+                       if r is not keep and sched.moves.can_offload(r)]
             room = kv.num_free_soon + sum(len(kv.block_table(r.request_id)) for r in victims)
             if room < need:
                 return True  # it waits; nothing is evicted for nothing
@@ -270,9 +303,9 @@ class ProactivePolicy(ReactivePolicy):
             self._upload(sched, req, budget)
         return True
 
-    def passable(self, sched: Scheduler) -> Collection[str]:
+    def passable(self, sched: SchedulerView) -> Collection[str]:
         # NOTE: with a job in the batch, a swapped job the device should not hold is only
-        # deferred (see `defers`). Under pressure most of a long queue is such jobs, and
+        # deferred (see `defer_turn`). Under pressure most of a long queue is such jobs, and
         # looking at each one cost more than the rest of the walk.
         kv = sched.kv
         if kv.num_total_host_blocks == 0 or kv.num_swapped == 0:
@@ -280,18 +313,14 @@ class ProactivePolicy(ReactivePolicy):
         wanted = self._wanted(sched)
         return {rid for rid in kv.swapped_ids() if rid not in wanted}
 
-    def is_landing(self, sched: Scheduler, req: Request, batch_size: int,
-                   rest: Sequence[Request]) -> bool:
-        landing_s = self._landing_s.get(req.request_id)
-        if landing_s is None:
-            return False
+    def is_landing(self, sched: SchedulerView, req: Request, batch_size: int,
+                   start: int) -> bool:
+        landing_s = self._landing_s.get(req.request_id, 0.0)
         if landing_s <= self._now or not sched.kv.has_blocks(req.request_id):
-            del self._landing_s[req.request_id]
             return False
-        start = len(sched.current_order) - len(rest)
         return batch_size > 0 or self._first_ready(sched, start) is not None
 
-    def _wanted(self, sched: Scheduler) -> set[str]:
+    def _wanted(self, sched: SchedulerView) -> set[str]:
         """The jobs the device should hold: taken in ENST order, each whose blocks for its
         next iteration still fit in the device pool less the reserve (a job too large for
         what is left is passed over for smaller later ones). Only these are uploaded ahead,
@@ -302,7 +331,7 @@ class ProactivePolicy(ReactivePolicy):
             room = kv.num_total_blocks - self.reserve_blocks
             wanted: set[str] = set()
             self._wanted_order = []
-            for req in sorted(sched.current_order, key=sched.next_run_s):
+            for req in sorted(sched.order, key=sched.next_run_s):
                 if room <= 0:
                     break  # every job needs at least one block
                 rid = req.request_id
@@ -318,7 +347,7 @@ class ProactivePolicy(ReactivePolicy):
             self._wanted_now = wanted
         return self._wanted_now
 
-    def _resident_after(self, sched: Scheduler, start: int, slots: int) -> list[Request]:
+    def _resident_after(self, sched: SchedulerView, start: int, slots: int) -> list[Request]:
         """The resident jobs from place `start` on, after the first `slots` of them."""
         kv = sched.kv
         out = []
@@ -331,7 +360,7 @@ class ProactivePolicy(ReactivePolicy):
                 out.append(r)
         return out
 
-    def _first_ready(self, sched: Scheduler, start: int) -> Request | None:
+    def _first_ready(self, sched: SchedulerView, start: int) -> Request | None:
         """The first resident job from place `start` on that can run now without new blocks
         or waiting for its upload."""
         kv = sched.kv
@@ -342,7 +371,7 @@ class ProactivePolicy(ReactivePolicy):
                 return r
         return None
 
-    def plan_ahead(self, sched: Scheduler, order: Sequence[Request], batch: Sequence[Request],
+    def plan_ahead(self, sched: SchedulerView, order: Sequence[Request], batch: Sequence[Request],
                    now: float) -> None:
         kv = sched.kv
         budget = self._budget
@@ -351,12 +380,12 @@ class ProactivePolicy(ReactivePolicy):
         if kv.num_total_host_blocks == 0:
             return
         burst = self._burst(sched, order, batch, deferred)
-        if kv.num_free_soon >= max(self.reserve_blocks, burst.total) and sched.num_swapped == 0:
+        if kv.num_free_soon >= max(self.reserve_blocks, burst.total) and sched.kv.num_swapped == 0:
             return
         in_batch = {r.request_id for r in batch}
         # Resident started jobs outside the batch, latest first.
         victims = [r for _, r in sched.resident()
-                   if r.request_id not in in_batch and sched.can_offload(r)]
+                   if r.request_id not in in_batch and sched.moves.can_offload(r)]
         victims.sort(key=sched.next_run_s, reverse=True)
         v = 0
         # 1. Keep the reserve.
@@ -368,12 +397,12 @@ class ProactivePolicy(ReactivePolicy):
                 break  # no copy time left this iteration, or host memory full
             v += 1
         # 2. Upload the next jobs, earliest first, making room from later ones if need be.
-        if sched.num_swapped == 0:
+        if sched.kv.num_swapped == 0:
             return
         # Only jobs the device should hold (see `_wanted`): uploading a job that the ones
         # ahead of it will push out again only churns.
         self._wanted(sched)
-        swapped = [r for r in self._wanted_order if sched.can_upload(r)]  # in ENST order
+        swapped = [r for r in self._wanted_order if sched.moves.can_upload(r)]  # in ENST order
         horizon_s = HORIZON_ITERATIONS * budget.compute_s
         for req in swapped:
             need = len(kv.host_table(req.request_id))
@@ -389,23 +418,23 @@ class ProactivePolicy(ReactivePolicy):
                 break  # strictly in ENST order: a later job does not jump this one
 
     @staticmethod
-    def _offload(sched: Scheduler, victim: Request, budget: _CopyBudget) -> bool:
+    def _offload(sched: SchedulerView, victim: Request, budget: _CopyBudget) -> bool:
         n = num_blocks_for(victim.num_computed_tokens, sched.kv.block_size)
-        if not budget.fits(n) or not sched.offload(victim, release_now=False):
+        if not budget.fits(n) or not sched.moves.offload(victim, release_now=False):
             return False
         budget.spend(n)
         return True
 
-    def _upload(self, sched: Scheduler, req: Request, budget: _CopyBudget) -> bool:
+    def _upload(self, sched: SchedulerView, req: Request, budget: _CopyBudget) -> bool:
         n = len(sched.kv.host_table(req.request_id))
-        if not budget.fits(n) or not sched.upload(req):
+        if not budget.fits(n) or not sched.moves.upload(req):
             return False
         budget.spend(n)
         if budget.block_s > 0:  # when the copy engine will be done with it, by the cost model
-            self._landing_s[req.request_id] = self._now + self._backlog_s
+            self._landing_s[req.request_id] = self._now + budget.backlog_s
         return True
 
-    def _burst(self, sched: Scheduler, order: Sequence[Request], batch: Sequence[Request],
+    def _burst(self, sched: SchedulerView, order: Sequence[Request], batch: Sequence[Request],
                deferred: Sequence[Request]) -> _Burst:
         """The blocks to keep free: for the batch's growth next iteration, for the jobs
         deferred this iteration, then for the non-resident jobs of the top `burst_queues`
@@ -433,12 +462,12 @@ class ProactivePolicy(ReactivePolicy):
         return burst
 
     @staticmethod
-    def _add(sched: Scheduler, burst: _Burst, req: Request) -> None:
+    def _add(sched: SchedulerView, burst: _Burst, req: Request) -> None:
         if req.request_id not in burst.needs and (n := _need(sched, req)) > 0:
             burst.add(req.request_id, n, sched.next_run_s(req))
 
 
-def _need(sched: Scheduler, req: Request) -> int:
+def _need(sched: SchedulerView, req: Request) -> int:
     """Device blocks the job lacks to run its next iteration."""
     kv = sched.kv
     rid = req.request_id
@@ -466,9 +495,6 @@ class _Burst:
     def of(self, request_id: str) -> int:
         return self.needs.get(request_id, 0)
 
-    def remove(self, request_id: str) -> None:
-        self.total -= self.needs.pop(request_id, 0)
-
 
 class _CopyBudget:
     """Whether more blocks may start copying this iteration and still finish during it.
@@ -479,47 +505,35 @@ class _CopyBudget:
     scheduler had to make anyway (victims of failed allocations) count too.
     """
 
-    def __init__(self, policy: ProactivePolicy, sched: Scheduler | None, now: float) -> None:
-        self.policy = policy
-        self.block_s = 0.0 if sched is None else sched.cost.swap_s(1)
-        elapsed = 0.0 if policy._last_s is None else max(0.0, now - policy._last_s)
-        policy._last_s = now
-        policy._backlog_s = max(0.0, policy._backlog_s - elapsed)
-        self.compute_s = policy._last_compute_s
+    def __init__(self) -> None:
+        self.block_s = 0.0  # one block's copy, by the cost model (0: copies take no time)
+        self.backlog_s = 0.0  # copies queued but (by the cost model) not finished yet
+        self.compute_s = 0.0  # this iteration's predicted compute (the last one's, until set)
+        self._last_s: float | None = None
 
-    @property
-    def compute_s(self) -> float:
-        return self.policy._last_compute_s
-
-    @compute_s.setter
-    def compute_s(self, value: float) -> None:
-        self.policy._last_compute_s = value
+    def begin(self, now: float, block_s: float) -> None:
+        self.block_s = block_s
+        elapsed = 0.0 if self._last_s is None else max(0.0, now - self._last_s)
+        self._last_s = now
+        self.backlog_s = max(0.0, self.backlog_s - elapsed)
 
     def fits(self, num_blocks: int) -> bool:
         """Whether copying `num_blocks` more would end within this iteration's compute (a
         move longer than that is allowed when the copy engine is idle)."""
-        backlog_s = self.policy._backlog_s
         return (
             self.block_s == 0
-            or backlog_s == 0
-            or backlog_s + self.block_s * num_blocks <= self.compute_s
+            or self.backlog_s == 0
+            or self.backlog_s + self.block_s * num_blocks <= self.compute_s
         )
 
     def spend(self, num_blocks: int) -> None:
-        self.policy._backlog_s += self.block_s * num_blocks
+        self.backlog_s += self.block_s * num_blocks
 
 
-def _predict_compute_s(sched: Scheduler, batch: Sequence[Request]) -> float:
-    prefill = sum_sq = decodes = context = 0
-    for r in batch:
-        n = r.num_tokens - r.num_computed_tokens
-        if r.num_computed_tokens == 0 or n > 1:
-            prefill += n
-            sum_sq += n * n
-        else:
-            decodes += 1
-            context += r.num_tokens
-    return sched.cost.iteration_s(prefill, decodes, context, sum_sq)
+def _predict_compute_s(sched: SchedulerView, batch: Sequence[Request]) -> float:
+    shape = BatchShape.of((r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+                          for r in batch)
+    return sched.cost.iteration_s(*shape)
 
 
 KV_POLICY_CLASSES: dict[str, type[KVPolicy]] = {
@@ -548,3 +562,15 @@ def uses_host(config: CacheConfig) -> bool:
     cls = KV_POLICY_CLASSES.get(config.kv_policy)
     return cls is not None and cls.uses_host
 
+
+def host_pool_blocks(cache: CacheConfig, block_bytes: int) -> int:
+    """Host blocks for `cache`: `num_host_blocks`, else `swap_space_gib` worth of
+    `block_bytes` blocks (none when that size is unknown, 0); none for the policies that never
+    offload (`defer`, `recompute`). The real executors and the simulator size their pools here."""
+    if not uses_host(cache):
+        return 0
+    if cache.num_host_blocks is not None:
+        return cache.num_host_blocks
+    if block_bytes <= 0:
+        return 0
+    return int(cache.swap_space_gib * (1 << 30)) // block_bytes

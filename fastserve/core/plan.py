@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fastserve.request import SamplingParams
 
 # The token of a scheduled request that samples none (a prefill chunk with prompt left).
 NO_TOKEN = -1
+
+
+class BatchShape(NamedTuple):
+    """What an iteration costs depends on, in `CostModel.iteration_s`'s argument order: the
+    one definition of a prefill that the cost model, the simulator, the KV policy's copy
+    budget and the profiler share."""
+
+    num_prefill_tokens: int
+    num_decodes: int
+    num_context_tokens: int  # of the decodes, their new tokens included
+    sum_prefill_sq: int  # attention's quadratic part: query-key pairs of the prefills
+
+    @staticmethod
+    def of(spans: Iterable[tuple[int, int]]) -> BatchShape:
+        """From each job's (start position, tokens fed). As `ScheduledRequest.is_prefill`
+        says: more than one token, or the first, is a prefill (or a chunk of one), and it
+        counts its attention pairs (`ScheduledRequest.num_prefill_pairs`)."""
+        num_prefill = sum_sq = num_decodes = num_context = 0
+        for start, n in spans:
+            if start == 0 or n > 1:
+                num_prefill += n
+                sum_sq += n * n + 2 * n * start
+            else:
+                num_decodes += 1
+                num_context += start + n
+        return BatchShape(num_prefill, num_decodes, num_context, sum_sq)
 
 
 @dataclass(frozen=True)
@@ -70,33 +98,8 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled if s.is_prefill)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if not s.is_prefill)
-
-    @property
-    def num_decode_context_tokens(self) -> int:
-        return sum(s.num_context_tokens for s in self.scheduled if not s.is_prefill)
-
-
-def batch_shape(plan: SchedulerOutput) -> tuple[int, int, int, int]:
-    """(prefill tokens, decodes, decode context tokens, prefill attention pairs): the cost
-    model's arguments, in one pass over the batch (the plan's properties walk it thrice). A
-    prefill chunk after cached tokens counts its attention over them too
-    (`ScheduledRequest.num_prefill_pairs`)."""
-    num_prefill = sum_sq = num_decodes = num_context = 0
-    for s in plan.scheduled:
-        n = len(s.token_ids)
-        if s.is_prefill:
-            num_prefill += n
-            sum_sq += s.num_prefill_pairs
-        else:
-            num_decodes += 1
-            num_context += s.start_pos + n
-    return num_prefill, num_decodes, num_context, sum_sq
+    def shape(self) -> BatchShape:
+        return BatchShape.of((s.start_pos, len(s.token_ids)) for s in self.scheduled)
 
 
 @dataclass(frozen=True)

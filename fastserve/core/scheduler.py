@@ -17,13 +17,12 @@ Pure Python over ints and floats: no torch and no clock; `now` is passed in.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import overload
+from collections.abc import Sequence
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_moves import KVMoves
 from fastserve.core.kv_policy import KVPolicy, make_kv_policy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.prefix_cache import extend_block_hashes
@@ -39,6 +38,7 @@ class Scheduler(ABC):
         kv: KVCacheManager,
         cost: CostModel,
         eos_token_ids: Sequence[int] = (),
+        kv_policy: KVPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -49,16 +49,16 @@ class Scheduler(ABC):
         self._finished_ids: list[str] = []  # since the last plan, for the executor
         self._batch_ids: list[str] = []  # last plan's batch
         self.num_preemptions = 0  # times a started request was taken out of the batch
-        self.num_recomputes = 0  # times a request's KV was dropped for recompute
-        self.num_offloads = 0  # times a request's KV was moved to host memory
-        self.num_uploads = 0  # times it was moved back
+        # Times the walk asked the KV policy to defer a job's turn, all time: what scheduling
+        # under pressure costs (looking at every swapped job of a long queue made it grow).
+        self.num_defer_asks = 0
         # Prefix cache: tokens of the jobs started (or restarted after a recompute), and of
         # those the tokens found cached (/metrics: queries and hits).
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
-        # What gives way when device blocks run short; `make_scheduler` sets the configured one.
-        self.kv_policy: KVPolicy = make_kv_policy(CacheConfig())
-        self._moves = _Moves()  # this iteration's KV copies
+        # What gives way when device blocks run short (default: proactive with no host pool,
+        # which acts as `defer`).
+        self.kv_policy = kv_policy or make_kv_policy(CacheConfig())
         self._order_now: Sequence[Request] = ()  # this iteration's order, for ENST
         self._resident_now: list[tuple[int, Request]] | None = None  # see `resident`
         self._now = 0.0
@@ -69,6 +69,7 @@ class Scheduler(ABC):
         # batch takes at most 1/depth of the unfinished jobs, so that every stage has one.
         self.in_flight: set[str] = set()
         self.pipeline_depth = 1
+        self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -104,10 +105,6 @@ class Scheduler(ABC):
     def count(self, status: RequestStatus) -> int:
         return sum(1 for r in self.requests.values() if r.status is status)
 
-    @property
-    def num_swapped(self) -> int:
-        return self.kv.num_swapped
-
     def queue_lengths(self) -> dict[int, int]:
         """Unfinished requests per priority queue (1 = most urgent). One queue by default;
         the MLFQ policies report one entry per level."""
@@ -117,7 +114,7 @@ class Scheduler(ABC):
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Pick this iteration's batch, and the KV copies it needs."""
-        self._moves = _Moves()
+        self.moves.take()  # NOTE: a new iteration: nothing moved yet
         self._enst = None
         self._resident_now = None
         self._now = now
@@ -162,8 +159,7 @@ class Scheduler(ABC):
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
-            if not self._allocate(req, done + num_new, _Tail(order, i + 1), in_batch, now,
-                                  prefix):
+            if not self._allocate(req, done + num_new, i + 1, in_batch, now, prefix):
                 if not started:
                     admitting = False
                 continue
@@ -245,6 +241,9 @@ class Scheduler(ABC):
     def _on_finish(self, req: Request, now: float) -> None:
         pass
 
+    def _on_recompute(self, req: Request) -> None:
+        """A request's KV was dropped: it has a prefill to redo."""
+
     def _on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
         """Accounting after an iteration (MLFQ charges attained service here)."""
 
@@ -258,71 +257,12 @@ class Scheduler(ABC):
 
     # -- shared mechanism -----------------------------------------------------------------
 
-    def recompute(self, req: Request) -> None:
-        """Drop a request's KV; it prefills its prompt and generated tokens again later."""
-        self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_recomputes += 1
-
-    def offload(self, req: Request, release_now: bool = True) -> bool:
-        """Move a request's KV to host memory (the copies go in this plan); False when the
-        host pool is short. `release_now=False`: its device blocks serve no allocation before
-        the next iteration (see `KVCacheManager`), so no computation waits for the copy."""
-        rid = req.request_id
-        if rid in self._moves.uploaded_ids:
-            raise ValueError(f"request {rid!r} was uploaded this iteration; it cannot go back")
-        pairs = self.kv.offload(rid, req.num_computed_tokens, release_now)
-        if pairs is None:
-            return False
-        self._moves.swap_out += pairs
-        self._moves.offloaded_ids.add(rid)
-        req.status = RequestStatus.SWAPPED
-        self.num_offloads += 1
-        return True
-
-    def upload(self, req: Request, num_tokens: int = 0) -> bool:
-        """Move a swapped request's KV back to the device, leaving room to grow to
-        `num_tokens` tokens this iteration; False when the device is short."""
-        rid = req.request_id
-        if rid in self._moves.offloaded_ids:
-            raise ValueError(f"request {rid!r} was offloaded this iteration; it cannot come back")
-        pairs = self.kv.upload(rid, num_tokens)
-        if pairs is None:
-            return False
-        self._moves.swap_in += pairs
-        self._moves.uploaded_ids.add(rid)
-        req.status = RequestStatus.PREEMPTED
-        self.num_uploads += 1
-        return True
-
-    def can_offload(self, req: Request) -> bool:
-        """Whether the request could be a victim: its started KV is on the device and it did
-        not just come back (no job moves both ways in one iteration)."""
-        rid = req.request_id
-        return (
-            req.num_computed_tokens > 0
-            and self.kv.has_blocks(rid)
-            and rid not in self._moves.uploaded_ids
-            and rid not in self.in_flight
-        )
-
-    def can_upload(self, req: Request) -> bool:
-        rid = req.request_id
-        return self.kv.is_swapped(rid) and rid not in self._moves.offloaded_ids
-
-    @property
-    def num_moved_blocks(self) -> int:
-        """Blocks this iteration copies so far, both ways."""
-        return len(self._moves.swap_out) + len(self._moves.swap_in)
-
     def admit_tokens(self, req: Request) -> int:
         """Tokens of KV the request needs to start (its prompt, or Orca's reservation)."""
         return max(req.num_tokens, self._admit_tokens(req))
 
     @property
-    def current_order(self) -> Sequence[Request]:
+    def order(self) -> Sequence[Request]:
         """This iteration's order (what `schedule` walks)."""
         return self._order_now
 
@@ -348,33 +288,29 @@ class Scheduler(ABC):
             )
         return self._enst.get(req.request_id, float("inf"))
 
-    def _allocate(
-        self, req: Request, target: int, rest: Sequence[Request], in_batch: set[str], now: float,
-        prefix: Sequence[int] = (),
-    ) -> bool:
+    def _allocate(self, req: Request, target: int, start: int, in_batch: set[str], now: float,
+                  prefix: Sequence[int] = ()) -> bool:
         """Find KV blocks for the request to hold `target` tokens after this iteration,
-        making room if it must; a job holding no KV starts with the cached blocks of
-        `prefix` (their tokens count as computed).
-
-        A swapped request is uploaded first. Returns False when it cannot run now.
-        """
+        making room if it must from the jobs at place `start` on in the order; a job holding no
+        KV starts with the cached blocks of `prefix` (their tokens count as computed). A
+        swapped request is uploaded first. Returns False when it cannot run now."""
         rid = req.request_id
-        if self.kv_policy.is_landing(self, req, len(in_batch), rest):
+        if self.kv_policy.is_landing(self, req, len(in_batch), start):
             return False
         if self.kv.is_swapped(rid):
-            if not self.can_upload(req) or self.kv_policy.defers(self, req, len(in_batch), rest):
+            if not self.moves.can_upload(req) or self._defer_turn(req, len(in_batch), start):
                 return False
-            if not self._make_room(req, self.kv.upload_shortfall(rid, target), rest, now):
+            if not self._make_room(req, self.kv.upload_shortfall(rid, target), start, now):
                 return False
-            self.upload(req, target)
+            self.moves.upload(req, target)
         started = self.kv.has_blocks(rid)
         num_tokens = target if started else max(target, self._admit_tokens(req))
         if self.kv.allocate(rid, num_tokens, prefix) is not None:
             return self._started(req, started, prefix)
-        if self.kv_policy.defers(self, req, len(in_batch), rest):
+        if self._defer_turn(req, len(in_batch), start):
             return False
         shortfall = self.kv.shortfall(rid, num_tokens, prefix)
-        if self._make_room(req, shortfall, rest, now) \
+        if self._make_room(req, shortfall, start, now) \
                 and self.kv.allocate(rid, num_tokens, prefix) is not None:
             return self._started(req, started, prefix)
         if started:  # nothing below it gives way: it gives up its own blocks
@@ -415,24 +351,28 @@ class Scheduler(ABC):
             self.kv.cache_blocks(req.request_id, hashes,
                                  req.num_computed_tokens // self.kv.block_size)
 
-    def _make_room(self, req: Request, shortfall: int, rest: Sequence[Request],
-                   now: float) -> bool:
-        """Free `shortfall` more device blocks from the started requests after `req` (its
-        victims), as the KV policy decides; takes nothing when they could not give enough."""
+    def _defer_turn(self, req: Request, batch_size: int, start: int) -> bool:
+        self.num_defer_asks += 1
+        return self.kv_policy.defer_turn(self, req, batch_size, start)
+
+    def _make_room(self, req: Request, shortfall: int, start: int, now: float) -> bool:
+        """Free `shortfall` more device blocks from the started requests at place `start` on
+        (its victims), as the KV policy decides; takes nothing when they could not give
+        enough."""
         if shortfall <= 0:
             return True
-        # NOTE: from the short resident list, not by walking `rest`: every swapped job in a
-        # long queue tries to come back, and scanning the queue for each made scheduling
-        # O(queue x swapped jobs) per iteration (0.58 ms of a 4 ms CPU iteration, reactive).
-        start = len(self._order_now) - len(rest)
-        victims = [r for i, r in self.resident() if i >= start and self.can_offload(r)]
+        # NOTE: from the short resident list, not by walking the rest of the order: every
+        # swapped job in a long queue tries to come back, and scanning the queue for each made
+        # scheduling O(queue x swapped jobs) per iteration (0.58 ms of a 4 ms CPU iteration).
+        can_offload = self.moves.can_offload
+        victims = [r for i, r in self.resident() if i >= start and can_offload(r)]
         if sum(len(self.kv.block_table(r.request_id)) for r in victims) < shortfall:
             return False
         goal = self.kv.num_free_blocks + shortfall
         while self.kv.num_free_blocks < goal:
             if not self.kv_policy.make_room(self, req, victims, now):
                 return False
-            victims = [r for r in victims if self.can_offload(r)]
+            victims = [r for r in victims if can_offload(r)]
         return True
 
     def _plan(self, batch: list[Request], chunks: dict[str, int]) -> SchedulerOutput:
@@ -465,13 +405,13 @@ class Scheduler(ABC):
             rid for rid in self._batch_ids if rid in self.in_flight
         ]
         finished, self._finished_ids = self._finished_ids, []
-        moves, self._moves = self._moves, _Moves()
+        swap_out, swap_in = self.moves.take()
         self.kv.end_iteration()
         return SchedulerOutput(
             scheduled=scheduled,
             finished_ids=finished,
-            swap_out=moves.swap_out,
-            swap_in=moves.swap_in,
+            swap_out=swap_out,
+            swap_in=swap_in,
             preempted_ids=preempted,
         )
 
@@ -484,48 +424,6 @@ class Scheduler(ABC):
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-class _Tail(Sequence[Request]):
-    """`order[start:]` without the copy: the walk hands one to every request it tries, and a
-    long queue would make each iteration quadratic."""
-
-    __slots__ = ("_order", "_start")
-
-    def __init__(self, order: Sequence[Request], start: int) -> None:
-        self._order = order
-        self._start = start
-
-    def __len__(self) -> int:
-        return max(0, len(self._order) - self._start)
-
-    @overload
-    def __getitem__(self, i: int) -> Request: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[Request]: ...
-
-    def __getitem__(self, i: int | slice) -> Request | Sequence[Request]:
-        if isinstance(i, slice):
-            return list(self)[i]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self._order[self._start + i]
-
-    def __iter__(self) -> Iterator[Request]:
-        return map(self._order.__getitem__, range(self._start, len(self._order)))
-
-
-@dataclass
-class _Moves:
-    """One iteration's KV copies, and who moved (no job moves both ways in one iteration)."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    offloaded_ids: set[str] = field(default_factory=set)
-    uploaded_ids: set[str] = field(default_factory=set)
 
 
 def _new_tokens(req: Request, n: int) -> list[int]:

@@ -1,17 +1,38 @@
-"""The step loop: schedule -> execute -> update (and its pipelined form)."""
+"""The step loop: schedule -> execute -> update (and its pipelined form), and its wiring."""
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 from fastserve.clock import Clock
+from fastserve.config import EngineConfig
+from fastserve.core.cost_model import CostModel
+from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import make_kv_policy
 from fastserve.core.plan import SchedulerOutput
+from fastserve.core.policies import make_scheduler
 from fastserve.core.scheduler import Scheduler
 from fastserve.executor.base import Executor, ExecutorDeadError, PipelinedExecutor
 from fastserve.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
+
+
+def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel, clock: Clock,
+                      num_device_blocks: int, num_host_blocks: int,
+                      eos_token_ids: Sequence[int] = ()) -> EngineCore:
+    """The KV manager, the configured scheduler and KV policy, and the step loop over
+    `executor`: the one wiring of the real engine and the simulator. An executor that keeps
+    more than one batch in flight gets the pipelined loop."""
+    kv = KVCacheManager(num_device_blocks, config.cache.block_size, num_host_blocks,
+                        enable_prefix_caching=config.cache.enable_prefix_caching)
+    scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids,
+                               make_kv_policy(config.cache))
+    if isinstance(executor, PipelinedExecutor) and executor.max_in_flight > 1:
+        return PipelinedEngineCore(scheduler, executor, clock)
+    return EngineCore(scheduler, executor, clock)
 
 
 class EngineCore:

@@ -11,11 +11,9 @@ import torch
 from fastserve.clock import Clock, WallClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
-from fastserve.core.kv_policy import make_kv_policy
+from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
-from fastserve.core.policies import make_scheduler
-from fastserve.engine.core import EngineCore, PipelinedEngineCore
+from fastserve.engine.core import build_engine_core
 from fastserve.engine.output import OutputProcessor
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
@@ -76,17 +74,11 @@ class LLMEngine:
         if config.model.warmup:
             self._warmup()
         self.cost = self._cost_model()
-        self.kv = KVCacheManager(
-            self.runner.num_blocks, config.cache.block_size, self.runner.num_host_blocks,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-        )
-        self.scheduler = make_scheduler(config.scheduler, self.kv, self.cost, self.eos_token_ids,
-                                        kv_policy=make_kv_policy(config.cache))
-        self.core = (
-            PipelinedEngineCore(self.scheduler, self.runner, self.clock)
-            if isinstance(self.runner, DistributedExecutor) and self.runner.max_in_flight > 1
-            else EngineCore(self.scheduler, self.runner, self.clock)
-        )
+        self.core = build_engine_core(config, self.runner, self.cost, self.clock,
+                                      self.runner.num_blocks, self.runner.num_host_blocks,
+                                      self.eos_token_ids)
+        self.scheduler = self.core.scheduler
+        self.kv = self.scheduler.kv
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._aborted: list[Request] = []
@@ -201,10 +193,10 @@ class LLMEngine:
             "swap_out_blocks": self.kv.num_swap_out_blocks,
             "swap_in_blocks": self.kv.num_swap_in_blocks,
             "swap_wait_s": self.core.swap_wait_s,
-            "num_offloads": s.num_offloads,
-            "num_uploads": s.num_uploads,
+            "num_offloads": s.moves.num_offloads,
+            "num_uploads": s.moves.num_uploads,
             "num_preemptions": s.num_preemptions,
-            "num_recomputes": s.num_recomputes,
+            "num_recomputes": s.moves.num_recomputes,
             "num_iterations": self.core.num_iterations,
             "prefix_cache_query_tokens": s.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,

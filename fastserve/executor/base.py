@@ -4,7 +4,7 @@ executor, or the simulator's (`fastserve.sim`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 
@@ -30,6 +30,7 @@ class PipelineResult:
     wait_s: float
 
 
+@runtime_checkable
 class PipelinedExecutor(Executor, Protocol):
     """An executor that keeps up to `max_in_flight` batches in its pipeline stages at once.
     Batches come back in the order they were submitted."""

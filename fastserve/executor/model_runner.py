@@ -9,10 +9,11 @@ import torch
 
 from fastserve.config import CacheConfig, ModelConfig
 from fastserve.core.block_pool import is_contiguous
+from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.attention import AttentionMetadata, DecodeBatch, PagedAttention, SeqSlice
 from fastserve.executor.sampler import Sampler
-from fastserve.executor.swap import host_pool_blocks, make_swapper
+from fastserve.executor.swap import make_swapper
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
 

@@ -56,22 +56,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastserve.config import CacheConfig
 from fastserve.core.block_pool import copy_runs
-from fastserve.core.kv_policy import uses_host
 from fastserve.executor.attention import PagedAttention
 
 logger = logging.getLogger(__name__)
-
-
-def host_pool_blocks(cache: CacheConfig, block_bytes: int) -> int:
-    """Host blocks for `cache`: `num_host_blocks`, else `swap_space_gib` worth; none for the
-    policies that never offload (`defer`, `recompute`)."""
-    if not uses_host(cache):
-        return 0
-    if cache.num_host_blocks is not None:
-        return cache.num_host_blocks
-    return int(cache.swap_space_gib * (1 << 30)) // block_bytes
 
 
 class HostKVCache:

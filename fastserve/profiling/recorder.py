@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from fastserve.clock import Timer
-from fastserve.core.plan import SchedulerOutput, batch_shape
+from fastserve.core.plan import SchedulerOutput
 from fastserve.profiling.fit import Sample
 
 
@@ -52,7 +52,7 @@ class IterationRecorder:
         """Called last thing in a step; `is_busy`: work is left, so the next step follows."""
         if plan is None or plan.is_empty:
             return
-        num_prefill, num_decodes, num_context, sum_sq = batch_shape(plan)
+        num_prefill, num_decodes, num_context, sum_sq = plan.shape
         step_s = self.clock() - start_s
         if is_busy:  # cycle closes at the next begin(); start_s kept in the cycle slot
             self._open = (num_prefill, sum_sq, num_decodes, num_context, start_s, step_s)

@@ -21,7 +21,7 @@ from collections import defaultdict
 from fastserve.clock import Clock
 from fastserve.core.block_pool import copy_runs
 from fastserve.core.cost_model import CostModel
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput, batch_shape
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 
 
 class SimExecutor:
@@ -57,7 +57,7 @@ class SimExecutor:
         if plan.is_empty:
             return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
         wait_s = self._wait_s(plan, start_s)
-        compute_s = self.cost.iteration_s(*batch_shape(plan))
+        compute_s = self.cost.iteration_s(*plan.shape)
         duration_s = wait_s + compute_s
         self._time_s = start_s + duration_s
         self.batch_job_s += duration_s * len(plan.scheduled)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from fastserve.clock import Clock
 from fastserve.core.cost_model import CostModel
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput, batch_shape
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.executor.base import PipelineResult
 from fastserve.sim.executor import SimExecutor
 
@@ -47,7 +47,7 @@ class PipelinedSimExecutor(SimExecutor):
         if plan.is_empty:
             return
         wait_s = self._wait_s(plan, now)
-        stage_s = self.cost.stage_s(*batch_shape(plan))
+        stage_s = self.cost.stage_s(*plan.shape)
         t = now + wait_s
         for s in range(len(self._stage_free_s)):
             t = max(t, self._stage_free_s[s]) + stage_s

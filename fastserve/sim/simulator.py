@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from fastserve.clock import VirtualClock
-from fastserve.config import CacheConfig, EngineConfig
+from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
-from fastserve.core.kv_policy import make_kv_policy, uses_host
-from fastserve.core.policies import make_scheduler
-from fastserve.engine.core import EngineCore, PipelinedEngineCore
+from fastserve.core.kv_policy import host_pool_blocks
+from fastserve.engine.core import build_engine_core
 from fastserve.request import Request, SamplingParams, WorkItem
 from fastserve.sim.executor import SimExecutor
 from fastserve.sim.pipeline import PipelinedSimExecutor
@@ -52,18 +51,6 @@ def make_requests(workload: Sequence[WorkItem]) -> list[Request]:
         reqs.append(Request(f"sim-{i}", prompt, p, w.arrival_s, oracle_output_len=w.output_len,
                             cache_salt=f"sim-{i}"))
     return reqs
-
-
-def host_blocks(cache: CacheConfig, cost: CostModel) -> int:
-    """The host pool: `num_host_blocks`, else `swap_space_gib` over the cost model's block
-    bytes (0 when it does not know them); none for policies that do not offload."""
-    if not uses_host(cache):
-        return 0
-    if cache.num_host_blocks is not None:
-        return cache.num_host_blocks
-    if cost.kv_block_bytes <= 0:
-        return 0
-    return int(cache.swap_space_gib * (1 << 30)) // cost.kv_block_bytes
 
 
 @dataclass
@@ -112,20 +99,13 @@ def simulate_run(
     progress: bool = False,
 ) -> SimRun:
     """`simulate`, also returning the KV counters (swaps, copy waits, peak blocks)."""
-    kv = KVCacheManager(num_device_blocks, config.cache.block_size, host_blocks(config.cache, cost),
-                        enable_prefix_caching=config.cache.enable_prefix_caching)
-    scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids=(),
-                               kv_policy=make_kv_policy(config.cache))
     clock = VirtualClock(start_s=min((w.arrival_s for w in workload), default=0.0))
-    executor: SimExecutor
-    core: EngineCore | PipelinedEngineCore
-    if cost.pipeline_parallel_size > 1:  # pipeline parallelism: P batches in flight, one per stage
-        executor = PipelinedSimExecutor(cost, clock=clock)
-        core = PipelinedEngineCore(scheduler, executor, clock)
-    else:
-        executor = SimExecutor(cost, clock=clock)
-        core = EngineCore(scheduler, executor, clock)
-
+    # Pipeline parallelism: P batches in flight, one per stage.
+    executor = (PipelinedSimExecutor(cost, clock=clock) if cost.pipeline_parallel_size > 1
+                else SimExecutor(cost, clock=clock))
+    core = build_engine_core(config, executor, cost, clock, num_device_blocks,
+                             host_pool_blocks(config.cache, cost.kv_block_bytes))
+    scheduler, kv = core.scheduler, core.scheduler.kv
     pending = sorted(make_requests(workload), key=lambda r: r.arrival_s)
     _check_fits(pending, kv)
     finished: list[Request] = []

@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastserve.clock import VirtualClock
-from fastserve.config import SchedulerConfig
+from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import KVPolicy, make_kv_policy
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.scheduler import Scheduler
 from fastserve.engine.core import EngineCore
-from fastserve.request import Request, SamplingParams
+from fastserve.request import FinishReason, Request, SamplingParams
 from fastserve.sim.executor import SimExecutor
 
 # Round numbers so tests can reason in milliseconds: 1 ms per prefill token and per decode.
@@ -155,3 +156,89 @@ def serve(
         elif on_step is not None:
             on_step()
     raise AssertionError(f"not finished after {max_iterations} iterations")
+
+
+# -- under memory pressure: device and host pools, and what every block holds ----------------
+
+
+BLOCK_SIZE = 4
+TIGHT_BLOCKS = 40  # the largest job of `random_workload` (60 + 40 tokens) needs 25
+
+
+def kv_scheduler(
+    policy: str = "skip-join-mlfq",
+    kv_policy: str | KVPolicy = "proactive",
+    *,
+    num_blocks: int = TIGHT_BLOCKS,
+    num_host_blocks: int = 1000,
+    cost: CostModel = UNIT_COST,
+    reserve: int | None = 0,
+    **config: object,
+) -> Scheduler:
+    """A real scheduler over device and host pools, with the named (or given) KV policy
+    (`reserve` None: proactive's default reserve)."""
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, num_host_blocks)
+    if isinstance(kv_policy, str):
+        kv_policy = make_kv_policy(CacheConfig(kv_policy=kv_policy, kv_reserve_blocks=reserve))
+    sched_config = SchedulerConfig(policy=policy, **config)  # type: ignore[arg-type]
+    return build_scheduler(sched_config, kv, cost, kv_policy=kv_policy)
+
+
+class KVContentExecutor:
+    """The simulator's executor, plus what every device and host block holds."""
+
+    def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
+        self.inner = SimExecutor(cost, clock=clock)
+        self.device: dict[int, tuple[str, int]] = {}  # block -> (request, block index in it)
+        self.host: dict[int, tuple[str, int]] = {}
+        self.steps: list[tuple[SchedulerOutput, ExecutorOutput]] = []
+
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        for dev, host in plan.swap_out:
+            self.host[host] = self.device[dev]
+        for host, dev in plan.swap_in:
+            self.device[dev] = self.host[host]
+        for s in plan.scheduled:
+            for i in range(s.start_pos // BLOCK_SIZE if s.start_pos % BLOCK_SIZE == 0
+                           else s.start_pos // BLOCK_SIZE + 1):
+                assert self.device.get(s.block_ids[i]) == (s.request_id, i), (
+                    f"{s.request_id} reads block {s.block_ids[i]} as its block {i} but it holds "
+                    f"{self.device.get(s.block_ids[i])}"
+                )
+            for pos in range(s.start_pos, s.num_context_tokens):
+                self.device[s.block_ids[pos // BLOCK_SIZE]] = (s.request_id, pos // BLOCK_SIZE)
+        out = self.inner.execute(plan)
+        self.steps.append((plan, out))
+        return out
+
+
+def serve_checked(sched: Scheduler, requests: Sequence[Request], max_iterations: int = 100_000,
+                  on_plan: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> Run:
+    """Add each request at its arrival and step until all finish, checking KV contents."""
+    executors: list[KVContentExecutor] = []
+
+    def make_executor(clock: VirtualClock) -> KVContentExecutor:
+        executors.append(KVContentExecutor(sched.cost, clock))
+        return executors[0]
+
+    def on_step() -> None:
+        if on_plan is not None:
+            on_plan(sched, executors[0].steps[-1][0])
+
+    return serve(sched, requests, max_iterations, make_executor, on_step)
+
+
+def tight_requests(seed: int = 0, n: int = 60) -> list[Request]:
+    prompts, outputs, arrivals = random_workload(n, seed)
+    return make_requests(prompts, outputs, arrivals)
+
+
+def assert_all_done_and_free(run: Run, n: int) -> None:
+    sched = run.scheduler
+    assert len(run.finished) == n and not sched.has_unfinished
+    for req in run.finished:
+        assert req.finish_reason is FinishReason.LENGTH
+        assert req.num_output_tokens == req.params.max_tokens
+    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv.num_free_host_blocks == sched.kv.num_total_host_blocks
+    assert sched.kv.num_swapped == 0

@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 
-from fastserve.config import CacheConfig
 from fastserve.executor.attention import PagedAttention
 from fastserve.executor.model_runner import ModelRunner
 from fastserve.executor.swap import (
@@ -21,7 +20,6 @@ from fastserve.executor.swap import (
     ThreadSwapper,
     _Task,
     has_spare_core,
-    host_pool_blocks,
     make_swapper,
 )
 from fastserve.llm import LLM
@@ -191,15 +189,6 @@ def test_random_plans_keep_every_block_intact(worker: str) -> None:
                 assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
     finally:
         swapper.close()
-
-
-def test_host_pool_sizing() -> None:
-    block_bytes = 1 << 20
-    assert host_pool_blocks(CacheConfig(swap_space_gib=1.0), block_bytes) == 1024
-    assert host_pool_blocks(CacheConfig(num_host_blocks=7), block_bytes) == 7
-    # Policies that never offload get no host memory.
-    assert host_pool_blocks(CacheConfig(kv_policy="defer"), block_bytes) == 0
-    assert host_pool_blocks(CacheConfig(kv_policy="recompute", num_host_blocks=9), block_bytes) == 0
 
 
 # -- the real engine --------------------------------------------------------------------------

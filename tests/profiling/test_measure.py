@@ -41,9 +41,7 @@ class FakeRunner:
             assert max(s.block_ids) < self.num_blocks
         if plan.is_empty:
             return ExecutorOutput([], 0.0)
-        pre = [len(s.token_ids) for s in plan.scheduled if s.is_prefill]
-        d = self.cost.iteration_s(sum(pre), plan.num_decodes, plan.num_decode_context_tokens,
-                                  sum(n * n for n in pre))
+        d = self.cost.iteration_s(*plan.shape)
         self.now += d
         return ExecutorOutput([0] * len(plan.scheduled), d)
 

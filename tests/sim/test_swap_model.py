@@ -14,7 +14,7 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.request import SamplingParams
 from fastserve.sim.executor import SimExecutor
-from fastserve.sim.simulator import ample_blocks, host_blocks, simulate_run
+from fastserve.sim.simulator import ample_blocks, simulate_run
 
 # 1 ms of compute per iteration; a block moves in 2 ms.
 COST = CostModel(fixed_s=1e-3, per_prefill_token_s=0.0, per_decode_s=0.0,
@@ -59,14 +59,6 @@ def test_copies_run_in_plan_order_on_one_engine() -> None:
     clock.advance(out.duration_s + 1.0)
     out = ex.execute(SchedulerOutput([decode("a", [0, 1, 3])], swap_out=[(7, 9)]))
     assert out.swap_wait_s == 0.0
-
-
-def test_host_pool_size_follows_the_cache_config() -> None:
-    config = engine_config(kv_policy="proactive", swap_space_gib=1.0).cache
-    assert host_blocks(config, COST) == (1 << 30) // 2_000_000
-    assert host_blocks(engine_config(kv_policy="defer").cache, COST) == 0
-    assert host_blocks(engine_config(num_host_blocks=5).cache, COST) == 5
-    assert host_blocks(config, CostModel()) == 0  # block bytes unknown
 
 
 @pytest.mark.parametrize("kv_policy", ["proactive", "reactive", "defer", "recompute"])

@@ -46,7 +46,4 @@ def make_scheduler(
         raise ValueError(
             f"scheduler policy {config.policy!r} is not available; choose from {sorted(POLICY_CLASSES)}"
         ) from None
-    sched = cls(config, kv, cost, eos_token_ids)
-    if kv_policy is not None:
-        sched.kv_policy = kv_policy
-    return sched
+    return cls(config, kv, cost, eos_token_ids, kv_policy)

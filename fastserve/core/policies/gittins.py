@@ -49,6 +49,7 @@ from itertools import accumulate
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.policies.finished_lengths import FinishedLengths, finished_length
 from fastserve.core.policies.keyed_order import KeyedOrderScheduler
 from fastserve.request import Request
@@ -131,8 +132,9 @@ class GittinsScheduler(KeyedOrderScheduler):
         kv: KVCacheManager,
         cost: CostModel,
         eos_token_ids: Sequence[int] = (),
+        kv_policy: KVPolicy | None = None,
     ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids)
+        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
         self._lengths = FinishedLengths(WINDOW, MIN_SAMPLES, REFIT_EVERY)
         self._promoted: set[str] = set()  # overtaken too often: they run first
         self._num_finished = 0

@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request
@@ -81,8 +82,9 @@ class KeyedOrderScheduler(Scheduler):
         kv: KVCacheManager,
         cost: CostModel,
         eos_token_ids: Sequence[int] = (),
+        kv_policy: KVPolicy | None = None,
     ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids)
+        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
         self._queue: KeyedOrder[Request] = KeyedOrder()
         self._seq: dict[str, int] = {}  # arrival number, the tie-break
         self._num_added = 0
@@ -94,8 +96,7 @@ class KeyedOrderScheduler(Scheduler):
                 self._rekey(req)
         return touched
 
-    def recompute(self, req: Request) -> None:
-        super().recompute(req)
+    def _on_recompute(self, req: Request) -> None:
         self._rekey(req)  # it has a prefill to redo now
 
     def _on_add(self, req: Request, now: float) -> None:

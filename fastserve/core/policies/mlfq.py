@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.policies.finished_lengths import finished_length
 from fastserve.core.policies.keyed_order import Key, KeyedOrder
@@ -64,8 +65,9 @@ class MLFQBase(Scheduler):
         kv: KVCacheManager,
         cost: CostModel,
         eos_token_ids: Sequence[int] = (),
+        kv_policy: KVPolicy | None = None,
     ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids)
+        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
         self.settings = MLFQSettings.from_config(config, cost)
         self.charge = ChargeModel(cost, self.settings.charge, config.max_batch_size)
         self._quanta_s = self.settings.quanta_s
@@ -319,8 +321,9 @@ class MLFQScheduler(MLFQBase):
         kv: KVCacheManager,
         cost: CostModel,
         eos_token_ids: Sequence[int] = (),
+        kv_policy: KVPolicy | None = None,
     ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids)
+        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
         # Last plan's batch. Being in it is the first element of the key, so running jobs
         # lead the order; only jobs that join or leave the batch are re-keyed.
         self._running: set[str] = set()
@@ -363,8 +366,9 @@ class MLFQPreemptScheduler(MLFQBase):
         kv: KVCacheManager,
         cost: CostModel,
         eos_token_ids: Sequence[int] = (),
+        kv_policy: KVPolicy | None = None,
     ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids)
+        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
         # This iteration's abandoned jobs -> the predicted charge of the iteration to redo.
         self._abandoned: dict[str, float] = {}
         self.num_abandoned = 0

@@ -144,13 +144,7 @@ class ChargeModel:
         return self.cost.per_decode_s + self.cost.per_context_token_s * num_context_tokens
 
     def _predicted_duration_s(self, plan: SchedulerOutput) -> float:
-        prefills = [s for s in plan.scheduled if s.is_prefill]
-        return self.cost.iteration_s(
-            sum(len(s.token_ids) for s in prefills),
-            plan.num_decodes,
-            plan.num_decode_context_tokens,
-            sum(s.num_prefill_pairs for s in prefills),
-        )
+        return self.cost.iteration_s(*plan.shape)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.plan import SchedulerOutput
 from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request
@@ -28,8 +29,9 @@ class RequestLevelScheduler(Scheduler):
         kv: KVCacheManager,
         cost: CostModel,
         eos_token_ids: Sequence[int] = (),
+        kv_policy: KVPolicy | None = None,
     ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids)
+        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
         # The running batch's unfinished members, in arrival order (a dict as an ordered set).
         self._members: dict[str, None] = {}
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fastserve.config import EngineConfig
+from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.executor.distributed.comm import (
     TAG_ACTIVATIONS,
@@ -38,7 +39,6 @@ from fastserve.executor.model_runner import (
     kv_block_bytes,
     kv_cache_dtype,
 )
-from fastserve.executor.swap import host_pool_blocks
 from fastserve.model.arch import ArchConfig
 from fastserve.model.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from fastserve.model.llama import LlamaForCausalLM
