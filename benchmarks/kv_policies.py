@@ -23,12 +23,10 @@
    for their shapes: the copies' cost to the compute, apart from the schedule they allow.
    `--copy-workers inline,thread` runs proactive with each CPU copy mode side by side.
 
-    .venv/bin/python benchmarks/kv_policies.py [--part sim1|sim2|real|gpu|all] [--quick] [--jobs N]
+    .venv/bin/python benchmarks/kv_policies.py [--part sim1|sim2|real|all] [--quick] [--jobs N]
         [--seeds 0,1,...] [--reps R] [--copy-workers auto|thread|inline[,...]]
 
-4. Where a GPU is available (`--part gpu`): an iteration's compute while the copy stream
-   uploads the next iteration's KV, against the same compute with nothing to copy (target: no
-   more than 10% slower), and against one that waits for its own upload.
+Whether the copies overlap compute on a GPU is measured by benchmarks/copy_overlap.py.
 
 Part 1 uses the default skip-join-mlfq (robust variant); parts 2 and 3 also run the paper
 variant (`--mlfq-variant paper`): the robust variant serves each level in arrival order, so few
@@ -382,91 +380,6 @@ PART3_HEADER = ["variant", "kv policy", "blocks", "done", "avg JCT s", "p99 s", 
                 "iteration time / cost model"]
 
 
-# -- part 4: uploads overlap compute on a GPU ------------------------------------------------
-
-
-def gpu_overlap(repeats: int = 10) -> list[str]:
-    """An iteration's compute while the copy stream uploads the next iteration's blocks, against
-    the same compute with nothing to copy (target: <= 1.10x), and against one that must wait
-    for its own upload. KV sized like LLaMA-2-13B's (13.1 MB per 16-token block, fp16)."""
-    import torch
-
-    from fastserve.executor.attention import PagedAttention
-    from fastserve.executor.swap import make_swapper
-
-    if not torch.cuda.is_available():
-        return ["(no CUDA device: skipped)"]
-    dev = torch.device("cuda")
-    num_blocks = 160
-    attn = PagedAttention(num_layers=40, num_kv_heads=40, head_dim=128, num_blocks=num_blocks,
-                          block_size=16, dtype=torch.float16, device=dev)
-    swapper = make_swapper(attn, num_host_blocks=num_blocks)
-    x = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
-    flops_per_gemm = 2 * 8192**3
-    # Find a GEMM count making an iteration about as long as the uploads (~64 blocks).
-    upload = list(range(64))
-    swapper.submit(list(zip(upload, upload, strict=True)), [])  # host copies to upload
-    swapper.synchronize()
-
-    def compute(num_gemms: int) -> None:
-        y = x
-        for _ in range(num_gemms):
-            y = x @ x
-        del y
-
-    def timed(fn: Callable[[], None]) -> float:
-        """Seconds on the compute stream only (the copy stream may still be busy after)."""
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    compute(5)
-    one_gemm_s = timed(lambda: compute(20)) / 20
-    def upload_all() -> None:
-        swapper.submit([], [(h, 64 + h) for h in upload])
-        swapper.wait_for([[64 + h for h in upload]])  # the compute stream idles meanwhile
-
-    copy_s = timed(upload_all)
-    num_gemms = max(1, round(copy_s / one_gemm_s))
-
-    def plain() -> None:
-        swapper.wait_for([list(range(128, 160))])
-        compute(num_gemms)
-
-    def overlapped() -> None:  # uploads for the next iteration; this one reads other blocks
-        swapper.submit([], [(h, 64 + h) for h in upload])
-        swapper.wait_for([list(range(128, 160))])
-        compute(num_gemms)
-
-    def waiting() -> None:  # this iteration reads the blocks being uploaded
-        swapper.submit([], [(h, 64 + h) for h in upload])
-        swapper.wait_for([list(range(64, 128))])
-        compute(num_gemms)
-
-    cases = {"nothing to copy": plain, "uploading the next iteration's KV": overlapped,
-             "waiting for its own upload": waiting}
-    results: dict[str, float] = {}
-    for name, fn in cases.items():
-        times = []
-        for _ in range(repeats):
-            times.append(timed(fn))
-            swapper.synchronize()
-        results[name] = sorted(times)[len(times) // 2]
-    base = results["nothing to copy"]
-    ratio = results["uploading the next iteration's KV"] / base
-    gb = len(upload) * swapper.host.blocks[0].numel() * 2 / 1e9
-    rows = [f"{name} | {t * 1e3:.1f} ms | {t / base:.3f}x" for name, t in results.items()]
-    rows.append(f"(upload: {len(upload)} blocks, {gb:.2f} GB in {copy_s * 1e3:.1f} ms = "
-                f"{gb / copy_s:.1f} GB/s; compute: {num_gemms} GEMMs of "
-                f"{flops_per_gemm / 1e12:.2f} TFLOP; overlapped {ratio:.3f}x, target <= 1.10: "
-                f"{'met' if ratio <= 1.10 else 'MISSED'})")
-    return rows
-
-
 # -- output -----------------------------------------------------------------------------------
 
 
@@ -498,7 +411,7 @@ def _map(fn: Callable[..., str], args: Sequence[tuple[object, ...]], jobs: int) 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("sim1", "sim2", "real", "gpu", "all"), default="all")
+    p.add_argument("--part", choices=("sim1", "sim2", "real", "all"), default="all")
     p.add_argument("--quick", action="store_true", help="fewer cells and requests")
     p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     p.add_argument("--variants", default="paper,robust",
@@ -563,9 +476,6 @@ def main() -> None:
                                  args.sim_profile, rate)]
         _table("3. Real engine, CPU, tiny model (float32), 25% of peak KV, Zipf 1.2 / CV 4",
                PART3_HEADER, rows)
-    if args.part in ("gpu", "all"):
-        _table("4. CUDA: an iteration's compute while the next one's KV uploads",
-               ["iteration", "median", "vs nothing to copy"], gpu_overlap())
     print(f"\n({time.time() - t0:.0f} s)")
 
 
