@@ -81,21 +81,6 @@ class ArchConfig:
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
 
-    @property
-    def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        attn = h * (q + 2 * kv) + q * h
-        if self.attention_bias:
-            attn += q + 2 * kv
-        if self.o_proj_bias:
-            attn += h
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_hidden_layers * per_layer + h
-
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Parse a `config.json` dict. Raises ValueError naming any unsupported feature."""
