@@ -104,7 +104,7 @@ class PhaseClock:
             outs = step()
             plan = engine.core.last_plan
             if plan is not None and not plan.is_empty:
-                self._open = Row(plan.num_prefill_tokens, plan.num_decodes,
+                self._open = Row(plan.shape.num_prefill_tokens, plan.shape.num_decodes,
                                  step_s=time.perf_counter() - start)
                 self._step_start = start
             else:
@@ -166,7 +166,7 @@ async def serve_and_replay(args: argparse.Namespace) -> None:
     import uvicorn
 
     from fastserve.args import engine_config
-    from fastserve.async_engine import AsyncLLM
+    from fastserve.engine.async_llm import AsyncLLM
     from fastserve.server.app import build_app
 
     config = engine_config(model=args.model, dtype=args.dtype, policy=args.policy,
