@@ -158,3 +158,7 @@ class WorkItem:
     arrival_s: float
     input_len: int
     output_len: int
+    # Mooncake traces: the prompt's blocks of `block_tokens` tokens, by content; equal ids at
+    # equal positions are equal tokens (so their KV can be shared). Empty: random prompts.
+    hash_ids: tuple[int, ...] = ()
+    block_tokens: int = 0

@@ -97,3 +97,17 @@ def test_outputs_report_the_cached_prompt_tokens() -> None:
     # 62 tokens = 15 full blocks and 2 tokens: all 15 blocks hit the first run's cache.
     assert cached == {"again": 60, "other": 0}
     assert engine.stats()["prefix_cache_hit_tokens"] == 60
+
+
+def test_prefixes_evicted_to_the_host_tier_come_back_with_the_same_tokens(
+        expected: dict[str, list[int]]) -> None:
+    """A device pool that holds about one job: the cached prefix is evicted between the waves,
+    copied to the host, and uploaded for the later jobs instead of recomputed."""
+    engine = _engine(policy="fcfs", num_device_blocks=24, max_batch_size=1,
+                     kv_policy="proactive", kv_reserve_blocks=0)
+    prompts = _prompts(engine.arch.vocab_size)
+    assert _run(engine, prompts) == expected
+    stats = engine.stats()
+    assert stats["prefix_cache_host_hit_tokens"] > 0
+    assert stats["prefix_cache_host_blocks"] > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks

@@ -34,6 +34,9 @@ _WORKLOAD_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("window-s", float, "trace: seconds to replay (default: to the end)"),
     ("time-scale", float, "trace: multiply arrival times (2 = half the rate; default 1)"),
     ("length-scale", float, "trace: multiply token lengths (default 1)"),
+    ("token-scale", float, "mooncake: divide lengths and the 512-token block by this "
+                           "(16: 32-token blocks; default 1)"),
+    ("sample-conversations", int, "mooncake: keep 1 conversation in N, whole (default 1)"),
 )
 _SWEEPABLE = tuple(flag for flag, _, _ in _WORKLOAD_FLAGS) + ("seed",)
 
@@ -50,7 +53,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     p.add_argument("--policies", default="fcfs,skip-join-mlfq",
                    help="comma-separated policies; options per policy as "
                         "name:key=value, e.g. skip-join-mlfq:mlfq-variant=paper")
-    p.add_argument("--workload", default="zipf", help="zipf or trace:PATH (CSV "
+    p.add_argument("--workload", default="zipf", help="zipf, mooncake:PATH (JSONL with hash_ids) or trace:PATH (CSV "
                    "arrival_s,input_tokens,output_tokens)")
     group = p.add_argument_group("workload options")
     for flag, kind, help_ in _WORKLOAD_FLAGS:

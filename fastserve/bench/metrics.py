@@ -38,6 +38,9 @@ class KVStats:
     swap_in_blocks: int = 0
     swap_wait_s: float = 0.0  # time iterations spent waiting on KV copies
     peak_kv_blocks: int = 0  # most device blocks in use at once
+    # Prefix cache: tokens of the jobs (re)started, and of those found cached.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @classmethod
     def from_engine_stats(cls, stats: dict[str, object]) -> KVStats:
@@ -46,6 +49,8 @@ class KVStats:
             swap_in_blocks=int(stats.get("swap_in_blocks", 0)),  # type: ignore[call-overload]
             swap_wait_s=float(stats.get("swap_wait_s", 0.0)),  # type: ignore[arg-type]
             peak_kv_blocks=int(stats.get("peak_kv_blocks", 0)),  # type: ignore[call-overload]
+            prefix_query_tokens=int(stats.get("prefix_cache_query_tokens", 0)),  # type: ignore[call-overload]
+            prefix_hit_tokens=int(stats.get("prefix_cache_hit_tokens", 0)),  # type: ignore[call-overload]
         )
 
 

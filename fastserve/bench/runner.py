@@ -8,15 +8,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from tqdm import tqdm
 
 from fastserve.args import engine_config
 from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
-from fastserve.bench.workloads import scale_to_load, trace_workload, zipf_workload
+from fastserve.bench.workloads import (
+    mooncake_workload,
+    scale_to_load,
+    trace_workload,
+    zipf_workload,
+)
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.profiling.fit import Sample
+from fastserve.prompts import prompt_tokens
 from fastserve.request import SamplingParams, WorkItem
 from fastserve.sim.simulator import ample_blocks, simulate_run
 
@@ -39,6 +44,8 @@ class WorkloadSpec:
     window_s: float | None = None
     time_scale: float = 1.0
     length_scale: float = 1.0
+    token_scale: float = 1.0
+    sample_conversations: int = 1
     seed: int = 0
 
     def build(self, cost: CostModel | None, max_batch_size: int) -> list[WorkItem]:
@@ -63,8 +70,18 @@ class WorkloadSpec:
                 max_input_len=self.max_input_len,
                 max_output_len=self.max_output_len,
             )
+        elif self.kind.startswith("mooncake:"):
+            items = mooncake_workload(
+                self.kind.removeprefix("mooncake:"),
+                num_requests=self.num_requests,
+                time_scale=self.time_scale,
+                token_scale=self.token_scale,
+                window_start_s=self.window_start_s,
+                sample_conversations=self.sample_conversations,
+            )
         else:
-            raise ValueError(f"workload must be 'zipf' or 'trace:PATH', got {self.kind!r}")
+            raise ValueError(
+                f"workload must be 'zipf', 'mooncake:PATH' or 'trace:PATH', got {self.kind!r}")
         if self.load is not None:
             if cost is None:
                 raise ValueError("load needs a cost model: pass --profile")
@@ -218,7 +235,6 @@ async def run_real(
 
 
 def random_prompts(workload: Sequence[WorkItem], vocab_size: int, seed: int) -> list[list[int]]:
-    """Random token ids, skipping the low ids where tokenizers keep their special tokens."""
-    low = 16 if vocab_size > 64 else 0
-    rng = np.random.default_rng(seed)
-    return [rng.integers(low, vocab_size, size=w.input_len).tolist() for w in workload]
+    """Random token ids, skipping the low ids where tokenizers keep their special tokens;
+    Mooncake jobs share the blocks their hash ids say (`prompt_tokens`)."""
+    return prompt_tokens(workload, vocab_size, seed)

@@ -2,12 +2,15 @@
 
 A workload is a list of `WorkItem`s sorted by arrival; the runner turns each into a request
 whose output length is fixed in advance (`ignore_eos`, `max_tokens` = the target), so every
-policy runs exactly the same jobs.
+policy runs exactly the same jobs. Mooncake traces also say which prompts share prefixes
+(`hash_ids`); `prompt_tokens` turns that into token ids.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -164,6 +167,98 @@ def _parse_row(path: str | Path, line_no: int, fields: list[str]) -> tuple[float
     return values[0], int(values[1]), int(values[2])
 
 
+# -- Mooncake traces (shared prefixes) -------------------------------------------------------
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+def mooncake_workload(
+    path: str | Path,
+    num_requests: int | None = None,
+    time_scale: float = 1.0,
+    token_scale: float = 1.0,
+    window_start_s: float = 0.0,
+    sample_conversations: int = 1,
+) -> list[WorkItem]:
+    """Replay a Mooncake JSONL trace (`timestamp` ms, `input_length`, `output_length`,
+    `hash_ids` of 512-token blocks), from `window_start_s` on, the first `num_requests` jobs.
+
+    `sample_conversations` N keeps the jobs whose first block's hash id is a multiple of N:
+    whole conversations (the turns that repeat a first block), over the whole trace. A window
+    of consecutive jobs would not do: a conversation's turns lie minutes apart, so the first
+    1,000 jobs share 17% of their prompt tokens where the whole trace shares 65%.
+
+    `token_scale` divides the input and output lengths and the block together (16: 32-token
+    blocks), so the same prompts share the same fraction of their tokens at a size this
+    machine can run; it must divide 512. `time_scale` multiplies arrival times.
+    """
+    _check_positive("time_scale", time_scale)
+    _check_positive("token_scale", token_scale)
+    block = MOONCAKE_BLOCK_TOKENS / token_scale
+    if block != int(block) or block < 1:
+        raise ValueError(f"token_scale must divide {MOONCAKE_BLOCK_TOKENS}, got {token_scale}")
+    if num_requests is not None:
+        _check_positive_int("num_requests", num_requests)
+    _check_positive_int("sample_conversations", sample_conversations)
+    rows = [r for r in read_mooncake(path) if r[0] >= window_start_s
+            and (not r[3] or r[3][0] % sample_conversations == 0)]
+    rows = rows[:num_requests] if num_requests is not None else rows
+    if not rows:
+        raise ValueError(f"trace {path}: no requests from {window_start_s} s on")
+    t0 = rows[0][0]
+    return [
+        WorkItem(
+            arrival_s=(t - t0) * time_scale,
+            input_len=max(1, round(i / token_scale)),
+            output_len=max(1, round(o / token_scale)),
+            hash_ids=ids,
+            block_tokens=int(block),
+        )
+        for t, i, o, ids in rows
+    ]
+
+
+def read_mooncake(path: str | Path) -> list[tuple[float, int, int, tuple[int, ...]]]:
+    """(arrival_s, input_length, output_length, hash_ids) per line, sorted by arrival."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"trace file not found: {path}") from None
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            row = (float(d["timestamp"]) / 1e3, int(d["input_length"]), int(d["output_length"]),
+                   tuple(int(h) for h in d["hash_ids"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"trace {path}: line {n}: not a Mooncake record ({e})") from None
+        if row[1] < 1 or row[2] < 1:
+            raise ValueError(f"trace {path}: line {n}: lengths must be >= 1")
+        rows.append(row)
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
+def unbounded_cache_prompt_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> int:
+    """Prompt tokens an unbounded prefix cache would still compute: each prompt in arrival
+    order skips its leading full blocks of `block_size` tokens that an earlier prompt had
+    (same tokens, same prefix), less one token to compute, as the engine's cache does."""
+    seen: set[int] = set()
+    total = 0
+    for tokens in prompts:
+        parent, hit, is_hit = 0, 0, True
+        limit = (len(tokens) - 1) // block_size
+        for k in range(len(tokens) // block_size):
+            parent = hash((parent, *tokens[k * block_size : (k + 1) * block_size]))
+            is_hit = is_hit and parent in seen
+            hit += is_hit and k < limit
+            seen.add(parent)
+        total += len(tokens) - hit * block_size
+    return total
+
+
 # -- load -----------------------------------------------------------------------------------
 
 
@@ -202,7 +297,7 @@ def scale_to_load(
     factor = offered_load(workload, cost, max_batch_size) / load
     start = workload[0].arrival_s
     return [
-        WorkItem(start + (w.arrival_s - start) * factor, w.input_len, w.output_len)
+        dataclasses.replace(w, arrival_s=start + (w.arrival_s - start) * factor)
         for w in workload
     ]
 

@@ -8,6 +8,7 @@ simulator (its virtual clock).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -128,6 +129,19 @@ class CostModel:
         (an earlier chunk, or a cached prefix) that its attention reads too."""
         pairs = num_tokens * num_tokens + 2 * num_tokens * start_pos
         return self.iteration_s(num_tokens, 0, 0, pairs)
+
+    def prefill_chunk(self, budget: int, start_pos: int) -> int:
+        """Most tokens a prefill after `start_pos` cached tokens may take this iteration so
+        that its predicted cost stays within what `budget` tokens from scratch cost: attention
+        over a long cached prefix makes each new token dearer, and the running decodes should
+        not wait longer for a late chunk than for the first (chunked prefill's point)."""
+        t1, t2 = self.per_prefill_token_s, self.per_prefill_token2_s
+        if t2 <= 0 or start_pos <= 0 or budget <= 1:
+            return budget
+        limit_s = t1 * budget + t2 * budget * budget
+        b = t1 + 2 * t2 * start_pos  # t2 n^2 + b n <= limit_s
+        n = (-b + math.sqrt(b * b + 4 * t2 * limit_s)) / (2 * t2)
+        return max(1, min(budget, int(n)))
 
     def decode_s(self, context_tokens: int) -> float:
         """One decode step of one job alone."""

@@ -15,7 +15,7 @@ import enum
 from collections.abc import Iterable, Sequence
 
 from fastserve.core.block_pool import BlockPool
-from fastserve.core.prefix_cache import CachingBlockPool
+from fastserve.core.prefix_cache import CachingBlockPool, HostPrefixCache
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -43,6 +43,18 @@ class KVCacheManager:
         self.block_size = block_size
         self.device = CachingBlockPool(num_device_blocks, enable_prefix_caching)
         self.host = BlockPool(num_host_blocks)
+        # The prefix cache's host tier: evicted device blocks are copied here when it has room.
+        self.host_cache = HostPrefixCache(self.host)
+        if enable_prefix_caching and num_host_blocks > 0:
+            self.device.on_evict = self._demote
+        # This iteration's prefix-cache copies, for the plan: (device, host) demotions of
+        # evicted blocks and (host, device) uploads of host hits.
+        self._cache_copies_out: list[tuple[int, int]] = []
+        self._cache_copies_in: list[tuple[int, int]] = []
+        # Prefix blocks copied to the host tier on eviction, and found there, all time (not
+        # in num_swap_*_blocks, which count jobs' moves).
+        self.num_demoted_blocks = 0
+        self.num_host_hit_blocks = 0
         self._tables: dict[str, list[int]] = {}  # device block tables
         self._num_registered: dict[str, int] = {}  # leading blocks of a table registered
         self._host_tables: dict[str, list[int]] = {}
@@ -73,8 +85,9 @@ class KVCacheManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        """Host blocks free now; those still being read by this iteration's uploads are not."""
-        return self.host.num_free
+        """Host blocks free now, cached prefix copies included (offloads evict them); those
+        still being read by this iteration's uploads are not."""
+        return self.host.num_free + self.host_cache.num_evictable
 
     @property
     def num_requests(self) -> int:
@@ -134,7 +147,7 @@ class KVCacheManager:
         elif self.shortfall(request_id, num_tokens, prefix_hashes) > 0:
             return None
         elif prefix_hashes:
-            self._tables[request_id] = self.device.share(prefix_hashes)
+            self._tables[request_id] = self._start_from_cache(prefix_hashes)
             self._num_registered[request_id] = len(prefix_hashes)
         need = self.num_new_blocks(request_id, num_tokens)
         table = self._tables.setdefault(request_id, [])
@@ -164,7 +177,7 @@ class KVCacheManager:
     # -- moves between pools ----------------------------------------------------------------
 
     def can_offload(self, request_id: str, num_cached_tokens: int) -> bool:
-        return self.host.can_allocate(self._num_valid(request_id, num_cached_tokens))
+        return self._num_valid(request_id, num_cached_tokens) <= self.num_free_host_blocks
 
     def offload(
         self, request_id: str, num_cached_tokens: int, release_now: bool = True
@@ -180,6 +193,7 @@ class KVCacheManager:
         if table is None:
             raise ValueError(f"request {request_id!r} holds no device blocks to offload")
         valid = table[: self._num_valid(request_id, num_cached_tokens)]
+        self.host_cache.evict(len(valid) - self.host.num_free)  # running jobs win the host
         host = self.host.allocate(len(valid))
         if host is None:
             return None
@@ -241,6 +255,7 @@ class KVCacheManager:
             self._host_releasing = []
         self.device.free_released(self._device_releasing)
         self._device_releasing = []
+        self.host_cache.flush()
 
     # -- prefix cache -----------------------------------------------------------------------
 
@@ -254,10 +269,51 @@ class KVCacheManager:
         """Device blocks registered in the prefix cache (shared, in use or evictable)."""
         return self.device.num_cached
 
+    @property
+    def num_cached_host_blocks(self) -> int:
+        """Host blocks holding copies of cached blocks evicted from the device."""
+        return self.host_cache.num_cached
+
     def num_cached_prefix(self, hashes: Sequence[int], max_blocks: int) -> int:
-        """How many of the first `max_blocks` of these hashes are cached on the device, from
-        the first on (changes nothing)."""
-        return self.device.lookup(hashes, max_blocks)
+        """How many of the first `max_blocks` of these hashes are cached, from the first on:
+        on the device, then on the host tier (changes nothing)."""
+        n = self.device.lookup(hashes, max_blocks)
+        if self.device.enabled and self.host_cache.num_cached:
+            n += self.host_cache.lookup(hashes, n, max_blocks)
+        return n
+
+    def take_cache_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The prefix cache's copies since the last call, for this iteration's plan: (device,
+        host) demotions to run with the swap-outs, (host, device) uploads with the swap-ins."""
+        out, self._cache_copies_out = self._cache_copies_out, []
+        into, self._cache_copies_in = self._cache_copies_in, []
+        return out, into
+
+    def _start_from_cache(self, hashes: Sequence[int]) -> list[int]:
+        """A new table of the cached blocks of `hashes`: the device's shared, the rest
+        uploaded from host copies into fresh device blocks (then cached on the device)."""
+        num_device = self.device.lookup(hashes, len(hashes))
+        table = self.device.share(hashes[:num_device])
+        from_host = hashes[num_device:]
+        if from_host:
+            # NOTE: claimed before allocating: an eviction's demotion may not reuse them.
+            host = [self.host_cache.claim(h) for h in from_host]
+            device = self.device.allocate(len(host), after=table[-1] if table else None)
+            assert device is not None  # `shortfall` counted them
+            self.device.register(device, from_host)
+            self._cache_copies_in += zip(host, device, strict=True)
+            self._host_releasing += host  # read by this iteration's upload
+            self.num_host_hit_blocks += len(host)
+            table += device
+        return table
+
+    def _demote(self, block: int, h: int) -> None:
+        """A cached device block is being evicted: keep a copy on the host when there is room
+        (the copy runs before anything writes the block: swap-outs come first)."""
+        host = self.host_cache.add(h)
+        if host is not None:
+            self._cache_copies_out.append((block, host))
+            self.num_demoted_blocks += 1
 
     def shortfall(self, request_id: str, num_tokens: int,
                   prefix_hashes: Sequence[int] = ()) -> int:
@@ -266,8 +322,9 @@ class KVCacheManager:
         stop being free (evictable) once it holds them."""
         if request_id in self._tables or not prefix_hashes:
             return self.num_new_blocks(request_id, num_tokens) - self.num_free_blocks
-        need = num_blocks_for(num_tokens, self.block_size) - len(prefix_hashes)
-        pinned = self.device.num_unreferenced(prefix_hashes)
+        on_device = prefix_hashes[: self.device.lookup(prefix_hashes, len(prefix_hashes))]
+        need = num_blocks_for(num_tokens, self.block_size) - len(on_device)
+        pinned = self.device.num_unreferenced(on_device)
         return need + pinned - self.num_free_blocks
 
     def cache_blocks(self, request_id: str, hashes: Sequence[int], num_blocks: int) -> None:

@@ -18,7 +18,7 @@ Pure Python over ints: no torch, no clock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastserve.core.block_pool import BlockPool
 from fastserve.request import Request
@@ -71,6 +71,9 @@ class CachingBlockPool:
         # the LRU (become evictable) at `flush`.
         self._parked: list[int] = []
         self.num_evictions = 0
+        # Called with (block, hash) as a cached block is evicted, before it is reused: the
+        # host tier may keep a copy (`KVCacheManager`).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -103,7 +106,9 @@ class CachingBlockPool:
         if short > 0:
             evicted = [self._lru.popitem(last=False)[0] for _ in range(short)]
             for b in evicted:
-                self._forget(b)
+                h = self._forget(b)
+                if self.on_evict is not None:
+                    self.on_evict(b, h)
             self.pool.free(evicted)
             self.num_evictions += short
         out = self.pool.allocate(n, after)
@@ -204,6 +209,83 @@ class CachingBlockPool:
             self._block_of[h] = b
             self._hash_of[b] = h
 
-    def _forget(self, block: int) -> None:
+    def _forget(self, block: int) -> int:
         h = self._hash_of.pop(block)
         del self._block_of[h]
+        return h
+
+
+class HostPrefixCache:
+    """The host tier: copies of cached blocks evicted from the device, in host pool blocks,
+    until the host pool needs the room.
+
+    NOTE: offloaded running jobs win the shared host pool: `evict` gives cached copies up for
+    them. A job's KV is work already done that it will certainly need again (losing it means
+    recomputing its prompt and every generated token), while a cached prefix is only a chance
+    that some later request repeats it. A copy added this iteration may still be written by
+    this iteration's copies, so it becomes evictable only at `flush`.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._block_of: dict[int, int] = {}  # hash -> host block
+        self._lru: OrderedDict[int, None] = OrderedDict()  # hashes, least recently used first
+        self._fresh: list[int] = []  # hashes added this iteration
+        self._last: int | None = None  # the host block of the latest copy
+        self.num_evictions = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    def lookup(self, hashes: Sequence[int], start: int, max_blocks: int) -> int:
+        """How many hashes from `start` on (up to `max_blocks` in all) have a host copy."""
+        n = start
+        while n < max_blocks and n < len(hashes) and hashes[n] in self._block_of:
+            n += 1
+        return n - start
+
+    def add(self, h: int) -> int | None:
+        """A host block to copy the block of hash `h` into (evicting the least recently used
+        copy if the pool is full), or None when there is no room."""
+        if h in self._block_of:
+            return None
+        # NOTE: right after the last copy when that block is free: demotions come one block
+        # at a time, and a fresh placement scans every free run of a fragmented pool.
+        got = self.pool.allocate(1, after=self._last)
+        if got is None:
+            if not self._lru:
+                return None
+            old, _ = self._lru.popitem(last=False)
+            got = [self._block_of.pop(old)]
+            self.num_evictions += 1
+        self._block_of[h] = self._last = got[0]
+        self._fresh.append(h)
+        return got[0]
+
+    def claim(self, h: int) -> int:
+        """Take the copy of hash `h` out of the cache (it is being uploaded): its host block
+        is the caller's to free once the upload has read it."""
+        self._lru.pop(h, None)
+        if h in self._fresh:
+            self._fresh.remove(h)
+        return self._block_of.pop(h)
+
+    def evict(self, n: int) -> None:
+        """Give up to `n` least recently used copies back to the host pool."""
+        freed: list[int] = []
+        while len(freed) < n and self._lru:
+            h, _ = self._lru.popitem(last=False)
+            freed.append(self._block_of.pop(h))
+        if freed:
+            self.pool.free(freed)
+            self.num_evictions += len(freed)
+
+    def flush(self) -> None:
+        for h in self._fresh:
+            self._lru[h] = None
+        self._fresh = []

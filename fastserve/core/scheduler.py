@@ -155,7 +155,7 @@ class Scheduler(ABC):
             done = req.num_computed_tokens + len(prefix) * self.kv.block_size
             num_new = req.num_tokens - done
             if num_new > 1:  # a prefill: what is left of the budget (a decode always fits)
-                num_new = min(num_new, budget - num_tokens)
+                num_new = min(num_new, self.cost.prefill_chunk(budget - num_tokens, done))
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
@@ -334,8 +334,9 @@ class Scheduler(ABC):
         return hashes[:n]
 
     def _started(self, req: Request, was_started: bool, prefix: Sequence[int]) -> bool:
-        """A job got its blocks; one that was not started counts as a prefix-cache query."""
-        if not was_started and self.kv.is_caching:
+        """A job got its blocks; one that was not started counts as a prefix-cache query
+        (with caching off too: then nothing hits, and the queries are what prefills compute)."""
+        if not was_started:
             cached = len(prefix) * self.kv.block_size
             req.num_computed_tokens = cached
             self.num_prefix_query_tokens += req.num_tokens
@@ -406,12 +407,14 @@ class Scheduler(ABC):
         ]
         finished, self._finished_ids = self._finished_ids, []
         swap_out, swap_in = self.moves.take()
+        # The prefix cache's host tier: evicted blocks copied out, host hits copied in.
+        demoted, from_host = self.kv.take_cache_copies()
         self.kv.end_iteration()
         return SchedulerOutput(
             scheduled=scheduled,
             finished_ids=finished,
-            swap_out=swap_out,
-            swap_in=swap_in,
+            swap_out=swap_out + demoted,
+            swap_in=swap_in + from_host,
             preempted_ids=preempted,
         )
 

@@ -201,6 +201,8 @@ class LLMEngine:
             "prefix_cache_query_tokens": s.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
             "prefix_cache_device_blocks": self.kv.num_cached_blocks,
+            "prefix_cache_host_blocks": self.kv.num_cached_host_blocks,
+            "prefix_cache_host_hit_tokens": self.kv.num_host_hit_blocks * self.kv.block_size,
         }
 
     # -- start-up -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ and jumps the clock over idle gaps.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,11 +19,13 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.engine.core import build_engine_core
+from fastserve.prompts import prompt_tokens
 from fastserve.request import Request, SamplingParams, WorkItem
 from fastserve.sim.executor import SimExecutor
 from fastserve.sim.pipeline import PipelinedSimExecutor
 
 PROMPT_TOKEN_ID = 1  # any id: the simulated model never reads it
+SIM_VOCAB_SIZE = 32000  # token ids of shared-prefix prompts: only the prefix cache reads them
 
 
 def ample_blocks(workload: Sequence[WorkItem], block_size: int) -> int:
@@ -39,18 +42,29 @@ def make_requests(workload: Sequence[WorkItem]) -> list[Request]:
     prompts: dict[int, list[int]] = {}
     params: dict[int, SamplingParams] = {}
     reqs = []
+    # Jobs that say which prompts share prefixes (Mooncake hash ids) get real token ids.
+    shared = prompt_tokens(workload, SIM_VOCAB_SIZE, 0) if any(w.hash_ids for w in workload) \
+        else None
     for i, w in enumerate(workload):
+        if shared is not None and w.hash_ids:
+            reqs.append(Request(f"sim-{i}", shared[i], _params(params, w.output_len),
+                                w.arrival_s, oracle_output_len=w.output_len))
+            continue
         prompt = prompts.setdefault(w.input_len, [PROMPT_TOKEN_ID] * w.input_len)
-        p = params.get(w.output_len)
-        if p is None:
-            p = params[w.output_len] = SamplingParams(
-                max_tokens=w.output_len, temperature=0.0, ignore_eos=True
-            )
+        p = _params(params, w.output_len)
         # NOTE: the shared prompt lists stand for different prompts: a salt per request keeps
         # the prefix cache from sharing them.
         reqs.append(Request(f"sim-{i}", prompt, p, w.arrival_s, oracle_output_len=w.output_len,
                             cache_salt=f"sim-{i}"))
     return reqs
+
+
+def _params(memo: dict[int, SamplingParams], output_len: int) -> SamplingParams:
+    p = memo.get(output_len)
+    if p is None:
+        p = memo[output_len] = SamplingParams(max_tokens=output_len, temperature=0.0,
+                                              ignore_eos=True)
+    return p
 
 
 @dataclass
@@ -66,6 +80,15 @@ class SimRun:
     mean_batch_size: float = 0.0  # jobs per iteration, weighted by its duration (not pipelined)
     # Seconds of iterations by the device blocks their batch read (not pipelined).
     batch_kv_s: dict[int, float] = field(default_factory=dict)
+    # Prefix cache: tokens of the jobs (re)started, and of those found cached.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_host_hit_tokens: int = 0  # of the hits, those uploaded from the host tier
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        """Tokens the prefills computed (recomputes included): what the cache did not save."""
+        return self.prefix_query_tokens - self.prefix_hit_tokens
 
     def share_batch_kv_over(self, num_blocks: int) -> float:
         """The share of busy time whose batch read more than `num_blocks` device blocks: on a
@@ -99,6 +122,11 @@ def simulate_run(
     progress: bool = False,
 ) -> SimRun:
     """`simulate`, also returning the KV counters (swaps, copy waits, peak blocks)."""
+    # NOTE: only jobs that say which prompts share prefixes (Mooncake hash ids) can hit the
+    # cache; for the others it stays off, so it neither hashes nor copies evicted blocks.
+    caching = config.cache.enable_prefix_caching and any(w.hash_ids for w in workload)
+    config = dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, enable_prefix_caching=caching))
     clock = VirtualClock(start_s=min((w.arrival_s for w in workload), default=0.0))
     # Pipeline parallelism: P batches in flight, one per stage.
     executor = (PipelinedSimExecutor(cost, clock=clock) if cost.pipeline_parallel_size > 1
@@ -143,6 +171,9 @@ def simulate_run(
         busy_s=core.busy_s,
         mean_batch_size=executor.batch_job_s / core.busy_s if core.busy_s > 0 else 0.0,
         batch_kv_s=dict(executor.batch_kv_s),
+        prefix_query_tokens=scheduler.num_prefix_query_tokens,
+        prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+        prefix_host_hit_tokens=kv.num_host_hit_blocks * kv.block_size,
     )
 
 

@@ -84,7 +84,7 @@ def test_bench_replays_a_trace(tmp_path: Path) -> None:
         (["--policies", "fcfs:colour=red"], "colour"),
         (["--rate", "0"], "rate must be > 0"),
         (["--max-output-len", "0"], "max_output_len must be an integer >= 1"),
-        (["--workload", "poisson"], "workload must be 'zipf' or 'trace:PATH'"),
+        (["--workload", "poisson"], "workload must be 'zipf', 'mooncake:PATH' or 'trace:PATH'"),
         (["--load", "0.5", "--executor", "real"], "load needs a cost model"),
     ],
 )

@@ -48,3 +48,20 @@ def test_chunks_are_charged_and_a_short_arrival_preempts_between_chunks() -> Non
     assert [s.request_id for s in plan.scheduled] == ["short0"]
     assert plan.preempted_ids == ["long0"]
     assert sched.kv.has_blocks(long_req.request_id)
+
+
+def test_late_chunks_shrink_so_an_iteration_costs_no_more_than_the_budget() -> None:
+    from fastserve.core.cost_model import CostModel
+
+    cost = CostModel(fixed_s=0.0, per_prefill_token_s=1e-4, per_prefill_token2_s=1e-6)
+    sched = make_scheduler("fcfs", cost=cost, max_num_batched_tokens=100)
+    [req] = make_requests([1000], [1])
+    sched.add_request(req, 0.0)
+    core, ex = make_engine(sched)
+    while sched.has_unfinished:
+        core.step()
+    chunks = [(s.start_pos, len(s.token_ids)) for p, _ in ex.steps for s in p.scheduled]
+    assert chunks[0] == (0, 100) and sum(n for _, n in chunks) == 1000
+    assert chunks[-1][1] < chunks[1][1] < 100  # each later chunk attends over more
+    budget_s = cost.prefill_s(100)
+    assert all(cost.prefill_s(n, start) <= budget_s * (1 + 1e-9) for start, n in chunks)
