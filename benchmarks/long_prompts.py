@@ -25,11 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from fastserve.llm_engine import LLMEngine
-
 from fastserve import SamplingParams
 from fastserve.args import engine_config
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
+from fastserve.engine.llm_engine import LLMEngine
 from fastserve.model.make_model import make_model
 
 DECODE = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

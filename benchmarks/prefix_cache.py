@@ -111,7 +111,7 @@ def main() -> int:
 
 def _engine_cost(base: dict[str, Any]) -> CostModel:
     """The cost model the real engine uses (its start-up profile, measured once and cached)."""
-    from fastserve.llm_engine import LLMEngine
+    from fastserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(**base, num_device_blocks=2048))
     cost = engine.cost
