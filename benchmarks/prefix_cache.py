@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from fastserve.bench.workloads import (
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import num_blocks_for
+from fastserve.model.make_model import make_model
 from fastserve.prompts import prompt_tokens
 from fastserve.sim.simulator import SIM_VOCAB_SIZE, SimRun, ample_blocks, simulate_run
 
@@ -60,10 +62,14 @@ def main() -> int:
     p.add_argument("--profile", default=None, help="cost model JSON (default: the engine's "
                    "start-up profile of the tiny preset)")
     p.add_argument("--sim-only", action="store_true")
+    p.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "fastserve-tiny-32k"),
+                   help="the tiny preset with a 32k context (made if missing): the longest "
+                        "scaled prompts exceed the default 2048")
     args = p.parse_args()
 
-    base = dict(max_batch_size=args.max_batch_size, dtype="float32", block_size=BLOCK_SIZE,
-                max_num_batched_tokens=512, policy="skip-join-mlfq")
+    model = make_model("tiny", args.model_dir, max_position_embeddings=32768)
+    base = dict(model=str(model), max_batch_size=args.max_batch_size, dtype="float32",
+                block_size=BLOCK_SIZE, max_num_batched_tokens=512, policy="skip-join-mlfq")
     cost = CostModel.from_json(args.profile) if args.profile else _engine_cost(base)
     print(f"cost model: fixed {cost.fixed_s * 1e3:.2f} ms, {cost.per_prefill_token_s * 1e6:.1f} us"
           f"/prefill token, {cost.per_decode_s * 1e3:.2f} ms/decode (machine shared)")
