@@ -5,8 +5,37 @@ Pure Python: `fastserve.core` schedules these objects and the simulator runs the
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+# Below this a temperature would overflow the logits it divides: it samples greedily instead.
+MIN_TEMPERATURE = 1e-5
+# What a per-request torch.Generator accepts as a seed.
+SEED_RANGE = (-(2**63), 2**64)
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from a caller: a 400 whose `param` (OpenAI's field) names what is wrong.
+
+    NOTE: the server maps `param` straight onto the response; nothing parses the message.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +67,10 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Offline API only: each is called as `proc(num_output_tokens, logits)` on the request's
+    # row of logits ([vocab] tensor) before sampling and returns the row to sample from. One
+    # that raises (or yields NaN) fails its own request, not the batch.
+    logits_processors: tuple[Callable[[int, Any], Any], ...] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -45,20 +78,48 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+        if self.temperature < MIN_TEMPERATURE:  # 1e-300 would make every logit inf
+            object.__setattr__(self, "temperature", 0.0)
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidRequestError(
+                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", "top_k")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise InvalidRequestError(
+                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}", "seed")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+                "min_tokens",
             )
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids must be token ids (integers >= 0), got {bad[:5]}", "stop_token_ids")
+
+    def for_vocab(self, vocab_size: int) -> SamplingParams:
+        """These parameters checked against a model's vocabulary: token ids outside it are
+        refused (they would index past the logits), `top_k` beyond it means no top-k."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}",
+                "stop_token_ids",
+            )
+        if self.top_k >= vocab_size:
+            return dataclasses.replace(self, top_k=0)
+        return self
 
     @property
     def is_greedy(self) -> bool:

@@ -112,3 +112,6 @@ class ExecutorOutput:
     duration_s: float
     # Time the iteration spent waiting for KV copies (part of duration_s).
     swap_wait_s: float = 0.0
+    # Requests whose own sampling failed (request id -> why): they are failed alone, and
+    # their entry in sampled_token_ids (a negative id) is not a token.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -191,6 +191,11 @@ class Scheduler(ABC):
                 continue
             if not self._keeps_result(sched):  # the policy abandoned this job's iteration
                 continue
+            if sched.request_id in out.failed or (sched.samples and token < 0):  # its sampling failed
+                self.finish(req, FinishReason.ERROR, now)
+                req.error = out.failed.get(sched.request_id, "sampling failed on the sampler rank")
+                touched.append(req)
+                continue
             req.num_computed_tokens = sched.num_context_tokens
             self._cache_computed(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet

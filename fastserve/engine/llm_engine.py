@@ -20,10 +20,17 @@ from fastserve.executor.distributed.launch import start_executor
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.make_model import cache_dir, resolve_model_path
-from fastserve.model.tokenizer import Tokenizer
+from fastserve.model.tokenizer import Tokenizer, check_encodable
 from fastserve.profiling.cache import load_or_profile, profile_cache_key
 from fastserve.profiling.recorder import IterationRecorder
-from fastserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from fastserve.request import (
+    FinishReason,
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +104,11 @@ class LLMEngine:
         oracle_output_len: int | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).for_vocab(self.arch.vocab_size)
+        if params.logits_processors and isinstance(self.runner, DistributedExecutor):
+            raise InvalidRequestError(
+                "logits_processors run in the sampling process: not with tensor or pipeline "
+                "parallelism", "logits_processors")
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
@@ -112,10 +123,11 @@ class LLMEngine:
         )
         need = num_blocks_for(req.max_total_tokens, self.kv.block_size)
         if need > self.kv.num_total_blocks:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{need} KV blocks but the cache has {self.kv.num_total_blocks}; "
-                "lower max_tokens or raise kv_cache_gib"
+            raise InvalidRequestError(
+                f"max_tokens: the prompt ({len(token_ids)} tokens) plus max_tokens "
+                f"({params.max_tokens}) needs {need} KV blocks but the cache has "
+                f"{self.kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib",
+                "max_tokens",
             )
         self.outputs.add(req, prompt if isinstance(prompt, str) else None)
         self.scheduler.add_request(req, self.clock.now())
@@ -124,20 +136,22 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token")
-            token_ids = self.tokenizer.encode(prompt)
+                raise InvalidRequestError("prompt is empty: give at least one character or token", "prompt")
+            token_ids = self.tokenizer.encode(check_encodable(prompt, "prompt"))
         else:
             token_ids = list(prompt)
             vocab = self.arch.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
         if not token_ids:
-            raise ValueError("prompt is empty: give at least one character or token")
+            raise InvalidRequestError("prompt is empty: give at least one character or token", "prompt")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but the model's maximum context length is "
-                f"{self.max_model_len} (the prompt must leave room for at least one new token)"
+                f"{self.max_model_len} (the prompt must leave room for at least one new token)",
+                "prompt",
             )
         return token_ids
 
@@ -168,14 +182,45 @@ class LLMEngine:
         start_s = self.recorder.begin() if self.recorder is not None else 0.0
         touched = self.core.step()
         for req in touched:
-            if self.outputs.detokenize(req) and not req.is_finished:
-                self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+            self._detokenize(req)
         touched += self._aborted
         self._aborted = []
-        outputs = [self.outputs.output(r) for r in touched]
+        outputs = [self._output(r) for r in touched]
         if self.recorder is not None:
             self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
+
+    def _detokenize(self, req: Request) -> None:
+        """Take the request's new tokens into its text and check its stop strings.
+
+        NOTE: a failure here fails this request alone; the batch's others keep their tokens.
+        """
+        try:
+            if self.outputs.detokenize(req) and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+        except Exception as exc:
+            logger.exception("detokenizing request %s failed; failing it", req.request_id)
+            self._fail(req, f"detokenization failed: {type(exc).__name__}: {exc}")
+
+    def _output(self, req: Request) -> RequestOutput:
+        try:
+            return self.outputs.output(req)
+        except Exception as exc:
+            logger.exception("the output of request %s failed; failing it", req.request_id)
+            self._fail(req, f"output failed: {type(exc).__name__}: {exc}")
+            self.outputs.discard(req.request_id)
+            return RequestOutput(
+                request_id=req.request_id, prompt=None, prompt_token_ids=req.prompt_token_ids,
+                token_ids=list(req.output_token_ids), text="", finished=True,
+                finish_reason=FinishReason.ERROR.value, arrival_s=req.arrival_s,
+                first_token_s=req.first_token_s, finish_s=req.finish_s, error=req.error,
+            )
+
+    def _fail(self, req: Request, error: str) -> None:
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ERROR, self.clock.now())
+        req.finish_reason = FinishReason.ERROR  # NOTE: also when it had just finished by length
+        req.error = error
 
     def stats(self) -> dict[str, object]:
         s = self.scheduler

@@ -92,12 +92,13 @@ class ModelRunner:
         self.attn.metadata = batch.metadata
         hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
-        tokens = self.sampler.sample(logits, plan.scheduled)
+        sampled = self.sampler.sample(logits, plan.scheduled)
         self.attn.metadata = None
         return ExecutorOutput(
-            sampled_token_ids=tokens,
+            sampled_token_ids=sampled.token_ids,
             duration_s=time.perf_counter() - start,
             swap_wait_s=swap_wait_s,
+            failed=sampled.errors,
         )
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> BatchInputs:

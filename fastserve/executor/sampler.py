@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fastserve.core.plan import NO_TOKEN, ScheduledRequest
 
+# The token of a row whose sampling failed: the engine fails that request alone.
+FAILED_TOKEN = -2  # NOTE: not NO_TOKEN (-1), a prefill chunk's
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One iteration's sampled tokens."""
+
+    # One per row, in plan order; FAILED_TOKEN where that row's own sampling failed.
+    token_ids: list[int]
+    # Request id -> why its sampling failed (a logits processor raised, NaN probabilities).
+    errors: dict[str, str]
+
 
 class Sampler:
     """Samples one token per row. Seeded requests own a generator, so their tokens do not
-    depend on what else is in the batch."""
+    depend on what else is in the batch.
+
+    NOTE: a failure in one row's sampling fails only that row: per-request steps (logits
+    processors, masks) run row by row, and when the batched draw fails each row is drawn
+    alone to find the culprits while the other rows still get their tokens.
+    """
 
     def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
         self.eos_token_ids = list(eos_token_ids)
@@ -22,21 +42,42 @@ class Sampler:
         for rid in request_ids:
             self._generators.pop(rid, None)
 
-    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
-        """One token per request, NO_TOKEN for a prefill chunk that samples none."""
+    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> Sampled:
+        """One token per request: NO_TOKEN for a prefill chunk that samples none, FAILED_TOKEN
+        where the request's own sampling failed."""
         # logits: [num_reqs, vocab] float32
-        if not all(r.samples for r in reqs):
-            rows = [i for i, r in enumerate(reqs) if r.samples]
-            out = [NO_TOKEN] * len(reqs)
-            if rows:
-                tokens = self._sample(logits[rows], [reqs[i] for i in rows])
-                for i, t in zip(rows, tokens, strict=True):
-                    out[i] = t
-            return out
-        return self._sample(logits, reqs)
+        errors: dict[str, str] = {}
+        out = [NO_TOKEN if not r.samples else FAILED_TOKEN for r in reqs]
+        rows = [i for i, r in enumerate(reqs) if r.samples and self._prepare_row(logits, i, r, errors)]
+        if len(rows) < len(reqs):
+            logits, reqs = logits[rows], [reqs[i] for i in rows]
+        try:
+            tokens = self._draw(logits, reqs, errors)
+        except Exception:  # a backstop: draw row by row to find the culprits
+            tokens = [self._draw_alone(logits, i, r, errors) for i, r in enumerate(reqs)]
+        for row, token in zip(rows, tokens):
+            out[row] = token
+        return Sampled(out, errors)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
-        self._mask_early_stop(logits, reqs)
+    def _prepare_row(self, logits: torch.Tensor, i: int, r: ScheduledRequest, errors: dict[str, str]) -> bool:
+        """The request's own changes to its logits row; False (and the error) if they fail."""
+        try:
+            for proc in r.params.logits_processors:
+                logits[i] = proc(r.num_output_tokens, logits[i])  # [vocab]
+            self._mask_early_stop(logits, i, r)
+        except Exception as exc:
+            errors[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+            return False
+        return True
+
+    def _draw_alone(self, logits: torch.Tensor, i: int, r: ScheduledRequest, errors: dict[str, str]) -> int:
+        try:
+            return self._draw(logits[i : i + 1], [r], errors)[0]
+        except Exception as exc:
+            errors[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+            return FAILED_TOKEN
+
+    def _draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest], errors: dict[str, str]) -> list[int]:
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
@@ -45,7 +86,14 @@ class Sampler:
         sub = logits[rows]  # [n, vocab]
         temps = torch.tensor([reqs[i].params.temperature for i in rows], device=sub.device)
         probs = torch.softmax(_filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows), dim=-1)
+        # NOTE: checked before any draw, so a bad row cannot fail the batch halfway through
+        # its draws (which would advance the other rows' seeded generators twice).
+        is_bad = (~torch.isfinite(probs).all(dim=-1)).tolist()  # [n]
         for j, i in enumerate(rows):
+            if is_bad[j]:
+                errors[reqs[i].request_id] = "sampling failed: the probabilities are not finite"
+                out[i] = FAILED_TOKEN
+                continue
             gen = self._generator(reqs[i])
             out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
         return out
@@ -60,15 +108,14 @@ class Sampler:
             self._generators[req.request_id] = gen
         return gen
 
-    def _mask_early_stop(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+    def _mask_early_stop(self, logits: torch.Tensor, i: int, r: ScheduledRequest) -> None:
         """Before min_tokens, EOS and stop token ids may not be sampled."""
-        for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
-                ids = list(r.params.stop_token_ids)
-                if not r.params.ignore_eos:
-                    ids += self.eos_token_ids
-                if ids:
-                    logits[i, ids] = float("-inf")
+        if r.num_output_tokens < r.params.min_tokens:
+            ids = list(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                ids += self.eos_token_ids
+            if ids:
+                logits[i, ids] = float("-inf")
 
 
 def _filter_top_k_top_p(

@@ -18,6 +18,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from fastserve.request import InvalidRequestError
+
 # Used when the checkpoint ships no template: role-tagged turns, each closed by EOS.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -29,6 +31,20 @@ DEFAULT_CHAT_TEMPLATE = (
 # (SentencePiece decoders drop a leading space at the start of a decode).
 _DETOKENIZER_CONTEXT = 5
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def check_encodable(text: str, param: str) -> str:
+    """`text` if it is valid Unicode; a lone surrogate (JSON's "\\ud800") cannot be tokenized
+    and would fail deep inside the tokenizer, so it is refused here naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param}: not valid Unicode text: {exc.reason} at character {exc.start} "
+            f"({text[exc.start]!r})",
+            param,
+        ) from None
+    return text
 
 
 class Tokenizer:

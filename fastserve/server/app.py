@@ -12,7 +12,6 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
-from fastserve.request import RequestOutput, SamplingParams
+from fastserve.model.tokenizer import check_encodable
+from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from fastserve.server.schemas import (
     APIError,
@@ -235,7 +235,10 @@ class OpenAIServing:
     def _encode(self, text: str, param: str) -> list[int]:
         if not text:
             raise APIError(400, f"{param}: must not be empty", param=param)
-        return list(self.llm.tokenizer.encode(text))
+        try:
+            return list(self.llm.tokenizer.encode(check_encodable(text, param)))
+        except InvalidRequestError as exc:
+            raise _bad_input(exc, param) from exc
 
     def _max_tokens(
         self, field: str, requested: int | None, num_prompt: int, default: int | None, prompt_param: str
@@ -430,20 +433,12 @@ def _engine_failure(out: RequestOutput) -> APIError:
     return APIError(500, f"the engine failed this request: {out.error}", "server_error", code="engine_error")
 
 
-_FIELD_RE = re.compile(r"^(\w+)")
-_PARAMS = {
-    "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_tokens", "stop_token_ids",
-}
-
-
 def _bad_input(exc: ValueError, prompt_param: str) -> APIError:
-    """A 400 for the engine's ValueError; its message starts with the field it is about."""
-    message = str(exc)
-    match = _FIELD_RE.match(message)
-    param = match.group(1) if match and match.group(1) in _PARAMS else None
+    """A 400 for the engine's ValueError; an InvalidRequestError names its field."""
+    param = exc.param if isinstance(exc, InvalidRequestError) else None
     if param == "prompt":
         param = prompt_param
-    return APIError(400, message, param=param)
+    return APIError(400, str(exc), param=param)
 
 
 async def _stream(
@@ -626,11 +621,19 @@ class RequestGate:
         await send({"type": "http.response.body", "body": payload})
 
 
+class _ErrorJSON(JSONResponse):
+    """An error body as ASCII JSON: a message may quote the client's text, lone surrogates
+    included, which UTF-8 cannot encode (that 500 would also drop a keep-alive connection)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         metrics.http_errors.labels(str(exc.status_code)).inc()
-        return JSONResponse(exc.response_body(), exc.status_code, headers=exc.headers)
+        return _ErrorJSON(exc.response_body(), exc.status_code, headers=exc.headers)
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

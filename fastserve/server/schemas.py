@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -109,6 +110,23 @@ def _default_only(value: Any, info: ValidationInfo) -> Any:
     )
 
 
+def _check_text(value: str) -> str:
+    """Refuse a lone surrogate (JSON's "\\ud800"): no tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "not valid Unicode text: {reason} at character {at}",
+            {"reason": exc.reason, "at": exc.start},
+        ) from None
+    return value
+
+
+# A JSON string that is valid Unicode text.
+Text = Annotated[StrictStr, AfterValidator(_check_text)]
+
+
 def _check_stop(value: Any) -> list[str] | None:
     """`stop`: a string or a list of strings (OpenAI allows up to 4; so do we)."""
     if value is None:
@@ -121,7 +139,7 @@ def _check_stop(value: Any) -> list[str] | None:
         raise PydanticCustomError("stop_len", "at most 4 stop sequences are allowed, got {n}", {"n": len(value)})
     if any(not s for s in value):
         raise PydanticCustomError("stop_empty", "must not contain empty strings")
-    return value
+    return [_check_text(s) for s in value]
 
 
 class StreamOptions(BaseModel):
@@ -136,15 +154,15 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr
+    model: Text
     temperature: StrictFloat | None = Field(None, ge=0, le=2)
     top_p: StrictFloat | None = Field(None, gt=0, le=1)
     seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
     stop: Any = Field(None, description="A string or up to 4 strings; text stops before them.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
-    metadata: dict[str, str] | None = None
+    user: Text | None = None
+    metadata: dict[Text, Text] | None = None
     # Accepted only at their defaults (see _DEFAULT_ONLY).
     n: Any = Field(None, description="Only 1 is supported.")
     presence_penalty: Any = Field(None, description="Only 0 is supported.")
@@ -204,7 +222,7 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
             value = value[0]
         if isinstance(value, str):
-            return value
+            return _check_text(value)
         if isinstance(value, list) and all(type(t) is int for t in value):
             return value
         raise PydanticCustomError(
@@ -220,8 +238,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | None = None
-    name: StrictStr | None = None
+    content: Text | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content or ""

@@ -130,7 +130,8 @@ class DistributedExecutor:
             end_s = time.perf_counter()
             while self._sends and self._sends[0][0] <= batch.seq:
                 self._sends.popleft()[1].wait(self.timeout_s)  # taken: its batch is through
-            out = ExecutorOutput(tokens, end_s - batch.start_s, batch.local.swap_wait_s)
+            out = ExecutorOutput(tokens, end_s - batch.start_s, batch.local.swap_wait_s,
+                                 batch.local.failed)
             return PipelineResult(out, end_s - wait_start_s)
 
     @property

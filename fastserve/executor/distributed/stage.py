@@ -201,19 +201,23 @@ class StageRunner(ModelRunner):
         self.attn.metadata = batch.metadata
         x, residual = stage.forward_layers(x, residual, batch.positions, self._stage_attn)
         tokens: list[int] = []
+        failed: dict[str, str] = {}
         if lay.is_last_stage:
             assert stage.norm is not None
             hidden, _ = stage.norm(x, residual)
             logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
             if lay.is_sampler:
-                tokens = self.sampler.sample(logits, plan.scheduled)
+                sampled = self.sampler.sample(logits, plan.scheduled)
+                tokens, failed = sampled.token_ids, sampled.errors
         self.attn.metadata = None
         self._stats.add(compute_start, time.perf_counter())
         if not lay.is_last_stage:
             self._send(torch.stack((x, residual)), lay.next_rank, TAG_ACTIVATIONS)
         elif lay.is_sampler and not lay.is_driver:
             self._send(torch.tensor(tokens, dtype=torch.long, device=self.device), 0, TAG_TOKENS)
-        return ExecutorOutput(tokens, time.perf_counter() - start, swap_wait_s)
+        # NOTE: a sampler rank that is not the driver sends only tokens; FAILED_TOKEN stands
+        # for a failed row's error.
+        return ExecutorOutput(tokens, time.perf_counter() - start, swap_wait_s, failed)
 
     def stats(self, reset: bool = False) -> RankStats:
         s = self._stats
