@@ -37,6 +37,12 @@ def test_top_k_beyond_the_vocabulary_means_no_top_k(llm: LLM) -> None:
     assert outs[0].token_ids == outs[1].token_ids
 
 
+def test_a_top_p_below_float32s_range_keeps_the_top_token(llm: LLM) -> None:
+    greedy = llm.generate([PROMPT], _greedy(), use_tqdm=False)[0]
+    tiny = SamplingParams(max_tokens=NUM_TOKENS, top_p=5e-324, ignore_eos=True)  # found by schemathesis
+    assert llm.generate([PROMPT], tiny, use_tqdm=False)[0].token_ids == greedy.token_ids
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [

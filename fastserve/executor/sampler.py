@@ -136,5 +136,6 @@ def _filter_top_k_top_p(
     cum_before = probs.cumsum(dim=-1) - probs
     p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
     remove |= cum_before >= p
+    remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
