@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from fastserve.args import engine_config
@@ -13,12 +15,35 @@ from fastserve.request import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Every engine option is a keyword argument (`max_batch_size=`, `kv_cache_gib=`, ...)."""
+    """Every engine option is a keyword argument (`max_batch_size=`, `kv_cache_gib=`, ...).
+
+    `shutdown()`, or leaving `with LLM(...) as llm:`, releases the model, the KV cache and any
+    distributed workers, so another LLM can start in the same process.
+    """
 
     def __init__(self, model: str | None = None, profile: str | None = None, **kwargs: Any) -> None:
         self.config = engine_config(profile_path=profile, model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._is_shut_down = False
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the distributed workers and free the model and the KV cache (device and host
+        memory). Safe to call more than once; the LLM generates no more afterwards."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        self.engine.shutdown()
+        del self.engine  # NOTE: the last reference to the model and the KV tensors
+        gc.collect()  # they sit in reference cycles (modules, hooks); free them now
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def generate(
         self,
@@ -27,6 +52,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt together; returns one final output per prompt, in order."""
+        if self._is_shut_down:
+            raise RuntimeError("this LLM has been shut down; create a new one")
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

@@ -37,8 +37,21 @@ class _EngineCollector(Collector):
             ("fastserve_requests_swapped", "num_swapped", "requests whose KV is in host memory"),
             ("fastserve_kv_blocks_free", "kv_blocks_free", "free device KV-cache blocks"),
             ("fastserve_kv_blocks_total", "kv_blocks_total", "device KV-cache blocks"),
+            ("fastserve_host_kv_blocks_free", "host_kv_blocks_free", "free host KV-cache blocks"),
+            ("fastserve_host_kv_blocks_total", "host_kv_blocks_total", "host KV-cache blocks"),
         ):
             yield GaugeMetricFamily(name, doc, value=s.get(key, 0))
+        # NOTE: a leak in either tier shows as used blocks that stay up once requests end.
+        used = GaugeMetricFamily("fastserve_kv_blocks_used", "KV-cache blocks in use per tier",
+                                 labels=["tier"])
+        used.add_metric(["device"], s.get("kv_blocks_total", 0) - s.get("kv_blocks_free", 0))
+        used.add_metric(["host"], s.get("host_kv_blocks_total", 0) - s.get("host_kv_blocks_free", 0))
+        yield used
+        swapped = CounterMetricFamily("fastserve_swapped_blocks",
+                                      "KV blocks copied between the tiers", labels=["direction"])
+        swapped.add_metric(["out"], s.get("swap_out_blocks", 0))  # device -> host
+        swapped.add_metric(["in"], s.get("swap_in_blocks", 0))  # host -> device
+        yield swapped
         queues = GaugeMetricFamily(
             "fastserve_queue_length", "requests per scheduler queue level", labels=["level"]
         )
