@@ -58,6 +58,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (a fatal error or shutdown); no new requests are taken."""
 
 
+class EngineShutdownError(EngineDeadError):
+    """The engine was shut down while the request ran: its grace period ran out."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -164,7 +168,8 @@ class AsyncLLM:
         deadline = asyncio.get_running_loop().time() + grace_s
         while self._streams and asyncio.get_running_loop().time() < deadline and self.is_healthy:
             await asyncio.sleep(0.05)
-        self._fail_all(EngineDeadError("the engine is shutting down"))
+        self._fail_all(EngineShutdownError(
+            f"the server is shutting down: the grace period of {grace_s:g} s ran out"))
         self.dead_reason = self.dead_reason or "shut down"
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)

@@ -31,6 +31,8 @@ DEFAULT_CHAT_TEMPLATE = (
 # (SentencePiece decoders drop a leading space at the start of a decode).
 _DETOKENIZER_CONTEXT = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# Texts longer than this are encoded without holding the GIL (see `Tokenizer.encode`).
+GIL_FREE_CHARS = 4096
 
 
 def check_encodable(text: str, param: str) -> str:
@@ -86,7 +88,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, exactly one leading BOS when the checkpoint wants one."""
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > GIL_FREE_CHARS:
+            # NOTE: `encode` holds the GIL throughout (seconds for 1 MiB: every other thread,
+            # the server's event loop included, stops); `encode_batch` lets go of it.
+            ids: list[int] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.bos_token_id
         if not add_special_tokens or bos is None:
             return ids

@@ -9,11 +9,12 @@ aborts the request and frees its KV blocks within an iteration.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from fastserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError, QueueFullError
 from fastserve.model.tokenizer import check_encodable
 from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -127,7 +128,51 @@ def build_app(
         return await serving.chat(body, request)
 
     app.include_router(v1)
+    _narrow_openapi(app, served_model_name, llm.engine.arch.vocab_size, serving.max_model_len)
     return app
+
+
+def _narrow_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: int) -> None:
+    """Write the served model's limits into the OpenAPI document, so a request valid by the
+    schema is one the server accepts: its name, its token ids, its context.
+
+    NOTE: one limit is across fields and has no JSON Schema: the prompt's tokens plus
+    max_tokens must fit the context (and min_tokens <= max_tokens); those get a 400.
+    """
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = build()
+        for param in doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
+            param["schema"]["enum"] = [model_name]  # the one model there is; others are 404
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            props = doc["components"]["schemas"][name]["properties"]
+            props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+            for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+                if field in props:
+                    _set_maximum(props[field], max_model_len - 1)
+            _set_maximum(props["stop_token_ids"], vocab_size - 1)
+            if "prompt" in props:
+                _set_maximum(props["prompt"], vocab_size - 1)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _set_maximum(schema: Any, maximum: int) -> None:
+    """Bound every integer in `schema` (a JSON Schema, walked through anyOf and items)."""
+    if isinstance(schema, list):
+        for item in schema:
+            _set_maximum(item, maximum)
+    elif isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["maximum"] = maximum
+        for key in ("anyOf", "items"):
+            if key in schema:
+                _set_maximum(schema[key], maximum)
 
 
 # -- generation -----------------------------------------------------------------------------
@@ -137,11 +182,13 @@ def build_app(
 class _Job:
     """One validated generation request, ready for the engine."""
 
-    request_id: str  # also the response `id`
+    request_id: str  # the engine's: unique while the request runs
+    response_id: str  # the response `id`: the client's `request_id` when it sent one
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage in every chunk (vLLM's continuous_usage_stats)
     created: int
 
 
@@ -176,7 +223,7 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         prompt = body.prompt
-        ids = self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         max_tokens = self._max_tokens(
             "max_tokens", body.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
         )
@@ -187,7 +234,7 @@ class OpenAIServing:
         final = await _race_disconnect(request, _last(first, outputs))
         return JSONResponse(
             CompletionResponse(
-                id=job.request_id,
+                id=job.response_id,
                 created=job.created,
                 model=self.model_name,
                 choices=[
@@ -203,11 +250,14 @@ class OpenAIServing:
             {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
             for m in body.messages
         ]
+        kwargs = body.chat_template_kwargs or {}
+        render = functools.partial(
+            self.llm.tokenizer.apply_chat_template, messages, add_generation_prompt=True, **kwargs)
         try:
-            text = self.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = await _off_loop(render, sum(len(m["content"]) for m in messages))
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
-        ids = self._encode(text, "messages")
+        ids = await self._encode(text, "messages")
         field, requested = body.requested_max_tokens
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = self._job("chatcmpl", body, ids, max_tokens)
@@ -217,7 +267,7 @@ class OpenAIServing:
         final = await _race_disconnect(request, _last(first, outputs))
         return JSONResponse(
             ChatCompletionResponse(
-                id=job.request_id,
+                id=job.response_id,
                 created=job.created,
                 model=self.model_name,
                 choices=[
@@ -232,11 +282,15 @@ class OpenAIServing:
 
     # -- validation -----------------------------------------------------------------------
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    async def _encode(self, text: str, param: str) -> list[int]:
         if not text:
             raise APIError(400, f"{param}: must not be empty", param=param)
-        try:
+
+        def encode() -> list[int]:
             return list(self.llm.tokenizer.encode(check_encodable(text, param)))
+
+        try:
+            return await _off_loop(encode, len(text))
         except InvalidRequestError as exc:
             raise _bad_input(exc, param) from exc
 
@@ -281,12 +335,15 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens)
         except ValueError as exc:
             raise _bad_input(exc, "prompt") from exc
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         return _Job(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            request_id=request_id,
+            response_id=request_id if body.request_id is None else f"{prefix}-{body.request_id}",
             prompt_token_ids=ids,
             params=params,
             stream=bool(body.stream),
             include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
             created=now_s(),
         )
 
@@ -301,7 +358,7 @@ class OpenAIServing:
         full queue is a 429 and bad input a 400 rather than an error event mid-stream.
         """
         outputs = self.llm.generate(
-            job.prompt_token_ids, job.params, request_id=job.request_id, coalesce=True
+            job.prompt_token_ids, job.params, request_id=job.response_id, coalesce=True
         )
         try:
             first = await _race_disconnect(request, anext(outputs))
@@ -328,22 +385,25 @@ class OpenAIServing:
     ) -> AsyncGenerator[str, None]:
         exclude = None if job.include_usage else {"usage"}
 
-        def chunk(text: str, finish: FinishReason | None, usage: Usage | None = None) -> str:
-            choices = [] if usage else [CompletionChoice(text=text, finish_reason=finish)]
+        def chunk(text: str | None, finish: FinishReason | None = None, usage: Usage | None = None) -> str:
+            choices = [] if text is None else [CompletionChoice(text=text, finish_reason=finish)]
             resp = CompletionResponse(
-                id=job.request_id, created=job.created, model=self.model_name, choices=choices, usage=usage
+                id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
             )
             return _data(resp.model_dump(exclude=exclude))
 
-        text_chunk = _TextChunk(chunk(_SLOT, None))
+        text_chunk = _TextChunk(chunk(_SLOT))
         async for out in _stream(first, outputs):
             if isinstance(out, APIError):
                 yield _data(out.response_body())
                 break
+            so_far = _usage(job, out) if job.continuous_usage else None
             if out.finished:
-                yield chunk(out.new_text, _finish_reason(out))
+                yield chunk(out.new_text, _finish_reason(out), so_far)
                 if job.include_usage:
-                    yield chunk("", None, _usage(job, out))
+                    yield chunk(None, usage=_usage(job, out))
+            elif so_far is not None:
+                yield chunk(out.new_text, usage=so_far)  # a chunk per output, text or not
             elif out.new_text:
                 yield text_chunk(out.new_text)
         yield "data: [DONE]\n\n"
@@ -358,26 +418,43 @@ class OpenAIServing:
         ) -> str:
             choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
             resp = ChatCompletionChunk(
-                id=job.request_id, created=job.created, model=self.model_name, choices=choices, usage=usage
+                id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
             )
             return _data(resp.model_dump(exclude=exclude))
 
         text_chunk = _TextChunk(chunk(ChatDelta(content=_SLOT)))
-        yield chunk(ChatDelta(role="assistant", content=""))
+        yield chunk(ChatDelta(role="assistant", content=""),
+                    usage=_usage(job, None) if job.continuous_usage else None)
         async for out in _stream(first, outputs):
             if isinstance(out, APIError):
                 yield _data(out.response_body())
                 break
-            if out.new_text:
+            so_far = _usage(job, out) if job.continuous_usage else None
+            if so_far is not None and (out.new_text or not out.finished):
+                yield chunk(ChatDelta(content=out.new_text), usage=so_far)
+            elif out.new_text:
                 yield text_chunk(out.new_text)
             if out.finished:
-                yield chunk(ChatDelta(), _finish_reason(out))
+                yield chunk(ChatDelta(), _finish_reason(out), so_far)
                 if job.include_usage:
                     yield chunk(None, usage=_usage(job, out))
         yield "data: [DONE]\n\n"
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+# Texts longer than this are tokenized (and chat templates rendered) on a worker thread: a
+# 1 MiB prompt takes about a second, which would stall every other request and /health. Below
+# it the thread hop would cost more than the work.
+INLINE_TEXT_CHARS = 4096
+
+
+async def _off_loop(work: Callable[[], T], num_chars: int) -> T:
+    """`work()`, on a worker thread when its input is large (the tokenizer releases the GIL)."""
+    if num_chars <= INLINE_TEXT_CHARS:
+        return work()
+    return await asyncio.to_thread(work)
+
 
 
 def _stream_responses() -> dict[int | str, dict[str, Any]]:
@@ -416,11 +493,13 @@ class _TextChunk:
         return self.head + _json(text) + self.tail
 
 
-def _usage(job: _Job, out: RequestOutput) -> Usage:
+def _usage(job: _Job, out: RequestOutput | None) -> Usage:
+    """The request's token counts; `out` None: before any output."""
     num_prompt = len(job.prompt_token_ids)
-    num_out = len(out.token_ids)
+    num_out = 0 if out is None else len(out.token_ids)
+    cached = 0 if out is None else out.num_cached_tokens
     return Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _finish_reason(out: RequestOutput) -> FinishReason:
@@ -485,6 +564,8 @@ async def _last(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> Req
 
 
 def _engine_dead(exc: Exception) -> APIError:
+    if isinstance(exc, EngineShutdownError):  # an orderly end: the client may retry elsewhere
+        return APIError(503, str(exc), "server_error", code="shutdown")
     return APIError(503, f"engine is not running: {exc}", "server_error", code="engine_dead")
 
 

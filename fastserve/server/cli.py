@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastserve.args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastserve -h` fast)
+    import uvicorn
     from fastapi import FastAPI
 
     from fastserve.engine.async_llm import AsyncLLM
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastser
 DEFAULT_HOST = "127.0.0.1"  # NOTE: never all interfaces unless asked (`--host 0.0.0.0`)
 DEFAULT_PORT = 8000
 API_KEY_ENV = "FASTSERVE_API_KEY"
+# How long uvicorn waits past the grace period for the streams the engine has just ended.
+_CLOSE_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -138,12 +141,15 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
             access_log=opts.access_log,
             lifespan="off",
             # NOTE: a float works (it feeds asyncio.wait_for); None would mean "wait forever".
-            timeout_graceful_shutdown=opts.grace_period_s,  # type: ignore[arg-type]
+            # A backstop only: at grace_period_s the engine ends the open streams itself,
+            # each with an error event and [DONE], and uvicorn sees them close.
+            timeout_graceful_shutdown=opts.grace_period_s + _CLOSE_MARGIN_S,  # type: ignore[arg-type]
         )
     )
     # uvicorn handles SIGTERM/SIGINT while serving and re-raises the signal afterwards so the
     # previous handler runs; make that handler a no-op so a graceful shutdown exits 0.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+    draining = asyncio.create_task(_shutdown_on_exit(server, llm, opts.grace_period_s))
     try:
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
@@ -156,9 +162,21 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    await llm.shutdown(grace_s=opts.grace_period_s)
+    if server.should_exit:
+        await draining
+    else:  # the server never ran
+        draining.cancel()
+        await llm.shutdown(grace_s=0)
     print("fastserve: shut down", flush=True)
     return 0 if server.started else 1
+
+
+async def _shutdown_on_exit(server: uvicorn.Server, llm: AsyncLLM, grace_s: float) -> None:
+    """Once a signal stops the server: let running requests finish within `grace_s`, then
+    end the rest (each stream gets an error event with code `shutdown` and `[DONE]`)."""
+    while not server.should_exit:
+        await asyncio.sleep(0.05)
+    await llm.shutdown(grace_s=grace_s)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -5,31 +5,39 @@ that fastserve does not implement are accepted only at their default value, so a
 gets a silently different behaviour than it asked for. Types are strict too (`"5"` is not an
 integer), as in the OpenAI API.
 
-Extensions (not in the OpenAI API; vLLM accepts the same names): `top_k`, `min_tokens`,
-`ignore_eos` (generate exactly `max_tokens` tokens, for benchmarks) and `stop_token_ids`.
+Extensions: vLLM's names, as the load tools that benchmark servers send them (guidellm, aiperf,
+`vllm bench serve`). Implemented: `top_k`, `min_tokens`, `ignore_eos` (generate exactly
+`max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
+`request_id`, `chat_template_kwargs` and `stream_options.continuous_usage_stats`. The others
+(`repetition_penalty`, `min_p`, ...) are accepted only at the values that mean "not used".
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import annotated_types
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
-    ValidationInfo,
-    field_validator,
+    WithJsonSchema,
     model_serializer,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from fastserve.request import SamplingParams
 
@@ -72,42 +80,40 @@ class APIError(Exception):
 
 # -- requests -------------------------------------------------------------------------------
 
-# OpenAI fields fastserve does not implement, with the values that mean "not used" (None is
-# always allowed). Anything else gets a 400 naming the field.
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
-    "echo": (False,),
-    "suffix": ("",),
-    "logprobs": (False,),  # chat: a bool; completions: an int (0 or more)
-    "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),
-    "functions": ([],),
-    "function_call": ("none",),
-    "response_format": ({"type": "text"},),
-    "modalities": (["text"],),
-    "store": (False,),
-    "service_tier": ("auto", "default"),
-}
+
+@dataclass(frozen=True)
+class Only:
+    """Marks a field fastserve does not implement: accepted only as null or one of `allowed`,
+    the values that mean "not used"; anything else is a 400 naming the field, so a client
+    never gets a silently different behaviour than it asked for. The OpenAPI document lists
+    the same values."""
+
+    allowed: tuple[Any, ...]
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_before_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"enum": [*self.allowed, None]}
+
+    def _check(self, value: Any) -> Any:
+        if value is None or any(_same(value, a) for a in self.allowed):
+            return value
+        shown = ", ".join(json.dumps(a) for a in self.allowed)
+        raise PydanticCustomError(
+            "unsupported",
+            "not supported by this server (accepted only as null or {shown})",
+            {"shown": shown},
+        )
 
 
-def _default_only(value: Any, info: ValidationInfo) -> Any:
-    name = info.field_name or "?"
-    allowed = _DEFAULT_ONLY[name]
-    # NOTE: `True == 1` in Python; compare types too so `n: true` is refused.
-    if value is None or any(type(value) is type(a) and value == a for a in allowed):
-        return value
-    shown = ", ".join(json.dumps(a) for a in allowed)
-    raise PydanticCustomError(
-        "unsupported",
-        "not supported by this server (accepted only as null or {shown})",
-        {"shown": shown},
-    )
+def _same(value: Any, allowed: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same number, but `true` is not 1 (as in Python)."""
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return type(value) is type(allowed) and value == allowed
+    if isinstance(value, int | float) and isinstance(allowed, int | float):
+        return value == allowed
+    return type(value) is type(allowed) and value == allowed
 
 
 def _check_text(value: str) -> str:
@@ -127,6 +133,23 @@ def _check_text(value: str) -> str:
 Text = Annotated[StrictStr, AfterValidator(_check_text)]
 
 
+def _integral(value: Any) -> Any:
+    """JSON has one number type: `5.0` is the integer 5 (JSON Schema says so too); `5.5`,
+    `"5"` and `true` are not integers."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# JSON integers (5 or 5.0) in a range. NOTE: the bounds come before the validator, so they
+# stay in the JSON schema (placed after, pydantic writes them as unknown keywords).
+Count = Annotated[StrictInt, annotated_types.Ge(0), BeforeValidator(_integral)]
+PositiveInt = Annotated[StrictInt, annotated_types.Ge(1), BeforeValidator(_integral)]
+Seed = Annotated[StrictInt, annotated_types.Ge(-(2**63)), annotated_types.Lt(2**64),
+                 BeforeValidator(_integral)]
+_NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
+
+
 def _check_stop(value: Any) -> list[str] | None:
     """`stop`: a string or a list of strings (OpenAI allows up to 4; so do we)."""
     if value is None:
@@ -142,10 +165,20 @@ def _check_stop(value: Any) -> list[str] | None:
     return [_check_text(s) for s in value]
 
 
+Stop = Annotated[
+    Any,
+    BeforeValidator(_check_stop),
+    WithJsonSchema({"anyOf": [_NON_EMPTY_TEXT, {"type": "array", "items": _NON_EMPTY_TEXT, "maxItems": 4},
+                              {"type": "null"}]}),
+]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool | None = None
+    # vLLM's extension: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: StrictBool | None = None
     include_obfuscation: StrictBool | None = None  # no-op: nothing is obfuscated here
 
 
@@ -157,35 +190,54 @@ class _GenerationRequest(BaseModel):
     model: Text
     temperature: StrictFloat | None = Field(None, ge=0, le=2)
     top_p: StrictFloat | None = Field(None, gt=0, le=1)
-    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: Any = Field(None, description="A string or up to 4 strings; text stops before them.")
+    seed: Seed | None = None
+    stop: Stop = Field(None, description="A string or up to 4 strings; text stops before them.")
     stream: StrictBool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="Used only when stream is true.")
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
-    # Accepted only at their defaults (see _DEFAULT_ONLY).
-    n: Any = Field(None, description="Only 1 is supported.")
-    presence_penalty: Any = Field(None, description="Only 0 is supported.")
-    frequency_penalty: Any = Field(None, description="Only 0 is supported.")
-    logit_bias: Any = Field(None, description="Not supported (only null or {}).")
-    service_tier: Any = Field(None, description="Accepted for compatibility; ignored.")
-    # Extensions (vLLM-compatible names).
-    top_k: StrictInt | None = Field(None, ge=0, description="Extension: 0 disables top-k.")
-    min_tokens: StrictInt | None = Field(None, ge=0, description="Extension.")
+    # OpenAI fields accepted only at the values that mean "not used".
+    n: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
+    presence_penalty: Annotated[Any, Only((0,))] = Field(None, description="Only 0 is supported.")
+    frequency_penalty: Annotated[Any, Only((0,))] = Field(None, description="Only 0 is supported.")
+    logit_bias: Annotated[Any, Only(({},))] = Field(None, description="Not supported (only null or {}).")
+    service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
+        None, description="Accepted for compatibility; ignored.")
+    # vLLM's extensions, implemented.
+    top_k: Count | None = Field(
+        None, description="Extension: 0 disables top-k; beyond the vocabulary means none.")
+    min_tokens: Count | None = Field(None, description="Extension: at most max_tokens.")
     ignore_eos: StrictBool | None = Field(None, description="Extension: don't stop at EOS.")
-    stop_token_ids: list[StrictInt] | None = Field(None, description="Extension.")
-
-    _stop = field_validator("stop", mode="before")(_check_stop)
-    _check_default_only = field_validator(
-        "n", "presence_penalty", "frequency_penalty", "logit_bias", "service_tier", mode="before"
-    )(_default_only)
+    stop_token_ids: list[Count] | None = Field(
+        None, description="Extension: token ids of the model's vocabulary that end the output.")
+    include_stop_str_in_output: StrictBool | None = Field(
+        None, description="Extension: keep the stop string at the end of the text.")
+    request_id: Text | None = Field(
+        None, description="Extension: the response `id` is built from it (for tracing).")
+    # vLLM's extensions, accepted only at the values that mean "not used".
+    repetition_penalty: Annotated[Any, Only((1,))] = Field(None, description="Extension: only 1.")
+    min_p: Annotated[Any, Only((0,))] = Field(None, description="Extension: only 0.")
+    length_penalty: Annotated[Any, Only((1,))] = Field(None, description="Extension: only 1.")
+    use_beam_search: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
+    skip_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
+    spaces_between_special_tokens: Annotated[Any, Only((True,))] = Field(
+        None, description="Extension: only true.")
+    truncate_prompt_tokens: Annotated[Any, Only(())] = Field(None, description="Extension: only null.")
+    priority: Annotated[Any, Only((0,))] = Field(None, description="Extension: only 0.")
+    return_token_ids: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM: only together with include_usage)."""
+        return bool(self.include_usage and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters; raises ValueError naming the field (-> 400)."""
+        """The engine's parameters; raises InvalidRequestError naming the field (-> 400)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -196,40 +248,83 @@ class _GenerationRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             min_tokens=self.min_tokens or 0,
             ignore_eos=bool(self.ignore_eos),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
+
+
+def _check_prompt(value: Any) -> str | list[int]:
+    # A batch of exactly one prompt is unwrapped; larger batches would need `n` choices.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return _check_text(value)
+    if isinstance(value, list):
+        value = [_integral(t) for t in value]
+        if all(type(t) is int for t in value):
+            return value
+    raise PydanticCustomError(
+        "prompt_type",
+        "must be a string or a list of token ids (a batch of several prompts is not "
+        "supported: send one request per prompt)",
+    )
+
+
+# NOTE: the app narrows `maximum` of the token ids to the served model's vocabulary.
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+Prompt = Annotated[
+    Any,
+    BeforeValidator(_check_prompt),
+    WithJsonSchema({"anyOf": [
+        _NON_EMPTY_TEXT, _TOKEN_IDS,
+        {"type": "array", "items": _NON_EMPTY_TEXT, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+    ]}),
+]
 
 
 class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`."""
 
-    prompt: Any = Field(
+    prompt: Prompt = Field(
         ..., description="A string, a list of token ids, or a list holding one of either."
     )
-    max_tokens: StrictInt | None = Field(None, description="Default 16.")
-    logprobs: Any = Field(None, description="Not supported.")
-    best_of: Any = Field(None, description="Only 1 is supported.")
-    echo: Any = Field(None, description="Only false is supported.")
-    suffix: Any = Field(None, description="Not supported.")
+    max_tokens: PositiveInt | None = Field(None, description="Default 16.")
+    logprobs: Annotated[Any, Only((False,))] = Field(None, description="Not supported.")
+    best_of: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
+    echo: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
+    suffix: Annotated[Any, Only(("",))] = Field(None, description="Not supported.")
+    add_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
 
-    _check_unsupported = field_validator("logprobs", "best_of", "echo", "suffix", mode="before")(
-        _default_only
-    )
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _check_prompt(cls, value: Any) -> str | list[int]:
-        # A batch of exactly one prompt is unwrapped; larger batches would need `n` choices.
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-            value = value[0]
-        if isinstance(value, str):
-            return _check_text(value)
-        if isinstance(value, list) and all(type(t) is int for t in value):
-            return value
-        raise PydanticCustomError(
-            "prompt_type",
-            "must be a string or a list of token ids (a batch of several prompts is not "
-            "supported: send one request per prompt)",
-        )
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: Text
+
+
+def _join_parts(value: Any) -> Any:
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+            raise PydanticCustomError(
+                "content_part",
+                f"part {i}: only text parts (type 'text' with a string 'text') are "
+                f"supported, got type {kind!r}",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+Content = Annotated[
+    Text | None,
+    BeforeValidator(_join_parts),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": TextPart.model_json_schema()},
+                              {"type": "null"}]}),
+]
 
 
 class ChatMessage(BaseModel):
@@ -238,62 +333,60 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | None = None
+    content: Content = None
     name: Text | None = None
 
     def text(self) -> str:
         return self.content or ""
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _join_parts(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        texts = []
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
-                raise PydanticCustomError(
-                    "content_part",
-                    f"part {i}: only text parts (type 'text' with a string 'text') are "
-                    f"supported, got type {kind!r}",
-                )
-            texts.append(part["text"])
-        return "\n".join(texts)
+
+# What the chat template is always given; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _check_template_kwargs(value: Any) -> Any:
+    if isinstance(value, dict):
+        taken = sorted(k for k in value if k in RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise PydanticCustomError("reserved", "may not set {keys}", {"keys": ", ".join(taken)})
+    return value
+
+
+TemplateKwargs = Annotated[
+    dict[Text, Any] | None,
+    BeforeValidator(_check_template_kwargs),
+    WithJsonSchema({"anyOf": [
+        {"type": "object", "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_ARGS)}}},
+        {"type": "null"},
+    ]}),
+]
 
 
 class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: StrictInt | None = Field(None, description="Deprecated alias of max_completion_tokens.")
-    max_completion_tokens: StrictInt | None = Field(
+    max_tokens: PositiveInt | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: PositiveInt | None = Field(
         None, description="Default: what the model's context leaves after the prompt."
     )
-    logprobs: Any = Field(None, description="Only false is supported.")
-    top_logprobs: Any = Field(None, description="Not supported.")
-    tools: Any = Field(None, description="Not supported.")
-    tool_choice: Any = Field(None, description="Only 'none' is supported.")
-    parallel_tool_calls: Any = Field(None, description="Accepted; no tools are called.")
-    functions: Any = Field(None, description="Not supported.")
-    function_call: Any = Field(None, description="Only 'none' is supported.")
-    response_format: Any = Field(None, description="Only {'type': 'text'} is supported.")
-    modalities: Any = Field(None, description="Only ['text'] is supported.")
-    store: Any = Field(None, description="Only false is supported.")
-
-    _check_unsupported = field_validator(
-        "logprobs",
-        "top_logprobs",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "functions",
-        "function_call",
-        "response_format",
-        "modalities",
-        "store",
-        mode="before",
-    )(_default_only)
+    logprobs: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
+    top_logprobs: Annotated[Any, Only((0,))] = Field(None, description="Not supported.")
+    tools: Annotated[Any, Only(([],))] = Field(None, description="Not supported.")
+    tool_choice: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
+    parallel_tool_calls: Annotated[Any, Only((True, False))] = Field(
+        None, description="Accepted; no tools are called.")
+    functions: Annotated[Any, Only(([],))] = Field(None, description="Not supported.")
+    function_call: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
+    response_format: Annotated[Any, Only(({"type": "text"},))] = Field(
+        None, description="Only {'type': 'text'} is supported.")
+    modalities: Annotated[Any, Only((["text"],))] = Field(None, description="Only ['text'] is supported.")
+    store: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
+    # vLLM's extensions.
+    chat_template_kwargs: TemplateKwargs = Field(
+        None, description="Extension: more variables for the chat template.")
+    add_special_tokens: Annotated[Any, Only((False,))] = Field(
+        None, description="Extension: only false (the chat template adds them).")
 
     @property
     def requested_max_tokens(self) -> tuple[str, int | None]:
