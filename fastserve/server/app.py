@@ -24,7 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError, QueueFullError
+from fastserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineShutdownError,
+    QueueFullError,
+)
 from fastserve.model.tokenizer import check_encodable
 from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
