@@ -81,7 +81,7 @@ class APIError(Exception):
 # -- requests -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # NOTE: not by value: Only((False,)) == Only((0,)) in Python
 class Only:
     """Marks a field fastserve does not implement: accepted only as null or one of `allowed`,
     the values that mean "not used"; anything else is a 400 naming the field, so a client
