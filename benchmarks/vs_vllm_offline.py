@@ -31,8 +31,8 @@ def prompts_for(args: argparse.Namespace) -> list[list[int]]:
 def fastserve_runner(args: argparse.Namespace) -> Any:
     from fastserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_batch_size=args.batch, kv_cache_gib=3.0,
-              policy="fcfs")
+    # NOTE: the default 1 GiB KV pool (as vLLM's here, see vs_vllm.vllm_env) holds the batch.
+    llm = LLM(model=args.model, dtype=args.dtype, max_batch_size=args.batch, policy="fcfs")
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
     def generate(prompts: list[list[int]], p: Any = params) -> int:
@@ -45,7 +45,9 @@ def fastserve_runner(args: argparse.Namespace) -> Any:
 def vllm_runner(args: argparse.Namespace) -> Any:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.batch, seed=args.seed)
+    # Profiling: the worker in this process ("uni"), where the profiler sees its ops.
+    extra = {"distributed_executor_backend": "uni"} if args.torch_profile else {}
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.batch, seed=args.seed, **extra)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
     def generate(prompts: list[list[int]], p: Any = params) -> int:
