@@ -7,6 +7,7 @@ None and fall back to plain PyTorch ops, which are correct but slower for decode
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -26,7 +27,11 @@ def decode_attention_kernel() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        build = cache_dir() / "torch_extensions" / "decode_attention"
+        # One build folder per source version: checkouts of different versions sharing a
+        # cache (old vs new in a benchmark, worktrees) neither rebuild over each other nor
+        # load each other's kernel.
+        digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
+        build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}"
         build.mkdir(parents=True, exist_ok=True)
         return load(
             name="fastserve_decode_attention",
