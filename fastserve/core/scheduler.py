@@ -21,12 +21,12 @@ from collections.abc import Sequence
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_moves import KVMoves
 from fastserve.core.kv_policy import KVPolicy, make_kv_policy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.prefix_cache import extend_block_hashes
-from fastserve.request import FinishReason, Request, RequestStatus
+from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
 
 
 class Scheduler(ABC):
@@ -76,6 +76,7 @@ class Scheduler(ABC):
     def add_request(self, req: Request, now: float) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        check_fits(req, self.kv)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self._on_add(req, now)
@@ -432,6 +433,17 @@ class Scheduler(ABC):
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def check_fits(req: Request, kv: KVCacheManager) -> None:
+    """Refuse a job larger than the whole device pool: it could never run (the walk would
+    spin). The engine and the simulator both admit through `Scheduler.add_request`."""
+    need = num_blocks_for(req.max_total_tokens, kv.block_size)
+    if need > kv.num_total_blocks:
+        raise InvalidRequestError(
+            f"max_tokens: the prompt ({req.num_prompt_tokens} tokens) plus max_tokens "
+            f"({req.params.max_tokens}) needs {need} KV blocks but the cache has "
+            f"{kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib", "max_tokens")
 
 
 def _new_tokens(req: Request, n: int) -> list[int]:

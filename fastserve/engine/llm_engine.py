@@ -121,16 +121,8 @@ class LLMEngine:
             oracle_output_len=oracle_output_len,
             max_model_len=self.max_model_len,
         )
-        need = num_blocks_for(req.max_total_tokens, self.kv.block_size)
-        if need > self.kv.num_total_blocks:
-            raise InvalidRequestError(
-                f"max_tokens: the prompt ({len(token_ids)} tokens) plus max_tokens "
-                f"({params.max_tokens}) needs {need} KV blocks but the cache has "
-                f"{self.kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib",
-                "max_tokens",
-            )
+        self.scheduler.add_request(req, self.clock.now())  # refuses a job larger than the cache
         self.outputs.add(req, prompt if isinstance(prompt, str) else None)
-        self.scheduler.add_request(req, self.clock.now())
         return req
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -16,8 +16,9 @@ from tqdm import tqdm
 from fastserve.clock import VirtualClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
+from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.kv_policy import host_pool_blocks
+from fastserve.core.scheduler import check_fits
 from fastserve.engine.core import build_engine_core
 from fastserve.prompts import prompt_tokens
 from fastserve.request import Request, SamplingParams, WorkItem
@@ -135,7 +136,8 @@ def simulate_run(
                              host_pool_blocks(config.cache, cost.kv_block_bytes))
     scheduler, kv = core.scheduler, core.scheduler.kv
     pending = sorted(make_requests(workload), key=lambda r: r.arrival_s)
-    _check_fits(pending, kv)
+    for r in pending:  # refused up front, as `Scheduler.add_request` would refuse it later
+        check_fits(r, kv)
     finished: list[Request] = []
     bar = tqdm(total=len(pending), desc=config.scheduler.policy, unit="req", disable=not progress,
                leave=False)
@@ -175,16 +177,3 @@ def simulate_run(
         prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
         prefix_host_hit_tokens=kv.num_host_hit_blocks * kv.block_size,
     )
-
-
-def _check_fits(reqs: Sequence[Request], kv: KVCacheManager) -> None:
-    """Reject what `LLMEngine.add_request` rejects: a job larger than the whole pool (which
-    could never run: the loop would spin). A prompt over the token budget is prefilled in
-    chunks."""
-    for r in reqs:
-        need = num_blocks_for(r.max_total_tokens, kv.block_size)
-        if need > kv.num_total_blocks:
-            raise ValueError(
-                f"request {r.request_id} ({r.num_prompt_tokens} + {r.params.max_tokens} tokens) "
-                f"needs {need} KV blocks but num_device_blocks={kv.num_total_blocks}"
-            )

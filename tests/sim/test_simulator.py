@@ -96,7 +96,7 @@ def test_fcfs_and_orca_differ_under_tight_kv() -> None:
 
 
 def test_jobs_the_engine_would_reject_are_rejected() -> None:
-    with pytest.raises(ValueError, match="needs 3 KV blocks but num_device_blocks=2"):
+    with pytest.raises(ValueError, match="needs 3 KV blocks but the cache has 2"):
         simulate([WorkItem(0.0, 40, 8)], engine_config(policy="fcfs"), COST, num_device_blocks=2)
 
 
