@@ -61,29 +61,18 @@ class SchedulerView(Protocol):
     moves: KVMoves
 
     @property
-    def order(self) -> Sequence[Request]:
-        """This iteration's order, most urgent first (what the scheduler walks)."""
-        ...
+    def order(self) -> Sequence[Request]: ...  # this iteration's, most urgent first
 
-    def resident(self) -> list[tuple[int, Request]]:
-        """(place in `order`, job) of the jobs whose KV was on the device when the walk began."""
-        ...
+    # (place in `order`, job) of the jobs whose KV was on the device when the walk began.
+    def resident(self) -> list[tuple[int, Request]]: ...
 
-    def next_run_s(self, req: Request) -> float:
-        """The job's estimated next scheduled time (ENST), seconds from now."""
-        ...
+    def next_run_s(self, req: Request) -> float: ...  # ENST: seconds from now to its next turn
 
-    def admit_tokens(self, req: Request) -> int:
-        """Tokens of KV the job needs to start."""
-        ...
+    def admit_tokens(self, req: Request) -> int: ...  # tokens of KV the job needs to start
 
-    def level_of(self, request_id: str) -> int | None:
-        """The job's priority queue (0 = the most urgent)."""
-        ...
+    def level_of(self, request_id: str) -> int | None: ...  # its queue, 0 = the most urgent
 
-    def num_in_top_queues(self, num_queues: int) -> int:
-        """Unfinished jobs in the `num_queues` most urgent queues."""
-        ...
+    def num_in_top_queues(self, num_queues: int) -> int: ...  # jobs in the top queues
 
 
 class KVPolicy(ABC):
