@@ -55,6 +55,7 @@ class KVCacheManager:
         # in num_swap_*_blocks, which count jobs' moves).
         self.num_demoted_blocks = 0
         self.num_host_hit_blocks = 0
+        self.num_prefetched_blocks = 0  # host-tier prefix blocks uploaded ahead of a job
         self._tables: dict[str, list[int]] = {}  # device block tables
         self._num_registered: dict[str, int] = {}  # leading blocks of a table registered
         self._host_tables: dict[str, list[int]] = {}
@@ -288,6 +289,27 @@ class KVCacheManager:
         out, self._cache_copies_out = self._cache_copies_out, []
         into, self._cache_copies_in = self._cache_copies_in, []
         return out, into
+
+    def prefetch_prefix(self, hashes: Sequence[int], max_blocks: int, room: int) -> int:
+        """Upload the host-tier copies that continue the device-cached run of `hashes` (up to
+        `max_blocks` in all, at most `room` of them; least recently used cached blocks make
+        way), so that a job about to start finds them on the device; returns how many. They
+        stay cached, referenced by no one, until the job shares them."""
+        if not self.device.enabled or not self.host_cache.num_cached:
+            return 0
+        num_device = self.device.lookup(hashes, max_blocks)
+        n = min(self.host_cache.lookup(hashes, num_device, max_blocks), room,
+                self.device.num_free)
+        if n <= 0:
+            return 0
+        wanted = hashes[num_device : num_device + n]
+        host = [self.host_cache.claim(h) for h in wanted]
+        device = self.device.add_cached(wanted)
+        assert device is not None  # n <= what is free or evictable
+        self._cache_copies_in += zip(host, device, strict=True)
+        self._host_releasing += host
+        self.num_prefetched_blocks += n
+        return n
 
     def _start_from_cache(self, hashes: Sequence[int]) -> list[int]:
         """A new table of the cached blocks of `hashes`: the device's shared, the rest

@@ -40,6 +40,7 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_moves import KVMoves
 from fastserve.core.plan import BatchShape
+from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.request import Request
 
 # Proactive exchanges (offloading a resident job to upload a swapped one) are made only for a
@@ -362,6 +363,13 @@ class ProactivePolicy(ReactivePolicy):
 
     def plan_ahead(self, sched: SchedulerView, order: Sequence[Request], batch: Sequence[Request],
                    now: float) -> None:
+        self._move_jobs(sched, order, batch)
+        # 3. Then the prefix cache's host tier, with what room and copy time are left.
+        if sched.kv.num_cached_host_blocks:
+            self._prefetch(sched, self._budget)
+
+    def _move_jobs(self, sched: SchedulerView, order: Sequence[Request],
+                   batch: Sequence[Request]) -> None:
         kv = sched.kv
         budget = self._budget
         budget.compute_s = _predict_compute_s(sched, batch)
@@ -405,6 +413,27 @@ class ProactivePolicy(ReactivePolicy):
                 v += 1
             if kv.num_free_soon - need < keep or not self._upload(sched, req, budget):
                 break  # strictly in ENST order: a later job does not jump this one
+
+    def _prefetch(self, sched: SchedulerView, budget: _CopyBudget) -> None:
+        """Prefixes on the host tier: for the jobs the device should hold that have not
+        started, in ENST order, upload them ahead into blocks free beyond the reserve and the
+        burst, treating them like swapped jobs' KV; at its turn the job shares them on the
+        device instead of waiting for the copy (or recomputing)."""
+        kv = sched.kv
+        self._wanted(sched)
+        for req in self._wanted_order:
+            room = kv.num_free_blocks - self.reserve_blocks
+            if room <= 0:
+                return
+            if kv.where(req.request_id) is not None:
+                continue
+            hashes = extend_block_hashes(req, kv.block_size)
+            limit = (req.num_tokens - 1) // kv.block_size
+            n = min(room, limit)
+            if n <= 0 or not budget.fits(1):
+                continue
+            got = kv.prefetch_prefix(hashes, limit, n)
+            budget.spend(got)
 
     @staticmethod
     def _offload(sched: SchedulerView, victim: Request, budget: _CopyBudget) -> bool:

@@ -179,6 +179,21 @@ class CachingBlockPool:
             n += 1
         return n
 
+    def add_cached(self, hashes: Sequence[int]) -> list[int] | None:
+        """Blocks (evicting least recently used ones if need be) registered under `hashes`,
+        referenced by no one, for copies of them about to be written: they become evictable
+        only at `free_released` (an eviction's demotion would copy them out before they are
+        written). None when even eviction is short."""
+        blocks = self.allocate(len(hashes))
+        if blocks is None:
+            return None
+        for b, h in zip(blocks, hashes, strict=True):
+            self._refs[b] = 0
+            self._block_of[h] = b
+            self._hash_of[b] = h
+        self._parked += blocks
+        return blocks
+
     def num_unreferenced(self, hashes: Sequence[int]) -> int:
         """How many of these (cached) hashes' blocks nobody references: evictable now."""
         return sum(1 for h in hashes if self._block_of[h] in self._lru)

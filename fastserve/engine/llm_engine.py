@@ -240,6 +240,7 @@ class LLMEngine:
             "prefix_cache_device_blocks": self.kv.num_cached_blocks,
             "prefix_cache_host_blocks": self.kv.num_cached_host_blocks,
             "prefix_cache_host_hit_tokens": self.kv.num_host_hit_blocks * self.kv.block_size,
+            "prefix_cache_prefetched_tokens": self.kv.num_prefetched_blocks * self.kv.block_size,
         }
 
     # -- start-up -------------------------------------------------------------------------

@@ -85,6 +85,7 @@ class SimRun:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_host_hit_tokens: int = 0  # of the hits, those uploaded from the host tier
+    prefix_prefetched_tokens: int = 0  # host-tier tokens uploaded ahead of their job's turn
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -176,4 +177,5 @@ def simulate_run(
         prefix_query_tokens=scheduler.num_prefix_query_tokens,
         prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
         prefix_host_hit_tokens=kv.num_host_hit_blocks * kv.block_size,
+        prefix_prefetched_tokens=kv.num_prefetched_blocks * kv.block_size,
     )

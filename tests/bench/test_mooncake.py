@@ -11,6 +11,7 @@ import pytest
 from fastserve.args import engine_config
 from fastserve.bench.workloads import (
     mooncake_workload,
+    scale_to_load,
     unbounded_cache_prompt_tokens,
 )
 from fastserve.core.cost_model import CostModel
@@ -79,3 +80,20 @@ def test_the_host_tier_recovers_hits_a_small_device_pool_loses(tmp_path: Path) -
     assert with_host.prefix_hit_tokens > device_only.prefix_hit_tokens
     assert [r.num_output_tokens for r in with_host.finished] == \
         [r.num_output_tokens for r in device_only.finished]
+
+
+def test_proactive_uploads_a_waiting_jobs_host_tier_prefix_ahead_of_its_turn() -> None:
+    """Jobs wait (two at a time, arrivals three times the capacity) on a pool that evicts
+    their prefixes to the host: the proactive policy uploads them while the jobs wait."""
+    trace = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic.jsonl"
+    if not trace.is_file():
+        pytest.skip("the shared Mooncake trace is not here")
+    work = mooncake_workload(trace, token_scale=32, sample_conversations=64)
+    work = scale_to_load(work, 3.0, COST, 2)
+    config = engine_config(num_device_blocks=300, num_host_blocks=20000, max_batch_size=2,
+                           max_num_batched_tokens=512)
+    run = simulate_run(work, config, COST, 300)
+    assert len(run.finished) == len(work)
+    assert run.prefix_prefetched_tokens > 0
+    assert [r.num_output_tokens for r in run.finished] == \
+        [r.params.max_tokens for r in run.finished]
