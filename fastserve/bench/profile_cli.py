@@ -44,7 +44,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from fastserve.bench.through_engine import EngineLoad, measure_through_engine
     from fastserve.model.make_model import resolve_model_path
     from fastserve.profiling.cache import save_profile
-    from fastserve.profiling.measure import ProfileGrid, build_runner, measure
+    from fastserve.profiling.measure import ProfileGrid, build_runner, measure, with_copies
 
     config = engine_config_from_args(args)
     start = time.perf_counter()
@@ -53,12 +53,14 @@ def run_profile(args: argparse.Namespace) -> int:
             config, dataclasses.replace(EngineLoad(), time_budget_s=args.time_budget_s,
                                         seed=config.model.seed))
         model_path = resolve_model_path(config.model.model)
+        runner, _ = build_runner(config)  # the engine above is gone: its copies, timed alone
     else:
         runner, model_path = build_runner(config)
         samples = measure(runner, dataclasses.replace(ProfileGrid(),
                                                       time_budget_s=args.time_budget_s))
         block_bytes = runner.block_bytes
-    cost = fit_cost_model(samples, kv_block_bytes=block_bytes, fit_mean=args.through_engine)
+    cost = with_copies(
+        fit_cost_model(samples, kv_block_bytes=block_bytes, fit_mean=args.through_engine), runner)
     save_profile(cost, args.out, model=str(model_path), dtype=config.model.dtype,
                  device=config.model.device, block_size=config.cache.block_size,
                  num_threads=config.model.num_threads,
@@ -71,6 +73,8 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"  {name:22s} {getattr(cost, name):.3e}")
     if cost.decode_knee:
         print(f"  per decode beyond {cost.decode_knee:2d} decodes {cost.per_decode_beyond_knee_s:.3e}")
+    print(f"  KV copies {cost.swap_s(1) * 1e6:.1f} us per block, "
+          f"{'overlapping compute' if cost.copies_overlap else 'inline (no idle core)'}")
     print(f"wrote {args.out}")
     return 0
 

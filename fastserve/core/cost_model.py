@@ -43,6 +43,12 @@ class CostModel:
     # Host<->device copy bandwidth for KV swaps, and the bytes of one KV block.
     swap_bytes_per_s: float = 25e9
     kv_block_bytes: int = 0  # on one device: each device copies its own shard, all at once
+    # Whether KV copies run beside the compute (a CUDA copy stream; a CPU copy worker on a
+    # core the compute leaves idle) or on the compute's own cores, before the iteration (a
+    # CPU with no idle core: `cpu_copy_worker` inline). When they cannot overlap, every
+    # block copied adds `swap_s(1)` to its iteration: moving KV early hides nothing, and the
+    # proactive KV policy charges the copies as it plans (see `fastserve.core.kv_policy`).
+    copies_overlap: bool = True
     # Parallel deployment (see the class docstring). Defaults: one device, no communication.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

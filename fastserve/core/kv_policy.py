@@ -21,6 +21,10 @@ the requester (the victims); after the batch is chosen the policy may move KV ah
   the device should hold (`ProactivePolicy._wanted`) are uploaded or make room: without that
   rule the jobs queued behind a full device were uploaded into every free block and pushed out
   again the next iteration (a CPU-profile run moved 13x the blocks reactive did, and lost).
+  Where copies cannot overlap compute (`CostModel.copies_overlap` false: a CPU with no idle
+  core, where the engine copies before the iteration on the compute's cores), a copy costs the
+  iteration its time whenever it is made, so moving ahead of need buys nothing: proactive
+  then does what `defer` does, except where a move costs less (see `ProactivePolicy`).
 
 Host memory full: offloading fails and the scheduler back-pressures: new and swapped jobs wait,
 and only a started job that cannot grow falls back to recomputing a victim. No job is lost.
@@ -46,6 +50,12 @@ from fastserve.request import Request
 # Proactive exchanges (offloading a resident job to upload a swapped one) are made only for a
 # job due within this many iterations, against jobs due at least that much later.
 HORIZON_ITERATIONS = 2.0
+# Copies inline (no idle core): the most a new or swapped job's moves may add to an
+# iteration, as a share of its predicted compute. Measured in the simulator
+# (benchmarks/kv_defaults.py cells with this machine's profile, copies at ~8 us and ~630 us a
+# block): 0.1 stays within 5% of `defer` where copies are dear and near `reactive` where they
+# are cheap; 0.25 let dear copies cost up to 9% over `defer`.
+INLINE_COPY_SHARE = 0.1
 # `proactive`'s default reserve K: this share of the device pool, rounded up (vLLM keeps a
 # similar watermark of 1% free). Measured in the simulator (benchmarks/kv_policies.py, parts 1
 # and 2, robust variant): shares from 2% to 15% beat no reserve in most cells; 5% did in all
@@ -221,6 +231,15 @@ class ProactivePolicy(ReactivePolicy):
     backlog of copies still in flight is tracked across iterations (`_CopyBudget`). Blocks
     offloaded by this policy serve no computation before the next iteration
     (`release_now=False`), so nothing waits for them to be copied out.
+
+    When copies cannot overlap compute (`CostModel.copies_overlap` false) all of the above
+    that moves KV ahead of need is off (no reserve, no uploads ahead, no deferral: each would
+    charge the iteration what the same move costs when it is needed, and might be wasted),
+    and the policy starts from what `defer` does, moving KV only where the move is cheaper:
+    a started job that must grow takes its victim's blocks by offloading it when copying it
+    out and back costs less than recomputing it (`_copy_pays`), else by recompute; a new or
+    swapped job waits for free blocks unless its moves add at most `INLINE_COPY_SHARE` of the
+    iteration's predicted compute. The copies' time is in the iteration the MLFQ charges.
     """
 
     name = "proactive"
@@ -253,8 +272,9 @@ class ProactivePolicy(ReactivePolicy):
     def defer_turn(self, sched: SchedulerView, req: Request, batch_size: int,
                    start: int) -> bool:
         kv = sched.kv
-        if kv.num_total_host_blocks == 0:
-            return False  # nothing can move ahead: act as `defer` does
+        if kv.num_total_host_blocks == 0 or not sched.cost.copies_overlap:
+            # Nothing can move ahead (copies inline: see `make_room`); act as `defer` does.
+            return False
         is_new = kv.where(req.request_id) is None
         keep = None
         if batch_size == 0:
@@ -292,6 +312,37 @@ class ProactivePolicy(ReactivePolicy):
         if kv.is_swapped(req.request_id):
             self._upload(sched, req, budget)
         return True
+
+    def make_room(
+        self, sched: SchedulerView, requester: Request, victims: Sequence[Request], now: float
+    ) -> bool:
+        if sched.cost.copies_overlap:
+            return super().make_room(sched, requester, victims, now)
+        victim = latest(sched, victims)
+        if victim is None:
+            return False
+        kv = sched.kv
+        rid = requester.request_id
+        if kv.has_blocks(rid):
+            # A started job must grow (as under `defer`): the victim's KV moves to host memory
+            # when that costs less than recomputing it.
+            if not (_copy_pays(sched, victim) and sched.moves.offload(victim)):
+                sched.moves.recompute(victim)
+            return True
+        # A new or swapped job: it waits for free blocks, as under `defer`, unless moving its
+        # room out (and its KV in) adds no more than INLINE_COPY_SHARE to this iteration.
+        shortfall = max(1, _need(sched, requester) - kv.num_free_blocks)
+        upload = len(kv.host_table(rid)) if kv.is_swapped(rid) else 0
+        copy_s = sched.cost.swap_s((len(sched.moves.swap_out) + len(sched.moves.swap_in)) + shortfall + upload)
+        if copy_s > INLINE_COPY_SHARE * self._budget.compute_s:
+            return False
+        return sched.moves.offload(victim)
+
+    def give_up(self, sched: SchedulerView, req: Request) -> None:
+        if sched.cost.copies_overlap or _copy_pays(sched, req):
+            super().give_up(sched, req)
+        else:
+            sched.moves.recompute(req)
 
     def passable(self, sched: SchedulerView) -> Collection[str]:
         # NOTE: with a job in the batch, a swapped job the device should not hold is only
@@ -374,7 +425,9 @@ class ProactivePolicy(ReactivePolicy):
         budget = self._budget
         budget.compute_s = _predict_compute_s(sched, batch)
         deferred, self._deferred = self._deferred, []
-        if kv.num_total_host_blocks == 0:
+        if kv.num_total_host_blocks == 0 or not sched.cost.copies_overlap:
+            # NOTE: inline copies add their time to the iteration whenever they are made: a
+            # move ahead of need costs what the same move costs when needed, and may be wasted.
             return
         burst = self._burst(sched, order, batch, deferred)
         if kv.num_free_soon >= max(self.reserve_blocks, burst.total) and sched.kv.num_swapped == 0:
@@ -483,6 +536,17 @@ class ProactivePolicy(ReactivePolicy):
     def _add(sched: SchedulerView, burst: _Burst, req: Request) -> None:
         if req.request_id not in burst.needs and (n := _need(sched, req)) > 0:
             burst.add(req.request_id, n, sched.next_run_s(req))
+
+
+def _copy_pays(sched: SchedulerView, req: Request) -> bool:
+    """Whether offloading the job's KV and uploading it again costs less time than
+    recomputing it (its prefill's share of a batch: the iteration's fixed cost aside). Asked
+    when copies hold up the iteration (`CostModel.copies_overlap` false); where they overlap
+    compute they cost the batch nothing."""
+    cost = sched.cost
+    n = req.num_computed_tokens
+    recompute_s = cost.iteration_s(n, 0, 0, n * n) - cost.iteration_s(0, 0, 0)
+    return 2 * cost.swap_s(num_blocks_for(n, sched.kv.block_size)) < recompute_s
 
 
 def _need(sched: SchedulerView, req: Request) -> int:

@@ -22,6 +22,7 @@ from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.make_model import cache_dir, resolve_model_path
 from fastserve.model.tokenizer import Tokenizer, check_encodable
 from fastserve.profiling.cache import load_or_profile, profile_cache_key
+from fastserve.profiling.measure import with_copies
 from fastserve.profiling.recorder import IterationRecorder
 from fastserve.request import (
     FinishReason,
@@ -260,6 +261,9 @@ class LLMEngine:
             cost = CostModel()
         if cost.kv_block_bytes == 0:  # what a swap costs: the proactive KV policy's copy budget
             cost = dataclasses.replace(cost, kv_block_bytes=self.runner.block_bytes)
+        if isinstance(self.runner, ModelRunner):
+            # Whether copies overlap compute is this executor's, whatever profile was given.
+            cost = with_copies(cost, self.runner)
         return cost
 
     def _warmup(self) -> None:

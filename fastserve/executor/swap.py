@@ -97,6 +97,9 @@ class KVSwapper(ABC):
         self.num_swap_in_blocks = 0
 
     _pin = False
+    # Whether the copies run beside the compute (a copy stream or a worker with a core of its
+    # own) or hold it up (inline): the cost model's `copies_overlap`.
+    overlaps_compute = True
 
     def submit(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Queue one iteration's copies: (device, host) swap-outs, then (host, device) swap-ins."""
@@ -316,6 +319,8 @@ class ThreadSwapper(KVSwapper):
 class InlineSwapper(KVSwapper):
     """Copies on the calling (compute) thread, done by the time `submit` returns (CPU devices
     whose cores the compute already fills; see the module docstring)."""
+
+    overlaps_compute = False
 
     def _queue(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                ) -> list[_Task]:

@@ -3,6 +3,7 @@ batches of several sizes and context lengths (`fit.py` turns the timings into a 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 
 from fastserve.clock import Timer
 from fastserve.config import EngineConfig
+from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
@@ -41,6 +43,37 @@ class ProfileGrid:
     # only ever adds time.
     repeats: int = 3
     time_budget_s: float = 8.0  # stop adding batches after this long
+
+
+def with_copies(cost: CostModel, runner: ModelRunner, clock: Timer = time.perf_counter
+                ) -> CostModel:
+    """`cost` with the runner's KV copies: their bandwidth, measured now when it has a host
+    pool (a few milliseconds), and whether they overlap compute."""
+    bandwidth = measure_copies(runner, clock=clock)
+    return dataclasses.replace(
+        cost, copies_overlap=runner.swapper.overlaps_compute,
+        swap_bytes_per_s=cost.swap_bytes_per_s if bandwidth is None else bandwidth)
+
+
+def measure_copies(runner: ModelRunner, num_blocks: int = 64, repeats: int = 3,
+                   clock: Timer = time.perf_counter) -> float | None:
+    """Bytes per second of the runner's KV copies: `num_blocks` out to host memory and back
+    as one plan each, the fastest of `repeats`; None without a host pool.
+
+    NOTE: the runner must be otherwise idle (it copies device blocks from id 0 up)."""
+    n = min(num_blocks, runner.num_blocks, runner.num_host_blocks)
+    if n == 0:
+        return None
+    pairs = [(i, i) for i in range(n)]
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        runner.swapper.submit(pairs, [])
+        runner.swapper.synchronize()
+        runner.swapper.submit([], pairs)
+        runner.swapper.synchronize()
+        best = min(best, clock() - start)
+    return 2 * n * runner.block_bytes / best if best > 0 else None
 
 
 def measure(

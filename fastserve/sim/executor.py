@@ -12,6 +12,11 @@ offloads of jobs not running) overlap its compute. Not modelled: a copy slowing 
 overlaps (PCIe DMA takes no SM time), and layer-by-layer pipelining of an upload with the
 iteration that reads it (the whole job must land first), which makes just-in-time uploads cost
 a little more than they might.
+
+Where copies cannot overlap compute (`CostModel.copies_overlap` false: a CPU whose cores the
+compute fills, the engine's inline copies), every copy of a plan runs before its iteration and
+adds its time to it, as the real `InlineSwapper` does; a plan with copies and no batch still
+takes their time.
 """
 
 from __future__ import annotations
@@ -52,11 +57,19 @@ class SimExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         start_s = self.clock.now() if self.clock is not None else self._time_s
-        if plan.swap_out or plan.swap_in:
-            self._queue_copies(plan, start_s)
-        if plan.is_empty:
-            return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
-        wait_s = self._wait_s(plan, start_s)
+        if not self.cost.copies_overlap:
+            # Inline copies: all of the plan's copies run first, on the compute's cores.
+            wait_s = self.cost.swap_s(len(plan.swap_out) + len(plan.swap_in))
+            if plan.is_empty:
+                self._time_s = start_s + wait_s
+                return ExecutorOutput(sampled_token_ids=[], duration_s=wait_s,
+                                      swap_wait_s=wait_s)
+        else:
+            if plan.swap_out or plan.swap_in:
+                self._queue_copies(plan, start_s)
+            if plan.is_empty:
+                return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
+            wait_s = self._wait_s(plan, start_s)
         compute_s = self.cost.iteration_s(*plan.shape)
         duration_s = wait_s + compute_s
         self._time_s = start_s + duration_s

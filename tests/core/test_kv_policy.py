@@ -11,6 +11,7 @@ while it is copied, host blocks mixed up) fails the test.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -407,3 +408,46 @@ def test_host_pool_size_follows_the_cache_config() -> None:
     # Policies that never offload get no host memory.
     assert host_pool_blocks(CacheConfig(kv_policy="defer"), block_bytes) == 0
     assert host_pool_blocks(CacheConfig(kv_policy="recompute", num_host_blocks=9), block_bytes) == 0
+
+
+# -- copies that cannot overlap compute (a CPU with no idle core) --------------------------------
+
+
+def inline(cost: CostModel, block_s: float) -> CostModel:
+    """`cost` with inline copies of `block_s` per block."""
+    return dataclasses.replace(cost, copies_overlap=False, kv_block_bytes=1000,
+                               swap_bytes_per_s=1000 / block_s)
+
+
+def test_with_inline_copies_proactive_moves_only_what_the_batch_needs() -> None:
+    # Moving KV ahead of need hides nothing when copies hold up the iteration: every upload
+    # is for a job of the same iteration's batch, and no job is deferred to wait for one.
+    sched = kv_scheduler("skip-join-mlfq", "proactive", cost=inline(UNIT_COST, 1e-5),
+                         max_batch_size=6, max_num_batched_tokens=128)
+    run = serve_checked(sched, tight_requests())
+    assert_all_done_and_free(run, 60)
+    assert sched.moves.num_uploads == sched.moves.num_offloads > 0
+    for plan in run.plans:
+        batch_blocks = {b for s in plan.scheduled for b in s.block_ids}
+        assert {dev for _, dev in plan.swap_in} <= batch_blocks
+        assert plan.scheduled or not plan.swap_in
+
+
+def test_with_inline_copies_dearer_than_recompute_proactive_does_what_defer_does() -> None:
+    # Copies at 1 s a block, recompute at 1 ms a token: moving the long job costs more than
+    # anything it could save, so the urgent job waits for free blocks, as under `defer`.
+    sched, long, short = full_device_then_urgent_job("proactive")
+    sched.cost = inline(sched.cost, 1.0)
+    run = serve_checked(sched, [long, short])
+    assert_all_done_and_free(run, 2)
+    assert sched.moves.num_offloads == sched.moves.num_recomputes == 0
+    assert short.finish_s is not None and long.finish_s is not None
+    assert short.finish_s > long.finish_s
+    # Cheap inline copies (10 us a block) pay: the long job goes to host memory and back.
+    sched, long, short = full_device_then_urgent_job("proactive")
+    sched.cost = inline(sched.cost, 1e-5)
+    run = serve_checked(sched, [long, short])
+    assert_all_done_and_free(run, 2)
+    assert sched.num_offloads == sched.num_uploads == 1
+    assert short.finish_s is not None and long.finish_s is not None
+    assert short.finish_s < long.finish_s

@@ -100,3 +100,22 @@ def test_run_records_how_much_kv_its_batches_read() -> None:
     assert run.share_batch_kv_over(4) == 0.0
     assert run.share_batch_kv_over(2) == pytest.approx(15 / 16)  # 15 decode iterations of 16
     assert run.share_batch_kv_over(1) == 1.0
+
+
+def test_inline_copies_add_their_time_to_the_iteration() -> None:
+    # A CPU with no idle core copies on the compute's cores, before the iteration: even the
+    # uploads for a later job hold this one up, and a plan of copies alone takes their time.
+    inline = CostModel(**{**COST.__dict__, "copies_overlap": False})
+    clock = VirtualClock()
+    ex = SimExecutor(inline, clock=clock)
+    out = ex.execute(SchedulerOutput([decode("a", [0, 1])], swap_in=[(12, 5), (13, 6)],
+                                     swap_out=[(9, 20)]))
+    assert out.swap_wait_s == pytest.approx(6e-3)
+    assert out.duration_s == pytest.approx(7e-3)
+    clock.advance(out.duration_s)
+    out = ex.execute(SchedulerOutput([], swap_out=[(5, 21)]))
+    assert out.duration_s == out.swap_wait_s == pytest.approx(2e-3)
+    clock.advance(out.duration_s)
+    # Nothing is left in flight: the next iteration reads the uploaded blocks at once.
+    out = ex.execute(SchedulerOutput([decode("b", [5, 6])]))
+    assert out.swap_wait_s == 0.0 and out.duration_s == pytest.approx(1e-3)
