@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from pathlib import Path
 
 import torch
 
@@ -15,15 +16,22 @@ from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.engine.core import build_engine_core
 from fastserve.engine.output import OutputProcessor
+from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.make_model import cache_dir, resolve_model_path
 from fastserve.model.tokenizer import Tokenizer, check_encodable
-from fastserve.profiling.cache import load_or_profile, profile_cache_key
+from fastserve.profiling.cache import (
+    cached_profile_path,
+    load_cached,
+    profile_cache_key,
+    profile_engine,
+    save_profile,
+)
 from fastserve.profiling.measure import with_copies
-from fastserve.profiling.recorder import IterationRecorder
+from fastserve.profiling.recorder import CostModelCheck, IterationRecorder
 from fastserve.request import (
     FinishReason,
     InvalidRequestError,
@@ -81,7 +89,23 @@ class LLMEngine:
             self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
         if config.model.warmup:
             self._warmup()
-        self.cost = self._cost_model()
+        cost, profile_path = self._cost_model()
+        self._build_core(cost)
+        if profile_path is not None:
+            # A fresh executor profile: add the engine's own work per iteration, measured
+            # through this engine, so that the cached model predicts whole iterations.
+            overhead = measure_engine_overhead(self)
+            if overhead is not None:
+                cost = overhead.apply(cost)
+                logger.info("engine overhead per iteration: %.2f ms + %.3f ms per decode",
+                            overhead.fixed_s * 1e3, overhead.per_job_s * 1e3)
+            save_profile(cost, profile_path, method="executor grid + engine overhead")
+            self._build_core(cost)
+
+    def _build_core(self, cost: CostModel) -> None:
+        """The scheduler, KV manager and step loop over `cost`, all fresh."""
+        config = self.config
+        self.cost = cost
         self.core = build_engine_core(config, self.runner, self.cost, self.clock,
                                       self.runner.num_blocks, self.runner.num_host_blocks,
                                       self.eos_token_ids)
@@ -90,9 +114,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._aborted: list[Request] = []
-        # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`).
-        self.recorder = (IterationRecorder(config.model.record_iterations)
-                         if config.model.record_iterations else None)
+        # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
+        # each also scored against the cost model (`cost_check`, shown in /metrics).
+        self.cost_check = CostModelCheck(cost)
+        self.recorder = IterationRecorder(max(1, config.model.record_iterations),
+                                          check=self.cost_check)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -172,15 +198,14 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start_s = self.recorder.begin() if self.recorder is not None else 0.0
+        start_s = self.recorder.begin()
         touched = self.core.step()
         for req in touched:
             self._detokenize(req)
         touched += self._aborted
         self._aborted = []
         outputs = [self._output(r) for r in touched]
-        if self.recorder is not None:
-            self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
+        self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
 
     def _detokenize(self, req: Request) -> None:
@@ -236,6 +261,8 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "num_recomputes": s.moves.num_recomputes,
             "num_iterations": self.core.num_iterations,
+            # Recent predicted / measured iteration time (`CostModelCheck`).
+            "cost_model_ratio": self.cost_check.ratio,
             "prefix_cache_query_tokens": s.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
             "prefix_cache_device_blocks": self.kv.num_cached_blocks,
@@ -246,17 +273,25 @@ class LLMEngine:
 
     # -- start-up -------------------------------------------------------------------------
 
-    def _cost_model(self) -> CostModel:
-        """The given profile, else this machine's own, measured once and cached."""
+    def _cost_model(self) -> tuple[CostModel, Path | None]:
+        """The given profile, else this machine's own, measured once and cached; and where
+        to cache it when it was measured just now (the engine's overhead is still to add)."""
+        fresh: Path | None = None
         if self.config.profile_path:
             cost = CostModel.from_json(self.config.profile_path)
         elif self.config.model.startup_profile and isinstance(self.runner, ModelRunner):
-            key = profile_cache_key(self.model_path, self.config)
-            try:
-                cost = load_or_profile(self.runner, key, cache_dir() / "profiles")
-            except ValueError as exc:  # e.g. a KV pool too small for the profile's batches
-                logger.warning("start-up profile skipped (%s); using the default cost model", exc)
-                cost = CostModel()
+            path = cached_profile_path(profile_cache_key(self.model_path, self.config),
+                                       cache_dir() / "profiles")
+            cached = load_cached(path)
+            if cached is not None:
+                cost = cached
+            else:
+                try:
+                    cost, fresh = profile_engine(self.runner), path
+                except ValueError as exc:  # e.g. a KV pool too small for the profile's batches
+                    logger.warning("start-up profile skipped (%s); using the default cost model",
+                                   exc)
+                    cost = CostModel()
         else:  # NOTE: distributed executors are not profiled yet; the default model stands in
             cost = CostModel()
         if cost.kv_block_bytes == 0:  # what a swap costs: the proactive KV policy's copy budget
@@ -264,7 +299,7 @@ class LLMEngine:
         if isinstance(self.runner, ModelRunner):
             # Whether copies overlap compute is this executor's, whatever profile was given.
             cost = with_copies(cost, self.runner)
-        return cost
+        return cost, fresh
 
     def _warmup(self) -> None:
         """Run a few real iterations so the first requests don't pay first-call costs."""

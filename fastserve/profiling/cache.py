@@ -39,21 +39,32 @@ def load_or_profile(
     A missing or unreadable cache file means "profile again"; the write is atomic, so engines
     starting together never read half a file.
     """
-    path = Path(cache_dir) / f"profile-{_file_safe(cache_key)}.json"
+    path = cached_profile_path(cache_key, cache_dir)
+    cost = load_cached(path)
+    if cost is None:
+        cost = profile_engine(runner, grid, clock)
+        save_profile(cost, path, cache_key=cache_key)
+    return cost
+
+
+def cached_profile_path(cache_key: str, cache_dir: str | Path) -> Path:
+    return Path(cache_dir) / f"profile-{_file_safe(cache_key)}.json"
+
+
+def load_cached(path: Path) -> CostModel | None:
+    """The profile at `path`, or None when it is missing or unreadable (profile again)."""
     if path.is_file():
         try:
             return CostModel.from_json(path)
         except (ValueError, TypeError):
-            pass  # corrupt or from an older CostModel: profile again
-    cost = profile_engine(runner, grid, clock)
-    save_profile(cost, path, cache_key=cache_key)
-    return cost
+            pass  # corrupt or from an older CostModel
+    return None
 
 
 # Bumped when the fit changes what it would make of the same timings (2: the decode knee;
-# 3: knees only with two batch sizes on each side), so cached profiles fitted the old way are
-# measured again.
-FIT_VERSION = 3
+# 3: knees only with two batch sizes on each side; 4: the engine's own per-iteration work
+# added, `fastserve.engine.overhead`), so cached profiles fitted the old way are measured again.
+FIT_VERSION = 4
 
 
 def profile_cache_key(model_path: str | Path, config: EngineConfig) -> str:

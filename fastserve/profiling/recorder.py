@@ -3,11 +3,65 @@ which `fastserve profile --through-engine` fits into the cost model."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from fastserve.clock import Timer
+from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import SchedulerOutput
 from fastserve.profiling.fit import Sample
+
+logger = logging.getLogger(__name__)
+
+
+class CostModelCheck:
+    """How well the engine's cost model predicts its own iterations, kept up to date.
+
+    Each recorded iteration (its cycle, as `IterationRecorder` times it) adds its predicted and
+    measured seconds to sums that decay by half every `half_life` iterations, so `ratio`
+    (predicted / measured) follows the machine as it drifts (other load, a slower phase). A
+    ratio off by more than `tolerance` is logged once when the drift starts (after
+    `min_iterations`) and once when it ends: the scheduler's placement and the KV policy's copy
+    budget rest on this model.
+    """
+
+    def __init__(self, cost: CostModel, half_life: int = 500, tolerance: float = 0.10,
+                 min_iterations: int = 200) -> None:
+        self.cost = cost
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.tolerance = tolerance
+        self.min_iterations = min_iterations
+        self.num_iterations = 0
+        self._predicted_s = 0.0
+        self._measured_s = 0.0
+        self.is_drifting = False
+
+    @property
+    def ratio(self) -> float:
+        """Recent predicted / measured iteration time (1.0 before any iteration)."""
+        return self._predicted_s / self._measured_s if self._measured_s > 0 else 1.0
+
+    def add(self, sample: Sample) -> None:
+        s = sample
+        predicted = self.cost.iteration_s(s.num_prefill_tokens, s.num_decodes,
+                                          s.num_context_tokens, s.sum_prefill_sq)
+        self._predicted_s = self._predicted_s * self.decay + predicted
+        self._measured_s = self._measured_s * self.decay + s.duration_s
+        self.num_iterations += 1
+        if self.num_iterations < self.min_iterations:
+            return
+        drifting = abs(self.ratio - 1.0) > self.tolerance
+        if drifting != self.is_drifting:
+            self.is_drifting = drifting
+            if drifting:
+                logger.warning(
+                    "cost model drift: iterations take %.2fx what the cost model predicts "
+                    "(over the last ~%d); scheduling decisions rest on it. Delete the cached "
+                    "start-up profile or pass --profile to measure again",
+                    1.0 / self.ratio, round(1 / (1 - self.decay)))
+            else:
+                logger.info("cost model back within %.0f%% of the measured iterations",
+                            100 * self.tolerance)
 
 
 class IterationRecorder:
@@ -23,11 +77,13 @@ class IterationRecorder:
     loops (`AsyncLLM`, `LLM.generate`) step again at once.
     """
 
-    def __init__(self, capacity: int, clock: Timer = time.perf_counter) -> None:
+    def __init__(self, capacity: int, clock: Timer = time.perf_counter,
+                 check: CostModelCheck | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"record capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.clock = clock
+        self.check = check  # told every iteration recorded
         # (prefill tokens, sum of squared prefill lengths, decodes, decode context tokens,
         #  step_s, cycle_s); preallocated so recording allocates one tuple per iteration.
         self._rows: list[tuple[int, int, int, int, float, float] | None] = [None] * capacity
@@ -77,3 +133,6 @@ class IterationRecorder:
     def _push(self, row: tuple[int, int, int, int, float, float]) -> None:
         self._rows[self._num_recorded % self.capacity] = row
         self._num_recorded += 1
+        if self.check is not None:
+            a, b, c, d, _step_s, cycle_s = row
+            self.check.add(Sample(a, b, c, d, cycle_s))

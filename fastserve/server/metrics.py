@@ -58,6 +58,10 @@ class _EngineCollector(Collector):
         for level, count in sorted(s.get("queue_lengths", {}).items()):
             queues.add_metric([str(level)], count)
         yield queues
+        yield GaugeMetricFamily(
+            "fastserve_cost_model_ratio",
+            "recent engine iterations: the cost model's predicted time over the measured time",
+            value=s.get("cost_model_ratio", 1.0))
         healthy = GaugeMetricFamily("fastserve_engine_healthy", "1 while the engine loop runs")
         healthy.add_metric([], 1.0 if self.llm.is_healthy else 0.0)
         yield healthy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.profiling.fit import Sample, fit_cost_model, total_ratio
-from fastserve.profiling.recorder import IterationRecorder
+from fastserve.profiling.recorder import CostModelCheck, IterationRecorder
 from fastserve.request import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -88,15 +89,73 @@ def test_engine_records_one_sample_per_iteration(tiny_model_path: Path) -> None:
     assert all(s.duration_s > 0 for s in samples)
 
 
-def test_engine_does_not_record_unless_asked(tiny_model_path: Path) -> None:
+def test_engine_keeps_only_the_last_iteration_unless_asked(tiny_model_path: Path) -> None:
     from fastserve.args import engine_config
     from fastserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(model=str(tiny_model_path), warmup=False,
                                      startup_profile=False))
-    assert engine.recorder is None
+    engine.add_request([7] * 5, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    assert len(engine.recorder.samples()) == 1
+    # ... but every iteration is scored against the cost model.
+    assert engine.cost_check.num_iterations == engine.core.num_iterations == 6
     with pytest.raises(ValueError, match="record_iterations"):
         engine_config(record_iterations=-1)
+
+
+def test_cost_model_check_follows_the_ratio_and_logs_a_drift(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    cost = CostModel(fixed_s=1e-3, per_prefill_token_s=0.0, per_decode_s=1e-3,
+                     per_context_token_s=0.0)
+    check = CostModelCheck(cost, half_life=50, min_iterations=20)
+    assert check.ratio == 1.0
+    decode4 = Sample(0, 0, 4, 40, 5e-3)  # predicted 5 ms: exact
+    for _ in range(100):
+        check.add(decode4)
+    assert check.ratio == pytest.approx(1.0) and not check.is_drifting
+    assert not caplog.records
+    # The machine slows down by a quarter: the recent ratio follows and the drift is logged.
+    with caplog.at_level(logging.INFO, logger="fastserve.profiling.recorder"):
+        for _ in range(300):
+            check.add(Sample(0, 0, 4, 40, 6.25e-3))
+        assert check.ratio == pytest.approx(0.8, abs=0.01) and check.is_drifting
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        assert "cost model drift" in caplog.records[0].getMessage()  # logged as it crosses 10%
+        for _ in range(300):  # and back
+            check.add(decode4)
+    assert not check.is_drifting and [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+
+
+@pytest.mark.timeout(600)  # it profiles afresh
+def test_startup_profile_predicts_whole_engine_iterations(
+    tiny_model_path: Path, one_thread: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh start-up profile adds the engine's own work per iteration to the executor's
+    fit and caches the sum, so that it predicts the engine's whole iterations (the executor's
+    fit alone missed about half of each on this model)."""
+    from fastserve.args import engine_config
+    from fastserve.engine.llm_engine import LLMEngine
+    from fastserve.profiling.cache import cached_profile_path, profile_cache_key
+
+    monkeypatch.setenv("FASTSERVE_CACHE", str(tmp_path))
+    config = engine_config(model=str(tiny_model_path), num_threads=1, policy="fcfs",
+                           record_iterations=10_000)
+    engine = LLMEngine(config)
+    path = cached_profile_path(profile_cache_key(tiny_model_path, config), tmp_path / "profiles")
+    assert CostModel.from_json(path) == engine.cost
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i in range(24):
+        engine.add_request([7 + i] * (4 + i), params)
+    while engine.has_unfinished:
+        engine.step()
+    samples = engine.recorder.samples()
+    # Loose bounds: the machine is shared, and the start-up profile may have met another load.
+    assert 0.6 < total_ratio(engine.cost, samples) < 1.6
+    assert engine.cost_check.num_iterations == engine.core.num_iterations
+    assert engine.cost_check.ratio == pytest.approx(total_ratio(engine.cost, samples), rel=0.2)
 
 
 TRUE = CostModel(fixed_s=1e-3, per_prefill_token_s=1e-4, per_decode_s=3e-4,
