@@ -30,7 +30,6 @@ from fastserve.profiling.cache import (
     profile_engine,
     save_profile,
 )
-from fastserve.profiling.measure import with_copies
 from fastserve.profiling.recorder import CostModelCheck, IterationRecorder
 from fastserve.request import (
     FinishReason,
@@ -298,7 +297,10 @@ class LLMEngine:
             cost = dataclasses.replace(cost, kv_block_bytes=self.runner.block_bytes)
         if isinstance(self.runner, ModelRunner):
             # Whether copies overlap compute is this executor's, whatever profile was given.
-            cost = with_copies(cost, self.runner)
+            # NOTE: their bandwidth is the profile's (`fastserve profile` measures it): timed
+            # at every start-up on a busy machine it swung 100x and starved the copy budget.
+            cost = dataclasses.replace(cost,
+                                       copies_overlap=self.runner.swapper.overlaps_compute)
         return cost, fresh
 
     def _warmup(self) -> None:

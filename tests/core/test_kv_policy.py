@@ -448,6 +448,6 @@ def test_with_inline_copies_dearer_than_recompute_proactive_does_what_defer_does
     sched.cost = inline(sched.cost, 1e-5)
     run = serve_checked(sched, [long, short])
     assert_all_done_and_free(run, 2)
-    assert sched.num_offloads == sched.num_uploads == 1
+    assert sched.moves.num_offloads == sched.moves.num_uploads == 1
     assert short.finish_s is not None and long.finish_s is not None
     assert short.finish_s < long.finish_s
