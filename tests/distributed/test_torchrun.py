@@ -5,6 +5,7 @@ nodes cleanly (exit code 0 everywhere)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -38,7 +39,9 @@ def _node(rank: int, port: int, log: Path) -> subprocess.Popen[bytes]:
            "--port", "0", "--dtype", "float32", "--no-warmup", "--no-access-log"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     with log.open("wb") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        # Its own session, so a failed test can kill torchrun's server child too, not orphan it.
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _wait_for(pattern: str, log: Path, procs: list[subprocess.Popen[bytes]]) -> re.Match[str]:
@@ -72,6 +75,6 @@ def test_readme_torchrun_command_on_two_local_nodes(tmp_path: Path) -> None:
         assert codes == [0, 0], "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
     finally:
         for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            with contextlib.suppress(ProcessLookupError):  # a group left over only on failure
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
