@@ -12,6 +12,7 @@ from fastserve.core.block_pool import is_contiguous
 from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.attention import AttentionMetadata, DecodeBatch, PagedAttention, SeqSlice
+from fastserve.executor.cpu_linear import pack_for_small_batches
 from fastserve.executor.sampler import Sampler
 from fastserve.executor.swap import make_swapper
 from fastserve.model.arch import ArchConfig
@@ -55,6 +56,7 @@ class ModelRunner:
         eos_token_ids: list[int],
     ) -> None:
         self.model = model
+        pack_for_small_batches(model)  # decode's small matmuls read weights packed once
         self.arch = arch
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.device = torch.device(model_config.device)

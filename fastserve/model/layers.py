@@ -205,6 +205,27 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- linear layers
 
 
+class PackedWeight:
+    """A linear weight pre-packed for small batches, and the matmul that reads it.
+
+    Why: a general GEMM re-packs the weight on every call, which for a decode batch of a few
+    dozen rows costs about as much as the multiply itself; a weight packed once is read as is.
+    """
+
+    def __init__(self, weight: Tensor, matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+                 max_rows: int) -> None:
+        self.weight = weight  # the packed copy (layout owned by `matmul`)
+        self.matmul = matmul  # (x, packed weight, bias) -> x W^T + b
+        self.max_rows = max_rows  # larger calls (prefills) use the plain weight
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
+    if packed is not None and x.shape[0] <= packed.max_rows:
+        return packed.matmul(x, packed.weight, bias)
+    return F.linear(x, weight, bias)
+
+
+
 class LinearBase(nn.Module):
     """y = x W^T (+ b) for this rank's shard of W [output_size_local, input_size_local]."""
 
@@ -229,6 +250,9 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _new_param(output_size)
             _set_loader(self.bias, self.weight_loader)
+        # Set by the executor (`pack_for_small_batches`): the same weight in a backend's
+        # pre-packed layout, used for calls of at most `packed_max_rows` rows.
+        self.packed: PackedWeight | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
@@ -236,7 +260,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias, self.packed)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -364,7 +388,7 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = _linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed)
         if self.tp_size > 1:
             self.all_reduce(y)
         return y
@@ -436,10 +460,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
         self.all_gather = all_gather
+        self.packed: PackedWeight | None = None  # as LinearBase.packed
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [n, hidden] -> [n, vocab]
-        logits = F.linear(x, self.weight)  # [n, vocab_per_partition]
+        logits = _linear(x, self.weight, None, self.packed)  # [n, vocab_per_partition]
         if self.tp_size > 1:
             logits = torch.cat(self.all_gather(logits), dim=-1)
         if logits.shape[-1] != self.num_embeddings:
