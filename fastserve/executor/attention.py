@@ -27,6 +27,9 @@ class SeqSlice:
     # Contiguous context: first slot of the view; otherwise the gather index.
     slot_start: int
     slot_index: torch.Tensor | None
+    # [num_blocks] int32: a prefill after cached tokens read by the CPU extend kernel, which
+    # follows the block table itself (no gather index then).
+    block_table: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ class PagedAttention:
         self.head_dim = head_dim
         self.metadata: AttentionMetadata | None = None
         self.scale = head_dim**-0.5
-        # One call per layer for all decodes (CPU, float32 cache); None = per-request ops.
+        # One call per layer for all decodes, and one per later prefill chunk (CPU, float32
+        # cache: `cpu_kernels`); None = per-request torch ops.
         self.decode_kernel = (
             decode_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
         )
@@ -130,6 +134,12 @@ class PagedAttention:
         """A prefill from position 0 attends over the fresh K/V, causally; a later chunk (or
         the rest of a prompt whose prefix is cached) over the cache (`_extend`)."""
         sl = slice(s.q_start, s.q_start + s.q_len)
+        if s.ctx_len > s.q_len and s.block_table is not None and self.decode_kernel is not None:
+            # Block by block through the table: no gathered context, no [q_len, ctx_len] mask.
+            return self.decode_kernel.extend_attention(
+                q[sl].float(), k_cache, v_cache, s.block_table, s.ctx_len - s.q_len,
+                self.block_size, self.scale,
+            ).to(q.dtype)  # [q_len, num_heads, head_dim]
         if s.ctx_len > s.q_len:
             return self._extend(s, q[sl], k_cache, v_cache)
         o = F.scaled_dot_product_attention(

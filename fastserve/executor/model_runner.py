@@ -105,7 +105,7 @@ class ModelRunner:
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> BatchInputs:
         bs = self.block_size
-        # The decode kernel reads block tables itself: no per-request slot gather to build.
+        # The CPU kernels read block tables themselves: no per-request slot gather to build.
         gathers_in_kernel = self.attn.decode_kernel is not None
         input_ids: list[int] = []
         positions: list[int] = []
@@ -124,8 +124,9 @@ class ModelRunner:
             ctx = r.start_pos + n
             contiguous = is_contiguous(table[: -(-ctx // bs)])
             # Who reads the cache through a gather index: a prefill after cached tokens (a
-            # later chunk), and a decode unless the kernel reads the block table itself.
-            reads_cache = r.start_pos > 0 and (r.is_prefill or not gathers_in_kernel)
+            # later chunk) and a decode, unless a kernel reads the block table itself.
+            reads_cache = r.start_pos > 0 and not gathers_in_kernel
+            extends = r.start_pos > 0 and r.is_prefill and gathers_in_kernel
             seqs.append(
                 SeqSlice(
                     q_start=q_start,
@@ -136,6 +137,9 @@ class ModelRunner:
                     slot_index=None
                     if contiguous or not reads_cache
                     else self.attn.block_slots(table[: -(-ctx // bs)])[:ctx],
+                    block_table=torch.tensor(table[: -(-ctx // bs)], dtype=torch.int32)
+                    if extends
+                    else None,
                 )
             )
         dev = self.device

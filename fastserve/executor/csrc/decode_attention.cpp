@@ -211,6 +211,308 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Paged extend attention: a chunk of q_len new tokens after start_pos cached ones (a later chunk
+// of a long prompt, or the uncached rest of a prompt whose prefix was cached). Query i (position
+// start_pos + i) attends to keys 0 .. start_pos + i, read block by block through the block
+// table: no gather of the context and no [q_len, ctx_len] mask (the bottom-right causal limit
+// is a per-row key count). Flash-style online softmax, parallel over (kv head, query tile); a
+// tile's query rows (TQ queries x the group of query heads sharing the kv head) share every K/V
+// block read, so the context is read q_len / TQ times per kv head, not q_len times.
+namespace {
+
+constexpr int64_t kTileRows = 64;  // query rows (query x head) per tile of scores
+constexpr int64_t kKeys = 16;   // keys per inner step (the last may be partial)
+
+#ifdef FS_HAVE_AVX2
+// exp of 8 floats (Cephes polynomial, as in avx_mathfun): ~1 ulp over the range softmax uses
+// (inputs <= 0; anything below -87 underflows to ~0 and is masked by the caller anyway).
+inline __m256 exp256(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, one));
+  __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+#endif
+
+struct ExtendTask {
+  const float* q;        // the chunk's queries: [q_len, num_heads, head_dim]
+  const float* k;        // this kv head's K: [num_slots, head_dim]
+  const float* v;        // this kv head's V: [num_slots, head_dim]
+  const int32_t* table;  // the request's block table
+  int64_t start_pos, q0, nq, num_heads, head0, group, head_dim, block_size;
+  float scale;
+  float* out;            // [q_len, num_heads, head_dim]
+};
+
+// Per-tile state, rows r = query i * group + g: running max, running sum, unnormalised output.
+struct TileBuffers {
+  std::vector<float> qs, o, m, l, kt, p;
+  void reset(int64_t rows, int64_t d) {
+    qs.assign(rows * d, 0.f);
+    o.assign(rows * d, 0.f);
+    m.assign(rows, -std::numeric_limits<float>::infinity());
+    l.assign(rows, 0.f);
+    kt.assign(d * kKeys, 0.f);
+    p.assign(kTileRows * kKeys, 0.f);
+  }
+};
+
+// Scores of rows [0, rows) against kKeys keys held transposed in kt [d][kKeys]; s [rows][kKeys].
+inline void tile_scores(const float* qs, const float* kt, int64_t rows, int64_t d, float* s) {
+#ifdef FS_HAVE_AVX2
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {  // four rows x 16 keys: eight independent FMA chains
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+           a30 = a00, a31 = a00;
+    const float* q0 = qs + r * d;
+    for (int64_t j = 0; j < d; ++j) {
+      const __m256 k0 = _mm256_loadu_ps(kt + j * kKeys), k1 = _mm256_loadu_ps(kt + j * kKeys + 8);
+      __m256 b = _mm256_broadcast_ss(q0 + j);
+      a00 = _mm256_fmadd_ps(b, k0, a00); a01 = _mm256_fmadd_ps(b, k1, a01);
+      b = _mm256_broadcast_ss(q0 + d + j);
+      a10 = _mm256_fmadd_ps(b, k0, a10); a11 = _mm256_fmadd_ps(b, k1, a11);
+      b = _mm256_broadcast_ss(q0 + 2 * d + j);
+      a20 = _mm256_fmadd_ps(b, k0, a20); a21 = _mm256_fmadd_ps(b, k1, a21);
+      b = _mm256_broadcast_ss(q0 + 3 * d + j);
+      a30 = _mm256_fmadd_ps(b, k0, a30); a31 = _mm256_fmadd_ps(b, k1, a31);
+    }
+    float* sr = s + r * kKeys;
+    _mm256_storeu_ps(sr, a00); _mm256_storeu_ps(sr + 8, a01);
+    _mm256_storeu_ps(sr + 16, a10); _mm256_storeu_ps(sr + 24, a11);
+    _mm256_storeu_ps(sr + 32, a20); _mm256_storeu_ps(sr + 40, a21);
+    _mm256_storeu_ps(sr + 48, a30); _mm256_storeu_ps(sr + 56, a31);
+  }
+  for (; r < rows; ++r) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int64_t j = 0; j < d; ++j) {
+      const __m256 b = _mm256_broadcast_ss(qs + r * d + j);
+      a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(kt + j * kKeys), a0);
+      a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(kt + j * kKeys + 8), a1);
+    }
+    _mm256_storeu_ps(s + r * kKeys, a0);
+    _mm256_storeu_ps(s + r * kKeys + 8, a1);
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < kKeys; ++t) {
+      float a = 0.f;
+      for (int64_t j = 0; j < d; ++j) a += qs[r * d + j] * kt[j * kKeys + t];
+      s[r * kKeys + t] = a;
+    }
+#endif
+}
+
+// o[r] += sum_t p[r][t] v[t] for the rows in [r0, r1), keys [0, n).
+inline void tile_accumulate(const float* p, const float* vblk, int64_t r0, int64_t r1, int64_t n,
+                            int64_t d, float* o) {
+#ifdef FS_HAVE_AVX2
+  if (d % 32 == 0) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {  // two rows x 32 dims: eight accumulators, V rows read once
+      for (int64_t c = 0; c < d; c += 32) {
+        float* o0 = o + r * d + c;
+        float* o1 = o0 + d;
+        __m256 x0 = _mm256_loadu_ps(o0), x1 = _mm256_loadu_ps(o0 + 8), x2 = _mm256_loadu_ps(o0 + 16),
+               x3 = _mm256_loadu_ps(o0 + 24), y0 = _mm256_loadu_ps(o1), y1 = _mm256_loadu_ps(o1 + 8),
+               y2 = _mm256_loadu_ps(o1 + 16), y3 = _mm256_loadu_ps(o1 + 24);
+        for (int64_t t = 0; t < n; ++t) {
+          const float* vr = vblk + t * d + c;
+          const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8),
+                       v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+          const __m256 pa = _mm256_set1_ps(p[r * kKeys + t]), pb = _mm256_set1_ps(p[(r + 1) * kKeys + t]);
+          x0 = _mm256_fmadd_ps(pa, v0, x0); x1 = _mm256_fmadd_ps(pa, v1, x1);
+          x2 = _mm256_fmadd_ps(pa, v2, x2); x3 = _mm256_fmadd_ps(pa, v3, x3);
+          y0 = _mm256_fmadd_ps(pb, v0, y0); y1 = _mm256_fmadd_ps(pb, v1, y1);
+          y2 = _mm256_fmadd_ps(pb, v2, y2); y3 = _mm256_fmadd_ps(pb, v3, y3);
+        }
+        _mm256_storeu_ps(o0, x0); _mm256_storeu_ps(o0 + 8, x1);
+        _mm256_storeu_ps(o0 + 16, x2); _mm256_storeu_ps(o0 + 24, x3);
+        _mm256_storeu_ps(o1, y0); _mm256_storeu_ps(o1 + 8, y1);
+        _mm256_storeu_ps(o1 + 16, y2); _mm256_storeu_ps(o1 + 24, y3);
+      }
+    }
+    r0 = r;  // an odd last row: plain loops below
+  }
+#endif
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t t = 0; t < n; ++t) {
+      const float pt = p[r * kKeys + t];
+      const float* vr = vblk + t * d;
+      float* orow = o + r * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) orow[j] += pt * vr[j];
+    }
+}
+
+// Online softmax over one key step for row r: scores s[0, valid) count, the rest masked.
+// Returns false when the row sees none of these keys (its output is untouched).
+inline bool softmax_step(float* s, int64_t valid, float* m, float* l, float* orow, int64_t d) {
+  if (valid <= 0) return false;
+  float mx = *m;
+#ifdef FS_HAVE_AVX2
+  if (valid == kKeys) {
+    __m256 x = _mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_shuffle_ps(h, h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_max_ps(h, _mm_shuffle_ps(h, h, _MM_SHUFFLE(2, 3, 0, 1)));
+    mx = std::max(mx, _mm_cvtss_f32(h));
+  } else {
+    for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, s[t]);
+  }
+#else
+  for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, s[t]);
+#endif
+  // 0 on the first step (m = -inf); 1, without a scalar exp, while the row's max holds.
+  const float alpha = mx == *m ? 1.f : std::exp(*m - mx);
+#ifdef FS_HAVE_AVX2
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 p0 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s), mv));
+  __m256 p1 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + 8), mv));
+  if (valid < kKeys) {  // zero the keys past this row's causal limit (or the block's end)
+    const __m256i idx0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i lim = _mm256_set1_epi32(static_cast<int>(valid));
+    p0 = _mm256_and_ps(p0, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, idx0)));
+    p1 = _mm256_and_ps(p1, _mm256_castsi256_ps(
+                               _mm256_cmpgt_epi32(lim, _mm256_add_epi32(idx0, _mm256_set1_epi32(8)))));
+  }
+  _mm256_storeu_ps(s, p0);
+  _mm256_storeu_ps(s + 8, p1);
+  __m256 sum8 = _mm256_add_ps(p0, p1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  const float sum = _mm_cvtss_f32(h);
+#else
+  float sum = 0.f;
+  for (int64_t t = 0; t < kKeys; ++t) {
+    s[t] = t < valid ? std::exp(s[t] - mx) : 0.f;
+    sum += s[t];
+  }
+#endif
+  if (alpha != 1.f) {
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) orow[j] *= alpha;
+  }
+  *l = *l * alpha + sum;
+  *m = mx;
+  return true;
+}
+
+void extend_task(const ExtendTask& t, TileBuffers& buf) {
+  const int64_t d = t.head_dim, group = t.group, rows = t.nq * group, bs = t.block_size;
+  buf.reset(rows, d);
+  for (int64_t i = 0; i < t.nq; ++i)  // pre-scaled queries, rows (i, g)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* src = t.q + ((t.q0 + i) * t.num_heads + t.head0 + g) * d;
+      float* dst = buf.qs.data() + (i * group + g) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = src[j] * t.scale;
+    }
+  // Query i of the task sees keys [0, first_lim + i); the task needs keys [0, last_lim).
+  const int64_t first_lim = t.start_pos + t.q0 + 1, last_lim = first_lim + t.nq - 1;
+  for (int64_t k0 = 0, n = 0; k0 < last_lim; k0 += n) {
+    // Up to kKeys keys from k0, within k0's block and the task's causal reach.
+    n = std::min({kKeys, last_lim - k0, bs - k0 % bs});
+    const int64_t slot = static_cast<int64_t>(t.table[k0 / bs]) * bs + k0 % bs;
+    const float* kblk = t.k + slot * d;
+    const float* vblk = t.v + slot * d;
+    for (int64_t j = 0; j < d; ++j)  // transposed once, used by every row: kt[j][tt]
+      for (int64_t tt = 0; tt < kKeys; ++tt) buf.kt[j * kKeys + tt] = tt < n ? kblk[tt * d + j] : 0.f;
+    // The rows that see key k0 are a suffix (queries sorted by position), taken a tile at a time
+    // so a tile's queries, scores and outputs stay in L1 while the step's K/V are reused.
+    const int64_t r_begin = std::max<int64_t>(0, (k0 - first_lim + 1) * group);
+    for (int64_t r0 = r_begin; r0 < rows; r0 += kTileRows) {
+      const int64_t r1 = std::min(rows, r0 + kTileRows);
+      float* s = buf.p.data();
+      tile_scores(buf.qs.data() + r0 * d, buf.kt.data(), r1 - r0, d, s);
+      int64_t first = r1;  // the first row that sees one of these keys (a suffix again)
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t valid = std::min(n, first_lim + r / group - k0);
+        if (softmax_step(s + (r - r0) * kKeys, valid, &buf.m[r], &buf.l[r], buf.o.data() + r * d, d))
+          first = std::min(first, r);
+      }
+      tile_accumulate(s - r0 * kKeys, vblk, first, r1, n, d, buf.o.data());
+    }
+  }
+  for (int64_t i = 0; i < t.nq; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const float inv = 1.f / buf.l[r];
+      float* dst = t.out + ((t.q0 + i) * t.num_heads + t.head0 + g) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = buf.o[r * d + j] * inv;
+    }
+}
+
+}  // namespace
+
+// q:           [q_len, num_heads, head_dim]   float32: the chunk's queries
+// k/v_cache:   [num_kv_heads, num_slots, head_dim] float32, the chunk's own K/V written already
+// block_table: [>= ceil((start_pos + q_len) / block_size)] int32
+// returns      [q_len, num_heads, head_dim]   float32
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_table, int64_t start_pos, int64_t block_size,
+                               double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32,
+              "extend_attention: float32 tensors expected");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32, "extend_attention: int32 block table");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  const int64_t q_len = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
+  const int64_t group = num_heads / num_kv_heads;
+  TORCH_CHECK(block_table.size(0) * block_size >= start_pos + q_len,
+              "extend_attention: block table shorter than the context");
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  // One task per (kv head, slice of the queries): each reads the context once. The slices
+  // split the queries so every thread has work even with fewer kv heads than threads; later
+  // queries see more keys, so slice boundaries balance query-key pairs, not query counts.
+  const int64_t num_slices = std::min<int64_t>(
+      q_len, (at::get_num_threads() + num_kv_heads - 1) / num_kv_heads);
+  std::vector<int64_t> bounds(num_slices + 1, q_len);
+  bounds[0] = 0;
+  for (int64_t sl = 1; sl < num_slices; ++sl) {  // pairs up to query i ~ i * (start + i / 2)
+    const double total = q_len * (start_pos + q_len / 2.0), want = total * sl / num_slices;
+    int64_t i = bounds[sl - 1];
+    while (i < q_len && i * (start_pos + i / 2.0) < want) ++i;
+    bounds[sl] = std::max(i, bounds[sl - 1] + 1);
+  }
+  at::parallel_for(0, num_kv_heads * num_slices, 1, [&](int64_t begin, int64_t end) {
+    TileBuffers buf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kvh = task % num_kv_heads, sl = task / num_kv_heads;
+      const int64_t q0 = bounds[sl], nq = bounds[sl + 1] - q0;
+      if (nq <= 0) continue;
+      const ExtendTask t{qp, kp + kvh * num_slots * head_dim, vp + kvh * num_slots * head_dim, bt,
+                         start_pos, q0, nq, num_heads, kvh * group,
+                         group, head_dim, block_size, static_cast<float>(scale), op};
+      extend_task(t, buf);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
+  m.def("extend_attention", &extend_attention,
+        "paged attention of a prefill chunk after cached tokens (CPU, float32)");
 }
