@@ -9,17 +9,19 @@ chunks costs the decodes running beside it.
    plus a fresh `--budget`-token prefill, median of 3; acceptance: at most 1.5x), and with the
    gap when the whole prompt is one iteration (budget 16k: chunking off).
 
-The engine sizes late chunks by its cost model's quadratic prefill term (attention over the
-tokens before a chunk); this machine's start-up profile has only short prompts, so the term is
-measured here first: one budget-sized chunk after 0 and after 8k cached tokens.
+The engine sizes late chunks by its cost model (`CostModel.prefill_chunk`): the start-up
+profile times chunks after cached contexts, and the fit's pairs and prefill-context terms say
+what a chunk after `start_pos` cached tokens costs. Step 0 prints that profile's prediction for
+a budget-sized chunk after 0, 8k and 16k cached tokens next to the measured time (the profile
+times chunks after at most 3k: this checks its extrapolation).
 
     flock /tmp/fastserve-bench.lock .venv/bin/python benchmarks/long_prompts.py [--budget 512]
+        [--profile PATH: a cost model to use instead of the engine's start-up profile]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
 import time
@@ -44,22 +46,29 @@ def main() -> int:
     p.add_argument("--serve", type=int, default=32000, help="the prompt of part 1")
     p.add_argument("--skip-serve", action="store_true")
     p.add_argument("--skip-unchunked", action="store_true")
+    p.add_argument("--profile", default=None,
+                   help="cost model JSON (default: the engine's cached start-up profile)")
     args = p.parse_args()
     model = make_model("tiny", args.model_dir, max_position_embeddings=32768)
     opts = dict(model=str(model), dtype="float32", block_size=16, num_device_blocks=4200,
                 max_batch_size=8, policy="skip-join-mlfq", enable_prefix_caching=False)
 
-    profile = _measure_profile(opts, args.budget, Path(args.model_dir) / "profile-long.json")
+    profile = _check_profile(opts, args.profile, args.budget)
     if not args.skip_serve:
         _serve(opts, profile, args.serve, args.budget)
-    chunked = _gaps(opts, profile, args.long, args.budget)
+    gaps = _gaps(opts, profile, args.long, args.budget)
+    chunked = max(gaps)
     budget_s = _budget_iteration_s(opts, profile, args.budget)
     print(f"2. running decodes while a {args.long}-token prompt prefills in chunks of <= "
           f"{args.budget} tokens: largest inter-token gap {chunked * 1e3:.0f} ms; an iteration "
           f"at the full budget (4 decodes + {args.budget}-token prefill, median of 3) "
           f"{budget_s * 1e3:.0f} ms; ratio {chunked / budget_s:.2f} (<= 1.5 asked)")
+    print(f"   the {len(gaps)} gaps: median {statistics.median(gaps) * 1e3:.0f} ms, 90th "
+          f"percentile {statistics.quantiles(gaps, n=10)[-1] * 1e3:.0f} ms "
+          f"({statistics.median(gaps) / budget_s:.2f}x and "
+          f"{statistics.quantiles(gaps, n=10)[-1] / budget_s:.2f}x the budget iteration)")
     if not args.skip_unchunked:
-        whole = _gaps(opts, profile, args.long, args.long)
+        whole = max(_gaps(opts, profile, args.long, args.long))
         print(f"   chunking off (budget {args.long}): largest gap {whole * 1e3:.0f} ms "
               f"({whole / budget_s:.1f}x the budget iteration)")
     print("   (machine shared with other jobs: absolute times vary, ratios are from one run)")
@@ -70,11 +79,13 @@ def _engine(opts: dict[str, object], profile: str | None, budget: int) -> LLMEng
     return LLMEngine(engine_config(profile_path=profile, max_num_batched_tokens=budget, **opts))
 
 
-def _measure_profile(opts: dict[str, object], budget: int, out: Path) -> str:
-    """The start-up profile with its quadratic prefill term measured on long contexts."""
-    engine = _engine(opts, None, budget)
+def _check_profile(opts: dict[str, object], profile: str | None, budget: int) -> str:
+    """The cost model the engines below use (the start-up profile unless one is given),
+    written out, with its prediction for chunks after long contexts next to their timing."""
+    engine = _engine(opts, profile, budget)
     bs = 16
-    table = list(range(-(-(8192 + budget) // bs)))
+    longest = 16384
+    table = list(range(-(-(longest + budget) // bs)))
 
     def chunk_s(start: int) -> float:
         times = []
@@ -87,13 +98,18 @@ def _measure_profile(opts: dict[str, object], budget: int, out: Path) -> str:
         return statistics.median(times)
 
     engine.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(
-        "fill", [7] * 8192, 0, table, FIRST, 0, samples=False)]))  # the 8k context exists
-    at_0, at_8k = chunk_s(0), chunk_s(8192)
-    t2 = max(0.0, (at_8k - at_0) / (2 * budget * 8192))
-    cost = dataclasses.replace(engine.cost, per_prefill_token2_s=t2)
-    cost.to_json(out, note="start-up profile; per_prefill_token2_s from long contexts")
-    print(f"0. a {budget}-token chunk: {at_0 * 1e3:.0f} ms after 0 cached tokens, "
-          f"{at_8k * 1e3:.0f} ms after 8192: per_prefill_token2_s = {t2:.3g}")
+        "fill", [7] * longest, 0, table, FIRST, 0, samples=False)]))  # the context exists
+    c = engine.cost
+    print(f"0. cost model: {c.per_prefill_token_s * 1e6:.1f} us per prefill token, "
+          f"{c.per_prefill_token2_s * 1e9:.2f} ns per query-key pair, "
+          f"{c.per_prefill_context_token_s * 1e6:.2f} us per cached token a chunk reads")
+    for start in (0, 8192, longest - budget):
+        n = c.prefill_chunk(budget, start)
+        print(f"   a {budget}-token chunk after {start} cached tokens: {chunk_s(start) * 1e3:.0f} "
+              f"ms, predicted {c.prefill_s(budget, start) * 1e3:.0f} ms; the scheduler's chunk "
+              f"there: {n} tokens")
+    out = Path(tempfile.gettempdir()) / "fastserve-long-prompts-profile.json"
+    c.to_json(out, note="the cost model benchmarks/long_prompts.py ran with")
     return str(out)
 
 
@@ -115,8 +131,8 @@ def _serve(opts: dict[str, object], profile: str, n: int, budget: int) -> None:
           f"({engine.stats()['num_preemptions']} preemptions)")
 
 
-def _gaps(opts: dict[str, object], profile: str, n: int, budget: int) -> float:
-    """Largest inter-token gap of four decoding jobs while an n-token prompt prefills."""
+def _gaps(opts: dict[str, object], profile: str, n: int, budget: int) -> list[float]:
+    """Inter-token gaps of four decoding jobs while an n-token prompt prefills."""
     engine = _engine(opts, profile, budget)
     for i in range(4):
         engine.add_request([10 + i] * 32, DECODE, request_id=f"dec{i}")
@@ -125,7 +141,7 @@ def _gaps(opts: dict[str, object], profile: str, n: int, budget: int) -> float:
         for o in engine.step():
             last[o.request_id] = time.perf_counter()
     engine.add_request([20 + i % 3000 for i in range(n)], FIRST, request_id="long")
-    largest = 0.0
+    gaps: list[float] = []
     done = False
     while not done:
         for o in engine.step():
@@ -133,9 +149,9 @@ def _gaps(opts: dict[str, object], profile: str, n: int, budget: int) -> float:
             if o.request_id == "long":
                 done = True
             else:
-                largest = max(largest, now - last[o.request_id])
+                gaps.append(now - last[o.request_id])
                 last[o.request_id] = now
-    return largest
+    return gaps
 
 
 def _budget_iteration_s(opts: dict[str, object], profile: str, budget: int) -> float:

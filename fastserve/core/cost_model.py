@@ -15,7 +15,15 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class CostModel:
-    """iteration_s = fixed + per prefill token + per decoding job + per decode context token.
+    """iteration_s = fixed + per prefill token + per query-key pair of the prefills + per
+    cached token a prefill chunk reads + per decoding job + per decode context token.
+
+    A prefill of n tokens after `start_pos` cached ones (a later chunk, or the uncached rest
+    of a prompt with a cached prefix) costs `per_prefill_token_s` n, `per_prefill_token2_s`
+    (n^2 + 2 n start_pos) for its attention's query-key pairs (`ScheduledRequest.
+    num_prefill_pairs`), and `per_prefill_context_token_s` start_pos whatever n is: its
+    attention reads the cached K/V (memory traffic, block-table walk), which the pairs term
+    alone makes free for a small chunk after a long prefix.
 
     The per-decoding-job cost may change once the batch has `decode_knee` decodes: up to the
     knee each costs `per_decode_s`, beyond it `per_decode_beyond_knee_s` (0 = no knee, every
@@ -38,6 +46,8 @@ class CostModel:
     per_context_token_s: float = 1e-7
     # Quadratic attention term for long prefills (per prefill token squared).
     per_prefill_token2_s: float = 0.0
+    # Per cached token before a prefill chunk, once per chunk (see the class docstring).
+    per_prefill_context_token_s: float = 0.0
     decode_knee: int = 0  # see the class docstring
     per_decode_beyond_knee_s: float = 0.0
     # Host<->device copy bandwidth for KV swaps, and the bytes of one KV block.
@@ -73,11 +83,11 @@ class CostModel:
 
     def iteration_s(
         self, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int,
-        sum_prefill_sq: int = 0,
+        sum_prefill_sq: int = 0, num_prefill_context_tokens: int = 0,
     ) -> float:
         """One batch through the whole model (every pipeline stage, one after another)."""
         compute_s = self._compute_s(num_prefill_tokens, num_decodes, num_context_tokens,
-                                    sum_prefill_sq)
+                                    sum_prefill_sq, num_prefill_context_tokens)
         if self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1:
             return compute_s + self.stage_overhead_s
         return self.pipeline_parallel_size * self._stage_s(
@@ -85,11 +95,11 @@ class CostModel:
 
     def stage_s(
         self, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int,
-        sum_prefill_sq: int = 0,
+        sum_prefill_sq: int = 0, num_prefill_context_tokens: int = 0,
     ) -> float:
         """Time one pipeline stage spends on a batch (all of `iteration_s` when P = 1)."""
         compute_s = self._compute_s(num_prefill_tokens, num_decodes, num_context_tokens,
-                                    sum_prefill_sq)
+                                    sum_prefill_sq, num_prefill_context_tokens)
         return self._stage_s(compute_s, num_prefill_tokens + num_decodes)
 
     def allreduce_s(self, num_tokens: int) -> float:
@@ -104,12 +114,13 @@ class CostModel:
 
     def _compute_s(
         self, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int,
-        sum_prefill_sq: int,
+        sum_prefill_sq: int, num_prefill_context_tokens: int,
     ) -> float:
         return (
             self.fixed_s
             + self.per_prefill_token_s * num_prefill_tokens
             + self.per_prefill_token2_s * sum_prefill_sq
+            + self.per_prefill_context_token_s * num_prefill_context_tokens
             + self.decodes_s(num_decodes)
             + self.per_context_token_s * num_context_tokens
         )
@@ -134,19 +145,29 @@ class CostModel:
         """A prefill of `num_tokens` tokens alone, after `start_pos` tokens already cached
         (an earlier chunk, or a cached prefix) that its attention reads too."""
         pairs = num_tokens * num_tokens + 2 * num_tokens * start_pos
-        return self.iteration_s(num_tokens, 0, 0, pairs)
+        return self.iteration_s(num_tokens, 0, 0, pairs, start_pos)
 
     def prefill_chunk(self, budget: int, start_pos: int) -> int:
         """Most tokens a prefill after `start_pos` cached tokens may take this iteration so
         that its predicted cost stays within what `budget` tokens from scratch cost: attention
-        over a long cached prefix makes each new token dearer, and the running decodes should
-        not wait longer for a late chunk than for the first (chunked prefill's point)."""
+        over a long cached prefix makes each new token dearer (the pairs term) and the chunk
+        itself dearer (the context term), and the running decodes should not wait longer for
+        a late chunk than for the first (chunked prefill's point). At least one token, so a
+        prompt always advances."""
         t1, t2 = self.per_prefill_token_s, self.per_prefill_token2_s
-        if t2 <= 0 or start_pos <= 0 or budget <= 1:
+        tc = self.per_prefill_context_token_s
+        if (t2 <= 0 and tc <= 0) or start_pos <= 0 or budget <= 1:
             return budget
+        # t2 n^2 + b n + c <= 0, with c the chunk's fixed part less the allowance.
         limit_s = t1 * budget + t2 * budget * budget
-        b = t1 + 2 * t2 * start_pos  # t2 n^2 + b n <= limit_s
-        n = (-b + math.sqrt(b * b + 4 * t2 * limit_s)) / (2 * t2)
+        b = t1 + 2 * t2 * start_pos
+        c = tc * start_pos - limit_s
+        if c >= 0:
+            return 1
+        if t2 > 0:
+            n = (-b + math.sqrt(b * b - 4 * t2 * c)) / (2 * t2)
+        else:
+            n = -c / b if b > 0 else budget
         return max(1, min(budget, int(n)))
 
     def decode_s(self, context_tokens: int) -> float:

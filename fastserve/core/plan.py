@@ -21,21 +21,25 @@ class BatchShape(NamedTuple):
     num_decodes: int
     num_context_tokens: int  # of the decodes, their new tokens included
     sum_prefill_sq: int  # attention's quadratic part: query-key pairs of the prefills
+    # Cached tokens before the prefills (chunks after earlier chunks or a cached prefix):
+    # each chunk's attention reads them once.
+    num_prefill_context_tokens: int = 0
 
     @staticmethod
     def of(spans: Iterable[tuple[int, int]]) -> BatchShape:
         """From each job's (start position, tokens fed). As `ScheduledRequest.is_prefill`
         says: more than one token, or the first, is a prefill (or a chunk of one), and it
         counts its attention pairs (`ScheduledRequest.num_prefill_pairs`)."""
-        num_prefill = sum_sq = num_decodes = num_context = 0
+        num_prefill = sum_sq = num_decodes = num_context = num_prefill_context = 0
         for start, n in spans:
             if start == 0 or n > 1:
                 num_prefill += n
                 sum_sq += n * n + 2 * n * start
+                num_prefill_context += start
             else:
                 num_decodes += 1
                 num_context += start + n
-        return BatchShape(num_prefill, num_decodes, num_context, sum_sq)
+        return BatchShape(num_prefill, num_decodes, num_context, sum_sq, num_prefill_context)
 
 
 @dataclass(frozen=True)

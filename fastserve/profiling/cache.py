@@ -63,8 +63,10 @@ def load_cached(path: Path) -> CostModel | None:
 
 # Bumped when the fit changes what it would make of the same timings (2: the decode knee;
 # 3: knees only with two batch sizes on each side; 4: the engine's own per-iteration work
-# added, `fastserve.engine.overhead`), so cached profiles fitted the old way are measured again.
-FIT_VERSION = 4
+# added, `fastserve.engine.overhead`; 5: prefill chunks after long cached contexts timed and
+# the per-prefill-context-token term fitted), so cached profiles fitted the old way are
+# measured again.
+FIT_VERSION = 5
 
 
 def profile_cache_key(model_path: str | Path, config: EngineConfig) -> str:

@@ -10,7 +10,7 @@ from fastserve.core.cost_model import CostModel
 
 # The cost model's terms, in `Sample.features` order.
 FEATURES = ("fixed_s", "per_prefill_token_s", "per_prefill_token2_s", "per_decode_s",
-            "per_context_token_s")
+            "per_context_token_s", "per_prefill_context_token_s")
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,13 @@ class Sample:
     num_decodes: int
     num_context_tokens: int
     duration_s: float
+    # Cached tokens before the prefill chunks (`BatchShape.num_prefill_context_tokens`).
+    num_prefill_context_tokens: int = 0
 
     @property
     def features(self) -> list[float]:
         return [1.0, self.num_prefill_tokens, self.sum_prefill_sq, self.num_decodes,
-                self.num_context_tokens]
+                self.num_context_tokens, self.num_prefill_context_tokens]
 
 
 # Batch sizes tried as the decode cost's knee (0: none; see `CostModel`), and how much better
@@ -72,7 +74,7 @@ def fit_cost_model(
         coef = _nnls(xk, y, 1.0 / np.maximum(y, 1e-9))
         for _ in range(2 if fit_mean else 0):
             coef = _nnls(xk, y, 1.0 / np.maximum(xk @ coef, 1e-9))
-        if knee and not (coef[3] > 0 and coef[5] > 0):
+        if knee and not (coef[3] > 0 and coef[_BEYOND_KNEE] > 0):
             continue  # every decode costs something on either side
         fits.append((float(np.mean(((xk @ coef - y) / np.maximum(y, 1e-9)) ** 2)), knee, coef))
     best = fits[0]
@@ -80,15 +82,19 @@ def fit_cost_model(
         if fit[0] < best[0] * (1 - KNEE_MIN_GAIN):
             best = fit
     _, knee, coef = best
-    fixed, prefill, prefill2, decode, context = map(float, coef[:5])  # FEATURES order
+    fixed, prefill, prefill2, decode, context, prefill_context = map(float, coef[:_BEYOND_KNEE])
     return CostModel(fixed_s=fixed, per_prefill_token_s=prefill, per_prefill_token2_s=prefill2,
                      per_decode_s=decode, per_context_token_s=context,
-                     decode_knee=knee, per_decode_beyond_knee_s=float(coef[5]) if knee else 0.0,
+                     per_prefill_context_token_s=prefill_context, decode_knee=knee,
+                     per_decode_beyond_knee_s=float(coef[_BEYOND_KNEE]) if knee else 0.0,
                      kv_block_bytes=kv_block_bytes)
 
 
+_BEYOND_KNEE = len(FEATURES)  # the column of the decodes beyond a knee
+
+
 def _split_decodes(x: np.ndarray, knee: int) -> np.ndarray:
-    """FEATURES, the decodes counted up to `knee` only, then the decodes beyond it (a sixth
+    """FEATURES, the decodes counted up to `knee` only, then the decodes beyond it (one more
     column) when there is a knee."""
     if knee == 0:
         return x
@@ -126,5 +132,5 @@ def total_ratio(cost: CostModel, samples: list[Sample]) -> float:
 def predict(cost: CostModel, sample: Sample) -> float:
     s = sample
     return cost.iteration_s(s.num_prefill_tokens, s.num_decodes, s.num_context_tokens,
-                            s.sum_prefill_sq)
+                            s.sum_prefill_sq, s.num_prefill_context_tokens)
 

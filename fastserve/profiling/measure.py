@@ -1,5 +1,6 @@
-"""Time the real executor on a small grid of batches: prefills of several sizes, and decode
-batches of several sizes and context lengths (`fit.py` turns the timings into a `CostModel`)."""
+"""Time the real executor on a small grid of batches: prefills of several sizes, prefill chunks
+after long cached contexts, and decode batches of several sizes and context lengths (`fit.py`
+turns the timings into a `CostModel`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ class ProfileGrid:
         (1, 16), (16, 16), (4, 1024), (16, 256), (1, 1024), (4, 16), (16, 1024), (1, 256),
     )
     decode_steps: int = 2  # timed decode iterations per pair
+    # Prefill chunks of `chunk_lens` tokens after each of `chunk_starts` cached tokens (one
+    # untimed prefill fills the longest): what a later chunk of a long prompt costs, which
+    # fresh prefills cannot show (its attention reads the whole cached context: the pairs
+    # and prefill-context terms). Starts beyond the model's context are skipped.
+    chunk_starts: tuple[int, ...] = (1024, 3072)
+    chunk_lens: tuple[int, ...] = (16, 128)
     # Each batch is timed this many times and the fastest kept: noise from other processes
     # only ever adds time.
     repeats: int = 3
@@ -94,6 +101,14 @@ def measure(
         <= runner.num_blocks
     ]
     samples: list[Sample] = []
+    chunk_lens = sorted(grid.chunk_lens)
+    starts = [
+        s for s in sorted(grid.chunk_starts)
+        if chunk_lens and s + chunk_lens[-1] <= max_len
+        and num_blocks_for(s + chunk_lens[-1], runner.block_size) <= runner.num_blocks
+    ]
+    if starts:  # first: nothing else bounds a late chunk of a long prompt
+        samples += timer.chunks(starts, chunk_lens)
     # Interleave the two kinds so a budget cut still leaves both prefill and decode points.
     for prefill, pair in itertools.zip_longest(prefills, pairs):
         if clock() > deadline and len(samples) >= 2 * len(FEATURES):
@@ -120,6 +135,19 @@ class _Timer:
         duration = self._time([req(0, num_tokens)])
         self._finish([req])
         return Sample(num_tokens, num_tokens * num_tokens, 0, 0, duration)
+
+    def chunks(self, starts: list[int], lens: list[int]) -> list[Sample]:
+        """Fill one request's KV up to the longest start (untimed), then time a prefill chunk
+        of each length after each start (a rerun rewrites the same slots)."""
+        (req,) = self._requests(1, starts[-1] + lens[-1])
+        self.runner.execute(SchedulerOutput(scheduled=[req(0, starts[-1])]))
+        samples = []
+        for start in starts:
+            for n in lens:
+                duration = self._time([req(start, n)])
+                samples.append(Sample(n, n * n + 2 * n * start, 0, 0, duration, start))
+        self._finish([req])
+        return samples
 
     def decode(self, batch: int, context: int, steps: int) -> list[Sample]:
         """Fill `batch` requests' KV with `context` tokens (untimed), then time `steps` decode

@@ -13,6 +13,10 @@ from fastserve.profiling.fit import Sample
 
 logger = logging.getLogger(__name__)
 
+# One recorded iteration: prefill tokens, their pairs, decodes, decode context tokens, prefill
+# context tokens, step_s, cycle_s.
+_Row = tuple[int, int, int, int, int, float, float]
+
 
 class CostModelCheck:
     """How well the engine's cost model predicts its own iterations, kept up to date.
@@ -44,7 +48,8 @@ class CostModelCheck:
     def add(self, sample: Sample) -> None:
         s = sample
         predicted = self.cost.iteration_s(s.num_prefill_tokens, s.num_decodes,
-                                          s.num_context_tokens, s.sum_prefill_sq)
+                                          s.num_context_tokens, s.sum_prefill_sq,
+                                          s.num_prefill_context_tokens)
         self._predicted_s = self._predicted_s * self.decay + predicted
         self._measured_s = self._measured_s * self.decay + s.duration_s
         self.num_iterations += 1
@@ -85,10 +90,11 @@ class IterationRecorder:
         self.clock = clock
         self.check = check  # told every iteration recorded
         # (prefill tokens, sum of squared prefill lengths, decodes, decode context tokens,
-        #  step_s, cycle_s); preallocated so recording allocates one tuple per iteration.
-        self._rows: list[tuple[int, int, int, int, float, float] | None] = [None] * capacity
+        #  prefill context tokens, step_s, cycle_s); preallocated so recording allocates one
+        #  tuple per iteration.
+        self._rows: list[_Row | None] = [None] * capacity
         self._num_recorded = 0
-        self._open: tuple[int, int, int, int, float, float] | None = None  # cycle not closed yet
+        self._open: _Row | None = None  # cycle not closed yet
 
     @property
     def num_recorded(self) -> int:
@@ -99,8 +105,8 @@ class IterationRecorder:
         """Called first thing in a step: closes the previous iteration's cycle."""
         now = self.clock()
         if self._open is not None:
-            a, b, c, d, start_s, step_s = self._open
-            self._push((a, b, c, d, step_s, now - start_s))
+            a, b, c, d, e, start_s, step_s = self._open
+            self._push((a, b, c, d, e, step_s, now - start_s))
             self._open = None
         return now
 
@@ -108,31 +114,33 @@ class IterationRecorder:
         """Called last thing in a step; `is_busy`: work is left, so the next step follows."""
         if plan is None or plan.is_empty:
             return
-        num_prefill, num_decodes, num_context, sum_sq = plan.shape
+        num_prefill, num_decodes, num_context, sum_sq, prefill_context = plan.shape
         step_s = self.clock() - start_s
         if is_busy:  # cycle closes at the next begin(); start_s kept in the cycle slot
-            self._open = (num_prefill, sum_sq, num_decodes, num_context, start_s, step_s)
+            self._open = (num_prefill, sum_sq, num_decodes, num_context, prefill_context,
+                          start_s, step_s)
         else:
-            self._push((num_prefill, sum_sq, num_decodes, num_context, step_s, step_s))
+            self._push((num_prefill, sum_sq, num_decodes, num_context, prefill_context,
+                        step_s, step_s))
 
     def samples(self, cycle: bool = True) -> list[Sample]:
         """The buffered iterations, oldest first, timed by cycle (default) or by step alone."""
         n, cap = self._num_recorded, self.capacity
         rows = [self._rows[i % cap] for i in range(max(0, n - cap), n)]
         if self._open is not None:  # the last step: no next step to close its cycle
-            a, b, c, d, _start_s, step_s = self._open
-            rows.append((a, b, c, d, step_s, step_s))
-        return [Sample(a, b, c, d, cyc if cycle else step)
-                for a, b, c, d, step, cyc in (r for r in rows if r is not None)]
+            a, b, c, d, e, _start_s, step_s = self._open
+            rows.append((a, b, c, d, e, step_s, step_s))
+        return [Sample(a, b, c, d, cyc if cycle else step, e)
+                for a, b, c, d, e, step, cyc in (r for r in rows if r is not None)]
 
     def clear(self) -> None:
         self._rows = [None] * self.capacity
         self._num_recorded = 0
         self._open = None
 
-    def _push(self, row: tuple[int, int, int, int, float, float]) -> None:
+    def _push(self, row: _Row) -> None:
         self._rows[self._num_recorded % self.capacity] = row
         self._num_recorded += 1
         if self.check is not None:
-            a, b, c, d, _step_s, cycle_s = row
-            self.check.add(Sample(a, b, c, d, cycle_s))
+            a, b, c, d, e, _step_s, cycle_s = row
+            self.check.add(Sample(a, b, c, d, cycle_s, e))

@@ -51,12 +51,15 @@ def test_recorder_times_cycles_and_keeps_the_last_iterations() -> None:
     samples = rec.samples()
     assert rec.num_recorded == 3
     # The ring keeps the last two; the second iteration's cycle runs into the empty step.
-    assert [s.features for s in samples] == [[1, 0, 0, 2, 11 + 4], [1, 0, 0, 1, 12]]
+    assert [s.features for s in samples] == [[1, 0, 0, 2, 11 + 4, 0], [1, 0, 0, 1, 12, 0]]
     assert [s.duration_s for s in samples] == pytest.approx([0.004 + 0.001, 0.003])
     assert [s.duration_s for s in rec.samples(cycle=False)] == pytest.approx([0.004, 0.003])
     step(_plan((0, 5)), 0.002, 0.0, is_busy=True)  # not closed yet: reported as its step
     last = rec.samples()[-1]
-    assert last.features == [1, 5, 25, 0, 0] and last.duration_s == pytest.approx(0.002)
+    assert last.features == [1, 5, 25, 0, 0, 0] and last.duration_s == pytest.approx(0.002)
+    # A chunk of 4 after 100 cached tokens: its pairs, and the context it reads.
+    step(_plan((100, 4)), 0.002, 0.0, is_busy=True)
+    assert rec.samples()[-1].features == [1, 4, 4 * 4 + 2 * 4 * 100, 0, 0, 100]
     rec.clear()
     assert rec.samples() == [] and rec.num_recorded == 0
     with pytest.raises(ValueError, match="capacity"):

@@ -3,6 +3,8 @@ decodes, is charged chunk by chunk and is preempted between chunks."""
 
 from __future__ import annotations
 
+import pytest
+
 from fastserve.core.policies.mlfq import MLFQBase
 from tests.core.factories import UNIT_COST, make_engine, make_requests, make_scheduler
 
@@ -50,10 +52,17 @@ def test_chunks_are_charged_and_a_short_arrival_preempts_between_chunks() -> Non
     assert sched.kv.has_blocks(long_req.request_id)
 
 
-def test_late_chunks_shrink_so_an_iteration_costs_no_more_than_the_budget() -> None:
+@pytest.mark.parametrize("pairs_s,context_s", [(1e-6, 0.0), (1e-6, 5e-6), (0.0, 5e-6)],
+                         ids=["pairs", "pairs+context", "context"])
+def test_late_chunks_shrink_so_an_iteration_costs_no_more_than_the_budget(
+    pairs_s: float, context_s: float,
+) -> None:
+    """Whether a late chunk is dearer per token (attention pairs) or per chunk (reading the
+    cached context), the scheduler sizes it so its iteration costs no more than the first."""
     from fastserve.core.cost_model import CostModel
 
-    cost = CostModel(fixed_s=0.0, per_prefill_token_s=1e-4, per_prefill_token2_s=1e-6)
+    cost = CostModel(fixed_s=0.0, per_prefill_token_s=1e-4, per_prefill_token2_s=pairs_s,
+                     per_prefill_context_token_s=context_s)
     sched = make_scheduler("fcfs", cost=cost, max_num_batched_tokens=100)
     [req] = make_requests([1000], [1])
     sched.add_request(req, 0.0)

@@ -15,7 +15,7 @@ from fastserve.profiling.fit import FEATURES, Sample, fit_cost_model
 from fastserve.profiling.measure import ProfileGrid
 
 TRUE = CostModel(fixed_s=2e-3, per_prefill_token_s=4e-5, per_prefill_token2_s=1e-8,
-                 per_decode_s=3e-4, per_context_token_s=2e-7)
+                 per_decode_s=3e-4, per_context_token_s=2e-7, per_prefill_context_token_s=5e-7)
 
 
 @dataclass

@@ -209,7 +209,8 @@ class MLFQBase(Scheduler):
         decode step."""
         done = sched.num_context_tokens
         if not sched.samples:
-            chunk = min(self.config.max_num_batched_tokens, req.num_tokens - done)
+            budget = self.config.max_num_batched_tokens
+            chunk = min(self.charge.cost.prefill_chunk(budget, done), req.num_tokens - done)
             return self.charge.prefill_s(chunk, done)
         return self.charge.decode_s(done + 1)
 
@@ -269,8 +270,10 @@ class MLFQBase(Scheduler):
         """Predicted charge of the request's next iteration, from its current KV state."""
         num_new = req.num_tokens - req.num_computed_tokens
         if req.num_computed_tokens == 0 or num_new > 1:
-            chunk = min(num_new, self.config.max_num_batched_tokens)
-            return self.charge.prefill_s(chunk, req.num_computed_tokens)
+            done = req.num_computed_tokens
+            budget = self.config.max_num_batched_tokens
+            chunk = min(num_new, self.charge.cost.prefill_chunk(budget, done))
+            return self.charge.prefill_s(chunk, done)
         return self.charge.decode_s(req.num_tokens)
 
     def _key(self, job: _Job) -> Key:

@@ -80,11 +80,12 @@ class ChargeModel:
     def prefill_s(self, num_tokens: int, start_pos: int = 0, chunk: int = 0) -> float:
         """Predicted charge of prefilling `num_tokens` tokens after `start_pos` cached ones,
         in iterations of at most `chunk` tokens each (0 = all in one): what the job is
-        charged for its chunks, each attending over the tokens before it."""
-        chunk = chunk or num_tokens
+        charged for its chunks, each attending over the tokens before it and sized as the
+        scheduler sizes them (`CostModel.prefill_chunk`: smaller after a long prefix)."""
         total_s = 0.0
         while num_tokens > 0:
-            n = min(chunk, num_tokens)
+            n = min(self.cost.prefill_chunk(chunk, start_pos) if chunk else num_tokens,
+                    num_tokens)
             if self.mode == "iteration":
                 total_s += self.cost.prefill_s(n, start_pos)
             else:
@@ -138,7 +139,8 @@ class ChargeModel:
     def _prefill_part(self, n: int, start_pos: int = 0) -> float:
         """n new tokens after `start_pos` cached ones (see `ScheduledRequest.num_prefill_pairs`)."""
         pairs = n * n + 2 * n * start_pos
-        return self.cost.per_prefill_token_s * n + self.cost.per_prefill_token2_s * pairs
+        return (self.cost.per_prefill_token_s * n + self.cost.per_prefill_token2_s * pairs
+                + self.cost.per_prefill_context_token_s * start_pos)
 
     def _decode_part(self, num_context_tokens: int) -> float:
         return self.cost.per_decode_s + self.cost.per_context_token_s * num_context_tokens
