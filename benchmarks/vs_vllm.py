@@ -458,6 +458,9 @@ def main() -> None:
                     "(minutes) in every invocation")
     ap.add_argument("--vllm-start-timeout-s", type=float, default=900.0)
     args = ap.parse_args()
+    # A SIGTERM (someone stopping the run) unwinds like Ctrl-C, so the `finally` blocks stop
+    # the servers this run started instead of leaving them serving, orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.model is None:
         from fastserve.model.make_model import cached_model_path
 
