@@ -44,7 +44,7 @@ class ProfileGrid:
     # untimed prefill fills the longest): what a later chunk of a long prompt costs, which
     # fresh prefills cannot show (its attention reads the whole cached context: the pairs
     # and prefill-context terms). Starts beyond the model's context are skipped.
-    chunk_starts: tuple[int, ...] = (1024, 3072)
+    chunk_starts: tuple[int, ...] = (768, 1536, 3072)
     chunk_lens: tuple[int, ...] = (16, 128)
     # Each batch is timed this many times and the fastest kept: noise from other processes
     # only ever adds time.

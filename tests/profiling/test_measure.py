@@ -134,9 +134,13 @@ def test_profile_of_the_real_tiny_model(tiny_model_path: Path, one_thread: None)
     config = engine_config(model=str(tiny_model_path), num_device_blocks=64, warmup=False)
     runner, _ = build_runner(config)
     grid = ProfileGrid(prefill_lens=(8, 128, 32), decode_batches=((1, 16), (4, 64), (2, 128)),
-                       decode_steps=2, repeats=1, time_budget_s=5.0)
+                       decode_steps=2, repeats=1, time_budget_s=5.0, chunk_starts=(256, 512, 4096),
+                       chunk_lens=(16, 64))
     samples = measure(runner, grid)
-    assert len(samples) == 3 + 3 * 2
+    # Chunks after 256 and 512 cached tokens (4096 is beyond the pool), prefills, decodes.
+    assert len(samples) == 2 * 2 + 3 + 3 * 2
+    assert [(s.num_prefill_tokens, s.num_prefill_context_tokens) for s in samples[:4]] == [
+        (16, 256), (64, 256), (16, 512), (64, 512)]
     cost = fit_cost_model(samples, kv_block_bytes=runner.block_bytes)
     assert cost.kv_block_bytes == runner.block_bytes and cost.iteration_s(0, 1, 16) > 0
     assert cost.iteration_s(128, 0, 0, 128 * 128) > cost.iteration_s(8, 0, 0, 64)
