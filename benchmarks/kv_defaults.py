@@ -8,8 +8,13 @@ KV of the default policy's run with unlimited memory, at least the largest job),
 KV policy runs beside every alternative on the same workload and pool. Target: the default's
 average JCT <= 1.05x the best alternative's in every cell.
 
-    .venv/bin/python benchmarks/kv_defaults.py --cpu-profile profiles/cpu-tiny-2threads.json \\
+    .venv/bin/python benchmarks/kv_defaults.py --cpu-profile profiles/cpu-tiny-2threads-quiet.json \\
         [--seeds 0] [--jobs 2] [--num-requests 1000] [--load 0.9]
+
+`profiles/cpu-tiny-2threads-quiet.json` is `fastserve profile --through-engine --num-threads 2`
+on the tiny preset, measured on a quiet machine (KV copies 19 us a block);
+`profiles/cpu-tiny-2threads.json` was measured under heavy load (628 us a block) and is kept
+as a case where copies are dear (a test pins its decisions to it).
 
 The GPU profile is `kv_policies.A100_13B` (LLaMA-2-13B on an A100, PCIe 4.0 copies).
 """
