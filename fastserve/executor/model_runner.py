@@ -122,7 +122,8 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in pos]
             last.append(q_start + n - 1)
             ctx = r.start_pos + n
-            contiguous = is_contiguous(table[: -(-ctx // bs)])
+            live = table[: -(-ctx // bs)]  # the blocks its context occupies
+            contiguous = is_contiguous(live)
             # Who reads the cache through a gather index: a prefill after cached tokens (a
             # later chunk) and a decode, unless a kernel reads the block table itself.
             reads_cache = r.start_pos > 0 and not gathers_in_kernel
@@ -136,8 +137,8 @@ class ModelRunner:
                     slot_start=table[0] * bs,
                     slot_index=None
                     if contiguous or not reads_cache
-                    else self.attn.block_slots(table[: -(-ctx // bs)])[:ctx],
-                    block_table=torch.tensor(table[: -(-ctx // bs)], dtype=torch.int32)
+                    else self.attn.block_slots(live)[:ctx],
+                    block_table=torch.tensor(live, dtype=torch.int32)
                     if extends
                     else None,
                 )

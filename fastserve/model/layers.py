@@ -225,7 +225,6 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight
     return F.linear(x, weight, bias)
 
 
-
 class LinearBase(nn.Module):
     """y = x W^T (+ b) for this rank's shard of W [output_size_local, input_size_local]."""
 
@@ -251,7 +250,7 @@ class LinearBase(nn.Module):
             self.bias = _new_param(output_size)
             _set_loader(self.bias, self.weight_loader)
         # Set by the executor (`pack_for_small_batches`): the same weight in a backend's
-        # pre-packed layout, used for calls of at most `packed_max_rows` rows.
+        # pre-packed layout, used for calls of at most `packed.max_rows` rows.
         self.packed: PackedWeight | None = None
 
     def weight_loader(

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from fastserve.engine.async_llm import (
     AsyncLLM,
@@ -78,20 +79,10 @@ class OpenAIServing:
             "max_tokens", body.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
         )
         job = self._job("cmpl", body, ids, max_tokens)
-        first, outputs = await self._start(job, request, "prompt")
-        if job.stream:
-            return streaming.EventStream(self._completion_events(job, first, outputs))
-        final = await streaming.race_disconnect(request, streaming.last_output(first, outputs))
-        return JSONResponse(
-            schemas.CompletionResponse(
-                id=job.response_id,
-                created=job.created,
-                model=self.model_name,
-                choices=[
-                    schemas.CompletionChoice(text=final.text, finish_reason=_finish_reason(final))
-                ],
-                usage=_usage(job, final),
-            ).model_dump()
+        return await self._respond(
+            job, request, "prompt", self._completion_events, schemas.CompletionResponse,
+            lambda final: schemas.CompletionChoice(text=final.text,
+                                                   finish_reason=_finish_reason(final)),
         )
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
@@ -111,23 +102,12 @@ class OpenAIServing:
         field, requested = body.requested_max_tokens
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = self._job("chatcmpl", body, ids, max_tokens)
-        first, outputs = await self._start(job, request, "messages")
-        if job.stream:
-            return streaming.EventStream(self._chat_events(job, first, outputs))
-        final = await streaming.race_disconnect(request, streaming.last_output(first, outputs))
-        return JSONResponse(
-            schemas.ChatCompletionResponse(
-                id=job.response_id,
-                created=job.created,
-                model=self.model_name,
-                choices=[
-                    schemas.ChatChoice(
-                        message=schemas.ChatResponseMessage(content=final.text),
-                        finish_reason=_finish_reason(final),
-                    )
-                ],
-                usage=_usage(job, final),
-            ).model_dump()
+        return await self._respond(
+            job, request, "messages", self._chat_events, schemas.ChatCompletionResponse,
+            lambda final: schemas.ChatChoice(
+                message=schemas.ChatResponseMessage(content=final.text),
+                finish_reason=_finish_reason(final),
+            ),
         )
 
     # -- validation -----------------------------------------------------------------------
@@ -198,6 +178,26 @@ class OpenAIServing:
         )
 
     # -- engine ---------------------------------------------------------------------------
+
+    async def _respond(
+        self,
+        job: _Job,
+        request: Request,
+        prompt_param: str,
+        events: Callable[[_Job, RequestOutput, AsyncIterator[RequestOutput]],
+                         AsyncGenerator[str, None]],
+        response: Callable[..., BaseModel],
+        choice: Callable[[RequestOutput], BaseModel],
+    ) -> Response:
+        """Run the job: its event stream (`events`) when it streams, else one `response`
+        body whose single choice `choice` builds from the last output."""
+        first, outputs = await self._start(job, request, prompt_param)
+        if job.stream:
+            return streaming.EventStream(events(job, first, outputs))
+        final = await streaming.race_disconnect(request, streaming.last_output(first, outputs))
+        body = response(id=job.response_id, created=job.created, model=self.model_name,
+                        choices=[choice(final)], usage=_usage(job, final))
+        return JSONResponse(body.model_dump())
 
     async def _start(
         self, job: _Job, request: Request, prompt_param: str
