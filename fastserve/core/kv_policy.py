@@ -348,8 +348,12 @@ class ProactivePolicy(ReactivePolicy):
         # NOTE: with a job in the batch, a swapped job the device should not hold is only
         # deferred (see `defer_turn`). Under pressure most of a long queue is such jobs, and
         # looking at each one cost more than the rest of the walk.
+        # With inline copies nothing is uploaded ahead, so a swapped job comes back only
+        # when its turn comes (as under `reactive`): passing those the device "should not
+        # hold" left them waiting behind a reserve and an ENST order made for uploads ahead
+        # (the real CPU engine and the simulator both: 4-13% on average JCT behind reactive).
         kv = sched.kv
-        if kv.num_total_host_blocks == 0 or kv.num_swapped == 0:
+        if kv.num_total_host_blocks == 0 or kv.num_swapped == 0 or not sched.cost.copies_overlap:
             return ()
         wanted = self._wanted(sched)
         return {rid for rid in kv.swapped_ids() if rid not in wanted}
