@@ -32,6 +32,9 @@ _HELP = {
                          "(None = 5%% of the device pool)",
     "mlfq_levels": "MLFQ queue levels (None = robust: 4, or 6 while the finished jobs' output "
                    "lengths are heavy-tailed; paper: enough that the lowest outlasts any job)",
+    "calibrate_cost_model": "rescale the cost model the engine decides with when its "
+                            "iterations take a steady multiple of the start-up profile's "
+                            "prediction",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

@@ -49,6 +49,10 @@ class ModelConfig:
     # Keep the batch shape and wall time of the last N engine iterations (a ring buffer read
     # by `fastserve profile --through-engine` and benchmarks/sim_vs_real.py); 0 = off.
     record_iterations: int = 0
+    # Rescale the cost model the engine decides with (skip-join placement, ENST, the KV
+    # policy's copy budget) when its iterations take a steady multiple of the start-up
+    # profile's prediction (`CostModelCheck`): the machine drifts (other load, clocks).
+    calibrate_cost_model: bool = True
     # Most tokens of one request (prompt + output); None = the checkpoint's
     # max_position_embeddings. A longer prompt is rejected naming this limit.
     max_model_len: int | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
@@ -173,6 +173,25 @@ class CostModel:
     def decode_s(self, context_tokens: int) -> float:
         """One decode step of one job alone."""
         return self.iteration_s(0, 1, context_tokens)
+
+    def scaled(self, factor: float) -> CostModel:
+        """The model of a machine `factor` times slower at computing (every iteration term,
+        communication included); KV copies keep their measured bandwidth. What the engine
+        decides with once its running check finds its iterations taking a steady multiple of
+        the start-up profile's prediction (`fastserve.profiling.recorder.CostCalibration`)."""
+        if not factor > 0:
+            raise ValueError(f"scale factor must be > 0, got {factor}")
+        f = factor
+        return replace(
+            self, fixed_s=self.fixed_s * f, per_prefill_token_s=self.per_prefill_token_s * f,
+            per_decode_s=self.per_decode_s * f, per_context_token_s=self.per_context_token_s * f,
+            per_prefill_token2_s=self.per_prefill_token2_s * f,
+            per_prefill_context_token_s=self.per_prefill_context_token_s * f,
+            per_decode_beyond_knee_s=self.per_decode_beyond_knee_s * f,
+            allreduce_latency_s=self.allreduce_latency_s * f,
+            allreduce_bus_bytes_per_s=self.allreduce_bus_bytes_per_s / f,
+            p2p_latency_s=self.p2p_latency_s * f, p2p_bytes_per_s=self.p2p_bytes_per_s / f,
+            stage_overhead_s=self.stage_overhead_s * f)
 
     def swap_s(self, num_blocks: int) -> float:
         return num_blocks * self.kv_block_bytes / self.swap_bytes_per_s

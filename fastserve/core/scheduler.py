@@ -99,6 +99,12 @@ class Scheduler(ABC):
         self._finished_ids.append(req.request_id)
         self._on_finish(req, now)
 
+    def recalibrate(self, cost: CostModel) -> None:
+        """Decide with `cost` from the next iteration on: the engine's running check found
+        its iterations taking a steady multiple of what the old model predicted
+        (`CostCalibration`). Policies whose settings derive from the cost model rescale them."""
+        self.cost = cost
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)

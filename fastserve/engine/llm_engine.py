@@ -114,10 +114,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
-        # each also scored against the cost model (`cost_check`, shown in /metrics).
-        self.cost_check = CostModelCheck(cost)
+        # each also scored against the cost model (`cost_check`, shown in /metrics), which
+        # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
+        self.startup_cost = cost
+        self.cost_check = CostModelCheck(cost, calibrate=config.model.calibrate_cost_model,
+                                         on_calibrate=self._recalibrate)
         self.recorder = IterationRecorder(max(1, config.model.record_iterations),
                                           check=self.cost_check)
+
+    def _recalibrate(self, cost: CostModel) -> None:
+        """Decide with `cost` (the start-up profile, rescaled) from the next iteration on."""
+        self.cost = cost
+        self.scheduler.recalibrate(cost)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -260,8 +268,10 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "num_recomputes": s.moves.num_recomputes,
             "num_iterations": self.core.num_iterations,
-            # Recent predicted / measured iteration time (`CostModelCheck`).
+            # Recent predicted (start-up profile) / measured iteration time, and the scale
+            # the engine's cost model puts on the profile (`CostModelCheck`).
             "cost_model_ratio": self.cost_check.ratio,
+            "cost_model_scale": self.cost_check.scale,
             "prefix_cache_query_tokens": s.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
             "prefix_cache_device_blocks": self.kv.num_cached_blocks,

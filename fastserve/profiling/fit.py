@@ -24,6 +24,9 @@ class Sample:
     duration_s: float
     # Cached tokens before the prefill chunks (`BatchShape.num_prefill_context_tokens`).
     num_prefill_context_tokens: int = 0
+    # What the engine's cost model in force predicted for it (`CostModelCheck`; None: not
+    # scored): with calibration on, the start-up profile times the scale of that moment.
+    predicted_s: float | None = None
 
     @property
     def features(self) -> list[float]:
@@ -127,6 +130,21 @@ def total_ratio(cost: CostModel, samples: list[Sample]) -> float:
     """Predicted over measured time of all the samples: what a simulated run's busy time is
     off by (at high load, job completion times are off by a multiple of it)."""
     return sum(predict(cost, s) for s in samples) / sum(s.duration_s for s in samples)
+
+
+def in_force_error(samples: list[Sample]) -> float:
+    """`fit_error` against what the engine's cost model in force predicted for each sample
+    (`Sample.predicted_s`; samples it did not score are left out)."""
+    rel = [abs(s.predicted_s - s.duration_s) / s.duration_s for s in samples
+           if s.predicted_s is not None]
+    return float(np.median(rel)) if rel else float("nan")
+
+
+def in_force_ratio(samples: list[Sample]) -> float:
+    """`total_ratio` against what the engine's cost model in force predicted."""
+    scored = [s for s in samples if s.predicted_s is not None]
+    measured = sum(s.duration_s for s in scored)
+    return sum(s.predicted_s or 0.0 for s in scored) / measured if measured > 0 else float("nan")
 
 
 def predict(cost: CostModel, sample: Sample) -> float:

@@ -60,8 +60,13 @@ class _EngineCollector(Collector):
         yield queues
         yield GaugeMetricFamily(
             "fastserve_cost_model_ratio",
-            "recent engine iterations: the cost model's predicted time over the measured time",
-            value=s.get("cost_model_ratio", 1.0))
+            "recent engine iterations: the start-up profile's predicted time over the measured "
+            "time", value=s.get("cost_model_ratio", 1.0))
+        yield GaugeMetricFamily(
+            "fastserve_cost_model_scale",
+            "the start-up profile's times are multiplied by this in the cost model the engine "
+            "decides with (calibrated to the recent iterations; 1 = as profiled)",
+            value=s.get("cost_model_scale", 1.0))
         healthy = GaugeMetricFamily("fastserve_engine_healthy", "1 while the engine loop runs")
         healthy.add_metric([], 1.0 if self.llm.is_healthy else 0.0)
         yield healthy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def test_engine_records_one_sample_per_iteration(tiny_model_path: Path) -> None:
     # Iteration 0 prefills all three prompts; iteration k decodes, with context prompt + k
     # (the token fed this step included), every job that still has tokens to produce.
     assert samples[0] == Sample(sum(prompts), sum(p * p for p in prompts), 0, 0,
-                                samples[0].duration_s)
+                                samples[0].duration_s, 0, engine.cost.iteration_s(
+                                    sum(prompts), 0, 0, sum(p * p for p in prompts)))
     for k, s in enumerate(samples[1:], start=1):
         live = [p for p, n in zip(prompts, outputs) if n > k]
         assert (s.num_prefill_tokens, s.num_decodes, s.num_context_tokens) == (
@@ -130,6 +132,82 @@ def test_cost_model_check_follows_the_ratio_and_logs_a_drift(
         for _ in range(300):  # and back
             check.add(decode4)
     assert not check.is_drifting and [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+
+
+def test_calibration_rescales_the_model_in_force_to_follow_the_machine() -> None:
+    cost = CostModel(fixed_s=1e-3, per_prefill_token_s=1e-5, per_decode_s=1e-3,
+                     per_context_token_s=0.0, kv_block_bytes=1000, swap_bytes_per_s=1e6)
+    told: list[CostModel] = []
+    check = CostModelCheck(cost, half_life=50, min_iterations=20, calibrate=True,
+                           on_calibrate=told.append)
+    decode4 = Sample(0, 0, 4, 40, 5e-3)
+    for _ in range(100):
+        assert check.add(decode4) == pytest.approx(5e-3)
+    assert check.scale == 1.0 and not told
+    # The machine slows down by a quarter: the model in force follows within a few hundred
+    # iterations, as one uniform scale; copies keep their measured bandwidth.
+    predicted = [check.add(Sample(0, 0, 4, 40, 6.25e-3)) for _ in range(400)]
+    assert check.scale == pytest.approx(1.25, rel=0.04)
+    assert check.ratio == pytest.approx(0.8, abs=0.01)  # the profile itself is still off
+    assert check.ratio_in_force == pytest.approx(1.0, abs=0.04)
+    assert predicted[0] == pytest.approx(5e-3) and predicted[-1] == pytest.approx(6.25e-3, rel=0.04)
+    assert told[-1] == cost.scaled(check.scale)
+    assert told[-1].iteration_s(100, 4, 40) == pytest.approx(check.scale * cost.iteration_s(100, 4, 40))
+    assert told[-1].swap_s(10) == cost.swap_s(10)
+    assert told[-1].prefill_chunk(512, 4096) == cost.prefill_chunk(512, 4096)
+    # Off: it only watches.
+    watch = CostModelCheck(cost, half_life=50, min_iterations=20)
+    for _ in range(400):
+        assert watch.add(Sample(0, 0, 4, 40, 6.25e-3)) == pytest.approx(5e-3)
+    assert watch.scale == 1.0
+    with pytest.raises(ValueError, match="scale factor"):
+        cost.scaled(0.0)
+
+
+def test_engine_started_on_a_wrong_profile_decides_with_a_calibrated_one(
+    tiny_model_path: Path, one_thread: None, tmp_path: Path
+) -> None:
+    """A profile that makes every iteration 4x too cheap: within a few hundred iterations the
+    engine's cost model (its scheduler's too) is the profile scaled to what its iterations
+    take, and what the model in force predicted for the later ones adds up to their time."""
+    from fastserve.args import engine_config
+    from fastserve.engine.llm_engine import LLMEngine
+    from fastserve.profiling.fit import in_force_ratio
+
+    config = engine_config(model=str(tiny_model_path), warmup=False, startup_profile=False,
+                           record_iterations=10_000, policy="skip-join-mlfq", num_threads=1)
+    probe = LLMEngine(config)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def serve(engine: LLMEngine, rounds: int) -> None:
+        for r in range(rounds):
+            for i in range(8):
+                engine.add_request([7 + i + r] * (4 + i), params)
+            while engine.has_unfinished:
+                engine.step()
+
+    serve(probe, 2)
+    true = fit_cost_model(probe.recorder.samples(), kv_block_bytes=probe.runner.block_bytes,
+                          fit_mean=True)
+    wrong = tmp_path / "wrong.json"
+    true.scaled(0.25).to_json(wrong)
+    engine = LLMEngine(dataclasses.replace(config, profile_path=str(wrong)))
+    assert engine.cost == engine.startup_cost
+    assert engine.cost.per_decode_s == pytest.approx(0.25 * true.per_decode_s)
+    serve(engine, 12)
+    check = engine.cost_check
+    assert check.num_calibrations >= 1 and check.scale > 2.0
+    assert engine.cost == engine.startup_cost.scaled(check.scale)
+    assert engine.scheduler.cost is engine.cost
+    later = engine.recorder.samples()[check.min_iterations * 2:]
+    assert 0.75 <= in_force_ratio(later) <= 1.33
+    assert engine.stats()["cost_model_scale"] == check.scale
+    # Off: the engine decides with the profile as given, whatever its iterations take.
+    fixed = LLMEngine(dataclasses.replace(
+        config, profile_path=str(wrong),
+        model=dataclasses.replace(config.model, calibrate_cost_model=False)))
+    serve(fixed, 3)
+    assert fixed.cost == fixed.startup_cost and fixed.cost_check.scale == 1.0
 
 
 @pytest.mark.timeout(600)  # it profiles afresh

@@ -288,6 +288,30 @@ def test_quantum_is_derived_from_the_cost_model_when_not_set() -> None:
     assert math.isclose(sched.settings.quanta_s[1], 2 * sched.settings.quanta_s[0])
 
 
+def test_recalibrated_cost_model_keeps_derived_quanta_in_decode_steps() -> None:
+    # The engine found its iterations taking 1.5x the profile: placements and quanta follow,
+    # so a quantum still holds as many decode steps and a prompt still joins the same level.
+    sched = make_scheduler("skip-join-mlfq", cost=CostModel(), quantum_decode_steps=3.0)
+    assert isinstance(sched, MLFQBase)
+    before = sched.settings.quanta_s
+    [long] = make_requests([2000], [4])
+    level = sched.charge.prefill_s(2000)
+    sched.recalibrate(CostModel().scaled(1.5))
+    assert sched.cost == CostModel().scaled(1.5) and sched.charge.cost is sched.cost
+    assert sched.settings.quanta_s == pytest.approx([1.5 * q for q in before])
+    assert sched.charge.prefill_s(2000) == pytest.approx(1.5 * level)
+    sched.add_request(long, 0.0)
+    fresh = make_scheduler("skip-join-mlfq", cost=CostModel(), quantum_decode_steps=3.0)
+    [same] = make_requests([2000], [4])
+    fresh.add_request(same, 0.0)
+    assert sched.level_of(long.request_id) == fresh.level_of(same.request_id) > 0
+    # A quantum set in milliseconds is the user's: it stays.
+    fixed = make_scheduler("skip-join-mlfq", cost=CostModel(), base_quantum_ms=4.0)
+    assert isinstance(fixed, MLFQBase)
+    fixed.recalibrate(CostModel().scaled(2.0))
+    assert fixed.settings.quanta_s[0] == pytest.approx(4e-3)
+
+
 def test_mlfq_preempt_redoes_an_abandoned_decode_with_its_kv_kept() -> None:
     sched = mlfq("mlfq-preempt", base_quantum_ms=2.5)  # quanta 2.5, 5, 10 ms
     assert isinstance(sched, MLFQPreemptScheduler)

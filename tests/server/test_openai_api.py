@@ -476,6 +476,7 @@ def test_metrics_exposition(server: ServerProcess) -> None:
         ("fastserve_kv_blocks_total", "gauge"),
         ("fastserve_queue_length", "gauge"),
         ("fastserve_cost_model_ratio", "gauge"),
+        ("fastserve_cost_model_scale", "gauge"),
         ("fastserve_preemptions", "counter"),
         ("fastserve_requests_finished", "counter"),
         ("fastserve_ttft_seconds", "histogram"),
@@ -490,6 +491,7 @@ def test_metrics_exposition(server: ServerProcess) -> None:
     assert m["fastserve_ttft_seconds_count"] >= 1 and m["fastserve_jct_seconds_count"] >= 1
     assert m["fastserve_kv_blocks_total"] > 0
     assert m["fastserve_cost_model_ratio"] > 0  # predicted / measured iteration time
+    assert m["fastserve_cost_model_scale"] > 0  # the calibration on the start-up profile
     assert m['fastserve_http_errors_total{status="404"}'] >= 1
     # The default scheduler is a multi-level queue: one gauge per level, not one for all.
     levels = {k for k in m if k.startswith("fastserve_queue_length{")}

@@ -22,7 +22,7 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
@@ -85,6 +85,17 @@ class MLFQBase(Scheduler):
         self._num_added = 0
         self.num_demotions = 0
         self.num_promotions = 0
+
+    def recalibrate(self, cost: CostModel) -> None:
+        # Quanta derived from the decode step keep their length in steps (a quantum set in
+        # milliseconds keeps its milliseconds); the jobs' charges so far stand.
+        old_step_s = self.charge.step_s
+        super().recalibrate(cost)
+        self.charge = ChargeModel(cost, self.settings.charge, self.config.max_batch_size)
+        if self.config.base_quantum_ms <= 0 and old_step_s > 0:
+            factor = self.charge.step_s / old_step_s
+            self._quanta_s = tuple(q * factor for q in self._quanta_s)
+            self.settings = replace(self.settings, quanta_s=self._quanta_s)
 
     def level_of(self, request_id: str) -> int | None:
         """The request's queue (0 = Q1), or None when it is not here."""
