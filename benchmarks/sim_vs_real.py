@@ -9,9 +9,9 @@ per load and policy:
 - the real runs' average JCT: min, median and max;
 - the simulator's prediction with the engine's start-up profile (the cached profile, as a
   user would run the simulator before starting the engine);
-- the same with the engine's own cost model as it stood at the end of each real run: the
-  start-up profile times the scale its running check calibrated it to during the run
-  (`calibrate_cost_model`, on by default; one number per run, from the iterations before);
+- the same with the engine's own cost model in each real run: the start-up profile times the
+  scale its running check calibrated it to (`calibrate_cost_model`, on by default), averaged
+  over the run's iterations by their time (median over the runs);
 - the simulator's prediction with a profile fitted afterwards to each real run's own recorded
   iterations (median over the runs): that removes the machine's drift between profiling and
   running, and leaves the error of the model itself (its form, and what it leaves out:
@@ -49,6 +49,7 @@ from fastserve.profiling.fit import (
     fit_error,
     in_force_error,
     in_force_ratio,
+    mean_scale_in_force,
     total_ratio,
 )
 
@@ -97,14 +98,16 @@ def main() -> int:
                 jct = compute_metrics(jobs, len(workload))["jct_mean"]
                 runs[pol].append((jct, iterations[0], final[0]))
                 print(f"  real {pol:16s} rep {rep}: avg JCT {jct:.3f} s, "
-                      f"{len(iterations[0])} iterations, the engine's model ended at "
-                      f"{final[0].per_decode_s / cost.per_decode_s:.3f}x the start-up profile",
+                      f"{len(iterations[0])} iterations, the engine's model at "
+                      f"{mean_scale_in_force(cost, iterations[0]):.3f}x the start-up profile "
+                      f"on average, {final[0].per_decode_s / cost.per_decode_s:.3f}x at the end",
                       flush=True)
         for pol in policies:
             cfg = policy_config(config, pol)
             real = [jct for jct, _, _ in runs[pol]]
             sim_startup = _sim_jct(workload, cfg, cost)
-            sim_engine = [_sim_jct(workload, cfg, final) for _, _, final in runs[pol]]
+            sim_engine = [_sim_jct(workload, cfg, cost.scaled(mean_scale_in_force(cost, run)))
+                          for _, run, _ in runs[pol]]
             # Each run's own iterations, fitted: the machine as it was during that run.
             sim_fitted = [_sim_jct(workload, cfg, _refit(cost, samples))
                           for _, samples, _ in runs[pol]]

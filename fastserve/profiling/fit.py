@@ -147,6 +147,18 @@ def in_force_ratio(samples: list[Sample]) -> float:
     return sum(s.predicted_s or 0.0 for s in scored) / measured if measured > 0 else float("nan")
 
 
+def mean_scale_in_force(cost: CostModel, samples: list[Sample]) -> float:
+    """The scale the engine's calibration put on `cost` (its start-up profile) over the
+    samples, weighted by their time: the model it decided with, on average over a run."""
+    num = den = 0.0
+    for s in samples:
+        base = predict(cost, s)
+        if s.predicted_s is not None and base > 0:
+            num += s.duration_s * s.predicted_s / base
+            den += s.duration_s
+    return num / den if den > 0 else 1.0
+
+
 def predict(cost: CostModel, sample: Sample) -> float:
     s = sample
     return cost.iteration_s(s.num_prefill_tokens, s.num_decodes, s.num_context_tokens,

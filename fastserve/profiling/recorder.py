@@ -31,7 +31,7 @@ class CostModelCheck:
     when the drift starts (after `min_iterations`) and once when it ends: the scheduler's
     placement and the KV policy's copy budget rest on this model.
 
-    With `calibrate`, every `every` iterations from `min_iterations` on, when the iterations
+    With `calibrate`, every `every` iterations from `calibrate_after` on, when the iterations
     take a multiple of the profile's prediction (1 / `ratio`) more than `deadband` away from
     the `scale` in force, the scale becomes that multiple and `on_calibrate` gets the profile
     scaled by it (`CostModel.scaled`): the engine decides with it from then on. A uniform
@@ -41,7 +41,7 @@ class CostModelCheck:
     def __init__(self, cost: CostModel, half_life: int = 500, tolerance: float = 0.10,
                  min_iterations: int = 200, calibrate: bool = False,
                  on_calibrate: Callable[[CostModel], None] | None = None,
-                 deadband: float = 0.03, every: int = 50) -> None:
+                 deadband: float = 0.03, every: int = 25, calibrate_after: int = 50) -> None:
         self.cost = cost
         self.decay = 0.5 ** (1.0 / half_life)
         self.tolerance = tolerance
@@ -50,6 +50,7 @@ class CostModelCheck:
         self.on_calibrate = on_calibrate
         self.deadband = deadband
         self.every = every
+        self.calibrate_after = calibrate_after
         self.scale = 1.0  # the model in force: `cost.scaled(scale)`
         self.num_calibrations = 0
         self.num_iterations = 0
@@ -78,6 +79,9 @@ class CostModelCheck:
         self._predicted_s = self._predicted_s * self.decay + predicted
         self._measured_s = self._measured_s * self.decay + s.duration_s
         self.num_iterations += 1
+        if self.calibrate and self.num_iterations >= self.calibrate_after \
+                and self.num_iterations % self.every == 0:
+            self._calibrate()
         if self.num_iterations < self.min_iterations:
             return in_force
         drifting = abs(self.ratio - 1.0) > self.tolerance
@@ -93,15 +97,16 @@ class CostModelCheck:
             else:
                 logger.info("cost model back within %.0f%% of the measured iterations",
                             100 * self.tolerance)
-        if self.calibrate and self.num_iterations % self.every == 0:
-            target = 1.0 / self.ratio
-            if abs(target / self.scale - 1.0) > self.deadband:
-                self.scale = target
-                self.num_calibrations += 1
-                logger.debug("cost model calibrated: the start-up profile x %.3f", target)
-                if self.on_calibrate is not None:
-                    self.on_calibrate(self.cost.scaled(target))
         return in_force
+
+    def _calibrate(self) -> None:
+        target = 1.0 / self.ratio
+        if abs(target / self.scale - 1.0) > self.deadband:
+            self.scale = target
+            self.num_calibrations += 1
+            logger.debug("cost model calibrated: the start-up profile x %.3f", target)
+            if self.on_calibrate is not None:
+                self.on_calibrate(self.cost.scaled(target))
 
 
 class IterationRecorder:
