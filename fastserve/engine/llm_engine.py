@@ -116,8 +116,12 @@ class LLMEngine:
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
         # each also scored against the cost model (`cost_check`, shown in /metrics), which
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
+        # NOTE: not under pipeline parallelism: with several batches in flight a recorded
+        # cycle is about one stage's time, while the model predicts a batch's whole pass.
         self.startup_cost = cost
-        self.cost_check = CostModelCheck(cost, calibrate=config.model.calibrate_cost_model,
+        calibrate = config.model.calibrate_cost_model \
+            and config.parallel.pipeline_parallel_size == 1
+        self.cost_check = CostModelCheck(cost, calibrate=calibrate,
                                          on_calibrate=self._recalibrate)
         self.recorder = IterationRecorder(max(1, config.model.record_iterations),
                                           check=self.cost_check)
