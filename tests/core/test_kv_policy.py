@@ -333,19 +333,28 @@ def test_proactive_does_not_shuttle_jobs_queued_behind_a_full_device() -> None:
     (35k blocks moved against reactive's 5k), and lost to reactive on average JCT."""
     cost = CostModel(fixed_s=1.2e-3, per_prefill_token_s=1e-4, per_decode_s=9e-5,
                      per_context_token_s=7e-7, kv_block_bytes=65536)
-    workload = zipf_workload(500, 30.0, 4.0, 1.2, 256, 1024, seed=0)
-    runs = {}
-    for kv_policy in ("proactive", "reactive", "defer"):
-        config = engine_config(policy="skip-join-mlfq", kv_policy=kv_policy, max_batch_size=16,
-                               num_host_blocks=50_000)
-        run = simulate_run(workload, config, cost, 93)
-        assert len(run.finished) == 500
-        jcts = [r.finish_s - r.arrival_s for r in run.finished]
-        runs[kv_policy] = (sum(jcts) / len(jcts), run.swap_out_blocks)
+    runs = bursty_runs_per_kv_policy(cost, 500, 93)
     (pro_jct, pro_moved), (rea_jct, rea_moved) = runs["proactive"], runs["reactive"]
     assert pro_moved <= rea_moved
     assert pro_jct <= rea_jct
     assert 1.5 * pro_jct <= runs["defer"][0]
+
+
+def bursty_runs_per_kv_policy(cost: CostModel, num_jobs: int, num_blocks: int
+                              ) -> dict[str, tuple[float, int]]:
+    """(average JCT, blocks offloaded) per KV policy of skip-join MLFQ, batch 16, on a
+    heavy-tailed bursty workload (Zipf 1.2, CV 4, 30 jobs/s) and a device pool of
+    `num_blocks` (the simulator)."""
+    workload = zipf_workload(num_jobs, 30.0, 4.0, 1.2, 256, 1024, seed=0)
+    runs = {}
+    for kv_policy in ("proactive", "reactive", "defer"):
+        config = engine_config(policy="skip-join-mlfq", kv_policy=kv_policy, max_batch_size=16,
+                               num_host_blocks=50_000)
+        run = simulate_run(workload, config, cost, num_blocks)
+        assert len(run.finished) == num_jobs
+        jcts = [r.finish_s - r.arrival_s for r in run.finished]
+        runs[kv_policy] = (sum(jcts) / len(jcts), run.swap_out_blocks)
+    return runs
 
 # -- no leaks, every combination -------------------------------------------------------------
 
@@ -463,13 +472,6 @@ def test_with_cheap_inline_copies_proactive_is_not_behind_reactive() -> None:
                      per_context_token_s=3.59e-7, per_prefill_token2_s=2.87e-8,
                      per_prefill_context_token_s=2.0e-7, kv_block_bytes=65536,
                      swap_bytes_per_s=25e9, copies_overlap=False)
-    workload = zipf_workload(120, 30.0, 4.0, 1.2, 256, 1024, seed=0)
-    jct = {}
-    for kv_policy in ("proactive", "reactive", "defer"):
-        config = engine_config(policy="skip-join-mlfq", kv_policy=kv_policy, max_batch_size=16,
-                               num_host_blocks=50_000)
-        run = simulate_run(workload, config, cost, 56)
-        assert len(run.finished) == 120
-        jct[kv_policy] = sum(r.finish_s - r.arrival_s for r in run.finished) / 120
+    jct = {k: v[0] for k, v in bursty_runs_per_kv_policy(cost, 120, 56).items()}
     assert jct["proactive"] <= 1.01 * jct["reactive"]
     assert jct["proactive"] < jct["defer"]
