@@ -61,6 +61,12 @@ INLINE_COPY_SHARE = 0.1
 # and 2, robust variant): shares from 2% to 15% beat no reserve in most cells; 5% did in all
 # 14, by 2-18% on average JCT.
 DEFAULT_RESERVE_FRACTION = 0.05
+# The burst prediction keeps room for at most this share of the device pool (beyond the
+# batch's own growth). On a pool about the size of one large job, room for a batch of
+# predicted arrivals was most of the device: jobs a few tokens from done were offloaded for
+# arrivals and waited on the host behind them (benchmarks/kv_defaults.py, A100 profile, Zipf
+# 1.5, CV 1, a 32-block pool: 1.082x defer; capped at half, 1.028x; larger pools unchanged).
+BURST_MAX_SHARE = 0.5
 
 
 class SchedulerView(Protocol):
@@ -513,7 +519,8 @@ class ProactivePolicy(ReactivePolicy):
                deferred: Sequence[Request]) -> _Burst:
         """The blocks to keep free: for the batch's growth next iteration, for the jobs
         deferred this iteration, then for the non-resident jobs of the top `burst_queues`
-        queues, at most a batch of jobs (more cannot start next iteration)."""
+        queues, at most a batch of jobs (more cannot start next iteration) and at most
+        `BURST_MAX_SHARE` of the device pool beyond the batch's growth."""
         kv = sched.kv
         burst = _Burst()
         for r in batch:  # NOTE: this iteration's token is not appended yet: + 1
@@ -534,6 +541,7 @@ class ProactivePolicy(ReactivePolicy):
             if level is not None and level < self.burst_queues:
                 left -= 1
                 self._add(sched, burst, req)
+        burst.total = min(burst.total, burst.extra + int(BURST_MAX_SHARE * kv.num_total_blocks))
         return burst
 
     @staticmethod
