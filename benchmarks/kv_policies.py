@@ -304,8 +304,8 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
           copy_workers: Sequence[str] = ("auto",), sim_profile: str | None = None,
           rate: float = REAL_RATE, num_requests: int | None = None) -> list[str]:
     """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
-    times, interleaved (this machine is shared: a slow minute hits every policy alike), and
-    the ratios are of the medians. With several `copy_workers`, proactive runs once per CPU
+    times, interleaved in an order that rotates each repetition (this machine is shared: a
+    slow minute hits every policy alike), and the ratios are of the medians. With several `copy_workers`, proactive runs once per CPU
     copy mode in each repetition (`proactive/<mode>`); the first is the one the ratios use.
     With `sim_profile`, the simulator's prediction for the same workload and pool follows."""
     wl = real_workload(quick, rate, num_requests)
@@ -328,8 +328,10 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
                                       ("defer", copy_workers[0], "defer"),
                                       ("recompute", copy_workers[0], "recompute")]
     jct: dict[str, list[float]] = {name: [] for _, _, name in runs}
-    for _ in range(reps):
-        for kv_policy, worker, name in runs:
+    for rep in range(reps):
+        # The order rotates each repetition: no policy always runs first (a fresh host pool
+        # to fault in after the pool-less `recompute`) or after the same one.
+        for kv_policy, worker, name in runs[rep % len(runs):] + runs[:rep % len(runs)]:
             jobs, kv, run_s, slow = run_engine(wl, config(kv_policy, blocks, worker))
             m = compute_metrics(jobs, len(wl), kv)
             jct[name].append(m["jct_mean"])
