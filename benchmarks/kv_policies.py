@@ -305,8 +305,9 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
           rate: float = REAL_RATE, num_requests: int | None = None) -> list[str]:
     """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
     times, interleaved in an order that rotates each repetition (this machine is shared: a
-    slow minute hits every policy alike), and the ratios are of the medians. With several `copy_workers`, proactive runs once per CPU
-    copy mode in each repetition (`proactive/<mode>`); the first is the one the ratios use.
+    slow minute hits every policy alike), and the ratios are of the medians. With several
+    `copy_workers`, proactive runs once per CPU copy mode in each repetition
+    (`proactive/<mode>`); the first is the one the ratios use.
     With `sim_profile`, the simulator's prediction for the same workload and pool follows."""
     wl = real_workload(quick, rate, num_requests)
     label = f"{variant} @{rate:g}/s"

@@ -88,30 +88,30 @@ def main() -> int:
         workload = spec.build(cost, args.max_batch_size)
         print(f"\nload {load}: {len(workload)} requests over "
               f"{workload[-1].arrival_s - workload[0].arrival_s:.1f} s", flush=True)
-        runs: dict[str, list[tuple[float, list[Sample], CostModel]]] = {pol: [] for pol in policies}
+        runs: dict[str, list[tuple[float, list[Sample]]]] = {pol: [] for pol in policies}
         for rep in range(args.reps):  # reps outermost: slow spells of the machine hit all
             for pol in policies:
                 iterations: list[list[Sample]] = []
-                final: list[CostModel] = []
+                final: list[float] = []
                 jobs = asyncio.run(run_real(workload, policy_config(config, pol), args.seed,
-                                            iterations_out=iterations, cost_out=final))
+                                            iterations_out=iterations, scale_out=final))
                 jct = compute_metrics(jobs, len(workload))["jct_mean"]
-                runs[pol].append((jct, iterations[0], final[0]))
+                runs[pol].append((jct, iterations[0]))
                 print(f"  real {pol:16s} rep {rep}: avg JCT {jct:.3f} s, "
                       f"{len(iterations[0])} iterations, the engine's model at "
                       f"{mean_scale_in_force(cost, iterations[0]):.3f}x the start-up profile "
-                      f"on average, {final[0].per_decode_s / cost.per_decode_s:.3f}x at the end",
+                      f"on average, {final[0]:.3f}x at the end",
                       flush=True)
         for pol in policies:
             cfg = policy_config(config, pol)
-            real = [jct for jct, _, _ in runs[pol]]
+            real = [jct for jct, _ in runs[pol]]
             sim_startup = _sim_jct(workload, cfg, cost)
             sim_engine = [_sim_jct(workload, cfg, cost.scaled(mean_scale_in_force(cost, run)))
-                          for _, run, _ in runs[pol]]
+                          for _, run in runs[pol]]
             # Each run's own iterations, fitted: the machine as it was during that run.
             sim_fitted = [_sim_jct(workload, cfg, _refit(cost, samples))
-                          for _, samples, _ in runs[pol]]
-            samples = [s for _, run, _ in runs[pol] for s in run]
+                          for _, samples in runs[pol]]
+            samples = [s for _, run in runs[pol] for s in run]
             all_samples += samples
             rows.append({
                 "load": load, "policy": pol, "real_jct_s": real,

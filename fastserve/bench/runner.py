@@ -191,15 +191,15 @@ async def run_real(
     progress: bool = False,
     kv_out: list[KVStats] | None = None,
     iterations_out: list[list[Sample]] | None = None,
-    cost_out: list[CostModel] | None = None,
+    scale_out: list[float] | None = None,
 ) -> list[JobTimes]:
     """Send the workload to a real `AsyncLLM` on the wall clock, each job at its arrival time.
 
     Prompts are random token ids of the right lengths (the same for every policy, from `seed`);
     outputs have exactly the target length (`ignore_eos`, `max_tokens`), and the oracle policy
     is told that length. The engine's KV counters are appended to `kv_out` when given, and its
-    recorded iterations (`record_iterations` > 0) to `iterations_out`, and the cost model it
-    decided with at the end (its start-up profile, calibrated to the run) to `cost_out`.
+    recorded iterations (`record_iterations` > 0) to `iterations_out`, and the scale its
+    calibration put on the start-up profile at the end of the run to `scale_out`.
     """
     from fastserve.engine.async_llm import AsyncLLM  # here, not above: keeps `fastserve -h` fast
 
@@ -229,8 +229,8 @@ async def run_real(
         kv_out.append(KVStats.from_engine_stats(llm.engine.stats()))
     if iterations_out is not None and llm.engine.recorder is not None:
         iterations_out.append(llm.engine.recorder.samples())
-    if cost_out is not None:
-        cost_out.append(llm.engine.cost)
+    if scale_out is not None:
+        scale_out.append(llm.engine.cost_check.scale)
     errors = [d for d in done if isinstance(d, BaseException)]
     if errors:
         # NOTE: a rejected job (say, a prompt over the model's context) counts as unfinished.

@@ -178,7 +178,7 @@ class CostModel:
         """The model of a machine `factor` times slower at computing (every iteration term,
         communication included); KV copies keep their measured bandwidth. What the engine
         decides with once its running check finds its iterations taking a steady multiple of
-        the start-up profile's prediction (`fastserve.profiling.recorder.CostCalibration`)."""
+        the start-up profile's prediction (`fastserve.profiling.recorder.CostModelCheck`)."""
         if not factor > 0:
             raise ValueError(f"scale factor must be > 0, got {factor}")
         f = factor

@@ -102,7 +102,7 @@ class Scheduler(ABC):
     def recalibrate(self, cost: CostModel) -> None:
         """Decide with `cost` from the next iteration on: the engine's running check found
         its iterations taking a steady multiple of what the old model predicted
-        (`CostCalibration`). Policies whose settings derive from the cost model rescale them."""
+        (`CostModelCheck`). Policies whose settings derive from the cost model rescale them."""
         self.cost = cost
 
     @property

@@ -118,13 +118,17 @@ class LLMEngine:
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
         # NOTE: not under pipeline parallelism: with several batches in flight a recorded
         # cycle is about one stage's time, while the model predicts a batch's whole pass.
-        self.startup_cost = cost
         calibrate = config.model.calibrate_cost_model \
             and config.parallel.pipeline_parallel_size == 1
         self.cost_check = CostModelCheck(cost, calibrate=calibrate,
                                          on_calibrate=self._recalibrate)
         self.recorder = IterationRecorder(max(1, config.model.record_iterations),
                                           check=self.cost_check)
+
+    @property
+    def startup_cost(self) -> CostModel:
+        """The start-up profile (or `--profile`): what calibration scales."""
+        return self.cost_check.cost
 
     def _recalibrate(self, cost: CostModel) -> None:
         """Decide with `cost` (the start-up profile, rescaled) from the next iteration on."""
