@@ -3,6 +3,7 @@ production prefix cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -97,3 +98,11 @@ def test_proactive_uploads_a_waiting_jobs_host_tier_prefix_ahead_of_its_turn() -
     assert run.prefix_prefetched_tokens > 0
     assert [r.num_output_tokens for r in run.finished] == \
         [r.params.max_tokens for r in run.finished]
+    # Where copies hold up the iteration (a CPU), nothing is fetched early: a job's host-tier
+    # prefix is uploaded when it starts, and the hits are still there.
+    inline = simulate_run(work, config, dataclasses.replace(COST, copies_overlap=False), 300)
+    assert inline.prefix_prefetched_tokens == 0
+    assert inline.prefix_host_hit_tokens > 0
+    assert inline.prefix_hit_tokens >= 0.9 * run.prefix_hit_tokens
+    assert [r.num_output_tokens for r in inline.finished] == \
+        [r.params.max_tokens for r in inline.finished]
