@@ -29,13 +29,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv_policies import A100_13B, HOST_GIB, largest_job_blocks
+from kv_policies import HOST_GIB, largest_job_blocks
 
 from fastserve.args import engine_config
 from fastserve.bench.metrics import JobTimes, compute_metrics
 from fastserve.bench.workloads import WorkItem, scale_to_load, zipf_workload
 from fastserve.config import CacheConfig
 from fastserve.core.cost_model import CostModel
+from fastserve.sim.profiles import A100_13B
 from fastserve.sim.simulator import ample_blocks, simulate_run
 
 BATCH = 16

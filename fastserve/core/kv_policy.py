@@ -424,23 +424,25 @@ class ProactivePolicy(ReactivePolicy):
 
     def plan_ahead(self, sched: SchedulerView, order: Sequence[Request], batch: Sequence[Request],
                    now: float) -> None:
-        self._move_jobs(sched, order, batch)
-        # 3. Then the prefix cache's host tier, with what room and copy time are left. Not
-        # with inline copies: a job's host-tier prefix is uploaded when it starts anyway, and
-        # the walk found nothing to fetch early yet cost 70 us an iteration on the real CPU
-        # engine (a third of the scheduler's time; benchmarks/kv_policies.py --part real).
-        if sched.kv.num_cached_host_blocks and sched.cost.copies_overlap:
+        self._budget.compute_s = _predict_compute_s(sched, batch)
+        deferred, self._deferred = self._deferred, []
+        if not sched.cost.copies_overlap:
+            # NOTE: inline copies add their time to the iteration whenever they are made: a
+            # move ahead of need (a job's KV, or a host-tier prefix, which is uploaded when its
+            # job starts anyway) costs what the same move costs when needed, and may be wasted.
+            # The prefetch walk alone, fetching nothing, cost 70 us an iteration on the real
+            # CPU engine (a third of the scheduler's time; benchmarks/kv_policies.py --part real).
+            return
+        self._move_jobs(sched, order, batch, deferred)
+        # 3. Then the prefix cache's host tier, with what room and copy time are left.
+        if sched.kv.num_cached_host_blocks:
             self._prefetch(sched, self._budget)
 
     def _move_jobs(self, sched: SchedulerView, order: Sequence[Request],
-                   batch: Sequence[Request]) -> None:
+                   batch: Sequence[Request], deferred: Sequence[Request]) -> None:
         kv = sched.kv
         budget = self._budget
-        budget.compute_s = _predict_compute_s(sched, batch)
-        deferred, self._deferred = self._deferred, []
-        if kv.num_total_host_blocks == 0 or not sched.cost.copies_overlap:
-            # NOTE: inline copies add their time to the iteration whenever they are made: a
-            # move ahead of need costs what the same move costs when needed, and may be wasted.
+        if kv.num_total_host_blocks == 0:
             return
         burst = self._burst(sched, order, batch, deferred)
         if kv.num_free_soon >= max(self.reserve_blocks, burst.total) and sched.kv.num_swapped == 0:

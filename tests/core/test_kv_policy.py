@@ -36,6 +36,7 @@ from fastserve.core.scheduler import Scheduler
 from fastserve.engine.core import EngineCore
 from fastserve.request import Request, RequestStatus
 from fastserve.sim.executor import SimExecutor
+from fastserve.sim.profiles import A100_13B
 from fastserve.sim.simulator import simulate_run
 from tests.core.factories import (
     TIGHT_BLOCKS,
@@ -483,14 +484,12 @@ def test_on_a_pool_the_size_of_one_job_proactive_keeps_near_done_jobs_resident()
     predicted arrivals was most of that pool, so jobs a few tokens from done were offloaded
     for them and waited on the host (1.082x defer's average JCT); the burst reservation is
     capped at half the pool."""
-    cost = CostModel(fixed_s=18e-3, per_prefill_token_s=1.4e-4, per_prefill_token2_s=2.2e-9,
-                     per_decode_s=1.5e-4, per_context_token_s=5.1e-7, swap_bytes_per_s=25e9,
-                     kv_block_bytes=16 * 2 * 40 * 5120 * 2)
-    workload = scale_to_load(zipf_workload(1000, 1.0, 1.0, 1.5, 512, 512, seed=0), 0.9, cost, 16)
+    workload = scale_to_load(zipf_workload(1000, 1.0, 1.0, 1.5, 512, 512, seed=0), 0.9,
+                             A100_13B, 16)
     jct = {}
     for kv_policy in ("proactive", "defer"):
         config = engine_config(kv_policy=kv_policy, max_batch_size=16, swap_space_gib=256.0)
-        run = simulate_run(workload, config, cost, 32)
+        run = simulate_run(workload, config, A100_13B, 32)
         assert len(run.finished) == 1000
         jct[kv_policy] = sum(r.finish_s - r.arrival_s for r in run.finished) / 1000
     assert jct["proactive"] <= 1.05 * jct["defer"]
