@@ -36,7 +36,6 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 from sim_sweep import (
     FCFS,
-    GPU_CLASS,
     MAX_AVG_VS_FCFS,
     MAX_P99_VS_FCFS,
     MAX_VS_ORACLE,
@@ -46,6 +45,8 @@ from sim_sweep import (
     grid,
     run_one,
 )
+
+from fastserve.sim.profiles import A100_7B
 
 # skip-join-mlfq with a fixed number of levels: more come closer to least attained service.
 FIXED_DEPTHS = tuple(f"{MLFQ}:mlfq-levels={n}" for n in (4, 5, 6, 8)) + (
@@ -84,7 +85,7 @@ def run_sim_part(quick: bool, jobs: int) -> int:
     start = time.perf_counter()
     res: dict[str, dict[str, dict[str, float]]] = {c.name: {} for c in cells}
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(run_one, c, p, GPU_CLASS) for c in cells for p in policies]
+        futures = [pool.submit(run_one, c, p, A100_7B) for c in cells for p in policies]
         for fut in futures:
             name, policy, metrics, _ = fut.result()
             res[name][policy] = metrics

@@ -14,7 +14,7 @@ then prints per cell FCFS's average and p99 JCT, and the ratios of each skip-joi
 
     .venv/bin/python benchmarks/sim_sweep.py [--quick] [--profile P] [--jobs N] [--out F]
 
-Without --profile it uses GPU_CLASS, a hand-written cost model of a 7B model in fp16 on an
+Without --profile it uses A100_7B, a hand-written cost model of a 7B model in fp16 on an
 A100-class GPU.
 """
 
@@ -34,20 +34,10 @@ from fastserve.args import engine_config
 from fastserve.bench.metrics import compute_metrics
 from fastserve.bench.runner import WorkloadSpec, policy_config, run_sim
 from fastserve.core.cost_model import CostModel
+from fastserve.sim.profiles import A100_7B
 
 TRACE = os.environ.get("FASTSERVE_TRACE", "/work/shared/traces/azure_conv_2023.csv")
 BATCH = 16
-
-# 7B fp16 on an A100-class GPU: a decode step reads the 14 GB of weights (~7 ms at 2 TB/s, plus
-# launch overheads), prefill runs near 300 TFLOP/s (2 * 7e9 FLOP per token), KV is 0.5 MB per
-# token, and attention's quadratic part is 4 * layers * hidden FLOP per token pair.
-GPU_CLASS = CostModel(
-    fixed_s=12e-3,
-    per_prefill_token_s=5e-5,
-    per_prefill_token2_s=1.7e-9,
-    per_decode_s=1e-4,
-    per_context_token_s=2.5e-7,
-)
 
 MLFQ = "skip-join-mlfq"
 PAPER = "skip-join-mlfq:mlfq-variant=paper"
@@ -147,7 +137,7 @@ def print_cell(cell: Cell, res: dict[str, dict[str, float]], policies: list[str]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", help="cost-model JSON (default: the GPU_CLASS model)")
+    ap.add_argument("--profile", help="cost-model JSON (default: the A100_7B model)")
     ap.add_argument("--num-requests", type=int, default=1000, help="jobs per Zipf cell")
     ap.add_argument("--trace-window-s", type=float, default=600.0)
     ap.add_argument("--extra-policies", action=argparse.BooleanOptionalAction, default=True,
@@ -158,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write every cell's metrics to this JSON")
     args = ap.parse_args(argv)
 
-    cost = CostModel.from_json(args.profile) if args.profile else GPU_CLASS
+    cost = CostModel.from_json(args.profile) if args.profile else A100_7B
     policies = list(REQUIRED) + (list(EXTRA) if args.extra_policies else [])
     cells = grid(args.quick, args.num_requests, args.trace_window_s, args.seed)
     print(f"cost model: {dataclasses.asdict(cost)}")

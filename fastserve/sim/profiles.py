@@ -24,3 +24,14 @@ A100_13B = CostModel(
     swap_bytes_per_s=25e9,
     kv_block_bytes=16 * 2 * 40 * 5120 * 2,
 )
+
+# 7B fp16 on an A100-class GPU: a decode step reads the 14 GB of weights (~7 ms at 2 TB/s, plus
+# launch overheads), prefill runs near 300 TFLOP/s (2 * 7e9 FLOP per token), KV is 0.5 MB per
+# token, and attention's quadratic part is 4 * layers * hidden FLOP per token pair.
+A100_7B = CostModel(
+    fixed_s=12e-3,
+    per_prefill_token_s=5e-5,
+    per_prefill_token2_s=1.7e-9,
+    per_decode_s=1e-4,
+    per_context_token_s=2.5e-7,
+)
