@@ -18,6 +18,11 @@ The client shares the machine with the server, so it is a minimal raw-socket one
 
     .venv/bin/python benchmarks/http_bench.py [--schedulers fcfs,skip-join-mlfq] [--reps 3]
         [--num-requests 200] [--rate 200] [--cv 4] [--preset tiny|small | --model DIR]
+
+On a GPU (issue 24's served line: heavy-tailed bursty, 0.9 of the measured capacity):
+
+    python benchmarks/http_bench.py --preset llama-2-7b --device cuda --dtype bfloat16 \
+        --load 0.9 --theta 1.2 --cv 4 --max-output-len 512 --max-batch-size 128 --reps 1
 """
 
 from __future__ import annotations
@@ -159,7 +164,8 @@ def start_server(scheduler: str, args: argparse.Namespace, log_dir: Path) -> Ser
     log_path = log_dir / f"server-{scheduler}.log"
     cmd = [sys.executable, "-m", "fastserve.cli", "serve", *([args.model] if args.model else []),
            "--port", "0", "--scheduler", scheduler, "--dtype", args.dtype,
-           "--max-batch-size", str(args.max_batch_size), "--no-access-log", "--log-level", "warning"]
+           "--max-batch-size", str(args.max_batch_size), "--no-access-log", "--log-level", "warning",
+           "--device", args.device, "--load-format", args.load_format, *args.server_arg]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -196,7 +202,8 @@ def run_offline(scheduler: str, args: argparse.Namespace, items: list[WorkItem],
     """Output tokens per second of `LLM.generate` over all jobs at once (no arrival times)."""
     from fastserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, policy=scheduler, max_batch_size=args.max_batch_size)
+    llm = LLM(model=args.model, dtype=args.dtype, policy=scheduler, max_batch_size=args.max_batch_size,
+              device=args.device, load_format=args.load_format)
     params = [SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True) for w in items]
     result: list[float] = []
 
@@ -243,9 +250,17 @@ def main() -> None:
     ap.add_argument("--schedulers", default="fcfs,skip-join-mlfq",
                     help="comma-separated scheduling policies, one server each")
     ap.add_argument("--model", default=None, help="HF checkpoint directory (default: --preset)")
-    ap.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+    ap.add_argument("--preset", choices=["tiny", "small", "llama-2-7b", "llama-3-8b"], default="tiny",
                     help="built-in random-weight preset when --model is not given")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                    help="default: dummy when the checkpoint has no weights (the 7B/8B presets)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `fastserve serve` flag, e.g. --server-arg=--kv-cache-gib=40")
+    ap.add_argument("--load", type=float, default=None,
+                    help="set the rate to this fraction of the capacity measured first by the "
+                    "offline run (jobs/s = offline tok/s / mean output tokens); overrides --rate")
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--rate", type=float, default=200.0,
@@ -267,6 +282,9 @@ def main() -> None:
         from fastserve.model.make_model import cached_model_path
 
         args.model = str(cached_model_path(args.preset))
+    if args.load_format is None:
+        path = Path(args.model) if args.model else None
+        args.load_format = "dummy" if path and not any(path.glob("*.safetensors")) else "auto"
     schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
 
     vocab = _vocab_size(args.model)
@@ -274,6 +292,13 @@ def main() -> None:
     if args.offline_worker:
         print(f"offline_tok_per_s={run_offline(args.offline_worker, args, items, prompts):.3f}")
         return
+    if args.load is not None:
+        capacity_tok_s = run_offline_process(args.offline_scheduler or schedulers[0])
+        capacity = capacity_tok_s / statistics.mean(w.output_len for w in items)
+        args.rate = args.load * capacity
+        print(f"capacity: {capacity_tok_s:.1f} output tok/s offline = {capacity:.2f} jobs/s; "
+              f"rate {args.rate:.2f} jobs/s (load {args.load})")
+        items, prompts = make_jobs(args, vocab)
     span = items[-1].arrival_s - items[0].arrival_s
     num_out = sum(w.output_len for w in items)
     print(f"workload: {len(items)} requests over {span:.2f} s (rate {args.rate}/s, cv {args.cv}), "
@@ -310,6 +335,12 @@ def main() -> None:
         ratio = statistics.median(run.output_tok_per_s / off for run, off in zip(reps, offline, strict=True))
         print(f"{'http ' + name:<24} {_stats([r.ttft_s for r in results]):>30} "
               f"{_stats([r.jct_s for r in results]):>30} {tput:10.1f} {ratio:9.2f}x")
+    base = schedulers[0]
+    base_jct = [r.jct_s for run in runs[base] for r in run.results]
+    for name in schedulers[1:]:
+        jct = [r.jct_s for run in runs[name] for r in run.results]
+        print(f"{base} / {name}: mean JCT {np.mean(base_jct) / np.mean(jct):.2f}x, "
+              f"p99 JCT {np.percentile(base_jct, 99) / np.percentile(jct, 99):.2f}x (> 1: {name} lower)")
     print(f"{'offline LLM.generate':<24} {'':>30} {'':>30} {statistics.median(offline):10.1f} "
           f"{1.0:9.2f}x   ({offline_policy}, all jobs at once)")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

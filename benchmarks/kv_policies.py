@@ -284,21 +284,24 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
 
 def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1,
           copy_workers: Sequence[str] = ("auto",), sim_profile: str | None = None,
-          rate: float = REAL_RATE, num_requests: int | None = None) -> list[str]:
+          rate: float = REAL_RATE, num_requests: int | None = None,
+          engine: dict[str, Any] | None = None) -> list[str]:
     """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
     times, interleaved in an order that rotates each repetition (this machine is shared: a
     slow minute hits every policy alike). The ratios are of the medians, and paired: the
     median over repetitions of proactive's average JCT over each other policy's in the same
     repetition. With several `copy_workers`, proactive runs once per CPU copy mode in each
     repetition (`proactive/<mode>`); the first is the one the ratios use.
-    With `sim_profile`, the simulator's prediction for the same workload and pool follows."""
+    With `sim_profile`, the simulator's prediction for the same workload and pool follows.
+    `engine` overrides the engine's options (model, device, dtype, load_format: a GPU run)."""
     wl = real_workload(quick, rate, num_requests)
     label = f"{variant} @{rate:g}/s"
 
     def config(kv_policy: str, blocks: int, worker: str = "auto") -> EngineConfig:
         return engine_config(policy="skip-join-mlfq", **mlfq_options(variant), kv_policy=kv_policy,
                              num_device_blocks=blocks, num_host_blocks=50_000,
-                             max_batch_size=BATCH, dtype="float32", cpu_copy_worker=worker)
+                             max_batch_size=BATCH, cpu_copy_worker=worker,
+                             **{"dtype": "float32", **(engine or {})})
 
     rows = []
     jobs, kv, run_s, slow = run_engine(wl, config("proactive", 50_000))
@@ -440,6 +443,11 @@ def main() -> None:
                    help="part 3's number of requests (default 1000, --quick 500)")
     p.add_argument("--real-blocks", type=int, default=None,
                    help="part 3's device pool (default: 25%% of the unlimited run's peak)")
+    p.add_argument("--real-model", default=None,
+                   help="part 3's checkpoint (default: tiny; a preset name such as llama-2-7b "
+                   "is made without weights and served with --load-format dummy)")
+    p.add_argument("--real-device", default="cpu", help="part 3's device: cpu or cuda")
+    p.add_argument("--real-dtype", default="float32")
     args = p.parse_args()
     thetas = (1.2,) if args.quick else (0.9, 1.2, 1.5)
     cvs = (4.0,) if args.quick else (1.0, 4.0, 8.0)
@@ -473,13 +481,29 @@ def main() -> None:
 
         torch.set_num_threads(2)
         workers = [w.strip() for w in args.copy_workers.split(",") if w.strip()]
+        engine = _real_engine(args.real_model, args.real_device, args.real_dtype)
         rows = [row for v in variants
                 for rate in rates
                 for row in part3(v, args.quick, args.real_blocks, args.reps, workers,
-                                 args.sim_profile, rate, args.real_requests)]
-        _table("3. Real engine, CPU, tiny model (float32), 25% of peak KV, Zipf 1.2 / CV 4",
-               PART3_HEADER, rows)
+                                 args.sim_profile, rate, args.real_requests, engine)]
+        _table(f"3. Real engine, {args.real_device}, {args.real_model or 'tiny'} "
+               f"({args.real_dtype}), 25% of peak KV, Zipf 1.2 / CV 4", PART3_HEADER, rows)
     print(f"\n({time.time() - t0:.0f} s)")
+
+
+def _real_engine(model: str | None, device: str, dtype: str) -> dict[str, Any]:
+    """Part 3's engine options: a checkpoint directory, or a preset made into the cache (the
+    production shapes without weights, served with random weights made on the device)."""
+    from fastserve.model.make_model import PRESETS, cached_model_path
+
+    options: dict[str, Any] = {"device": device, "dtype": dtype}
+    if model in PRESETS:
+        path = cached_model_path(model)
+        options["load_format"] = "auto" if any(path.glob("*.safetensors")) else "dummy"
+        model = str(path)
+    if model is not None:
+        options["model"] = model
+    return options
 
 
 if __name__ == "__main__":

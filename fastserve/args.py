@@ -35,6 +35,8 @@ _HELP = {
     "calibrate_cost_model": "rescale the cost model the engine decides with when its "
                             "iterations take a steady multiple of the start-up profile's "
                             "prediction",
+    "load_format": "weights: auto (the checkpoint's safetensors) or dummy (random weights made "
+                   "on the device for the checkpoint's config.json; for benchmarks)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

@@ -50,9 +50,16 @@ def _make_model(args: argparse.Namespace) -> int:
     from fastserve.model.make_model import make_model
 
     path = make_model(args.preset, args.out, seed=args.seed,
-                      max_position_embeddings=args.max_position_embeddings)
-    print(f"wrote {args.preset} checkpoint to {path}")
+                      max_position_embeddings=args.max_position_embeddings, weights=args.weights)
+    if (path / "config.json").is_file() and not any(path.glob("*.safetensors")):
+        print(f"wrote {args.preset} config and tokenizer (no weights) to {path}; "
+              f"serve it with --load-format dummy")
+    else:
+        print(f"wrote {args.preset} checkpoint to {path}")
     return 0
+
+
+PRESET_NAMES = ["tiny", "small", "llama-2-7b", "llama-3-8b"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint in HF format")
-    mk.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    # NOTE: make_model.PRESETS' names, listed here so that `fastserve -h` imports no torch.
+    mk.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--max-position-embeddings", type=int, default=None,
-                    help="context length in tokens (default: the preset's, 2048)")
+                    help="context length in tokens (default: the preset's)")
+    mk.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
+                    help="write model.safetensors (default: yes for tiny and small; no for "
+                         "the production shapes, served with --load-format dummy)")
     mk.set_defaults(func=_make_model)
 
     # Subcommands that live with their feature.

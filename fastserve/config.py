@@ -31,6 +31,9 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint to run and how."""
@@ -56,9 +59,14 @@ class ModelConfig:
     # Most tokens of one request (prompt + output); None = the checkpoint's
     # max_position_embeddings. A longer prompt is rejected naming this limit.
     max_model_len: int | None = None
+    # "auto": the checkpoint's safetensors; "dummy": random weights made on the device for
+    # its config.json (production shapes without reading a 13 GB file; benchmarks only).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.load_format in LOAD_FORMATS,
+               f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")

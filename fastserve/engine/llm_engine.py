@@ -73,7 +73,8 @@ class LLMEngine:
         if is_distributed:
             self.arch = read_arch_config(path)  # every rank loads its own shard (start_executor)
         else:
-            model, self.arch = load_model(path, dtype, config.model.device)  # names what is missing
+            model, self.arch = load_model(path, dtype, config.model.device,
+                                          load_format=config.model.load_format)  # names what is missing
         try:
             self.tokenizer = Tokenizer(path)
         except FileNotFoundError as exc:

@@ -1,16 +1,19 @@
 """KV swaps between the device cache and a host cache, carried out beside the compute.
 
 The scheduler's plan lists block copies (`swap_out`: device -> host, `swap_in`: host ->
-device). A swapper queues them on a copy engine in plan order, swap-outs first (on CUDA by
-runs of consecutive blocks, `copy_runs`), and remembers which device blocks each queued task touches.
+device). A swapper queues them on a copy engine in plan order, swap-outs first, and
+remembers which device blocks each queued task touches.
 Before an iteration runs, it waits only for the tasks touching the blocks that iteration reads
 or writes; everything else (uploads ahead of need, offloads of jobs not running) overlaps its
 compute and later ones.
 
-- CUDA (`CudaSwapper`): a separate copy stream, pinned host memory and one event per task. The
-  copy stream first waits for the compute stream, so a swap-out reads what the last iteration
-  wrote. A run is gathered into a contiguous device staging buffer and moved by one DMA
-  (the reverse for uploads).
+- CUDA (`CudaSwapper`): a separate copy stream, pinned host memory and one event per
+  direction per iteration. The copy stream first waits for the compute stream, so a swap-out
+  reads what the last iteration wrote. All of a plan's swap-outs are gathered by one kernel
+  into a contiguous device staging buffer, moved by one DMA per run of consecutive host
+  blocks (the reverse for uploads: DMAs into staging, one scatter kernel). An iteration that
+  reads a block still in flight makes the compute stream wait on the copy's event: the host
+  does not block.
 - CPU (`ThreadSwapper`): the same plan carried out by a background copy worker thread (torch
   copies release the GIL), one task and `threading.Event` per plan. The plan's blocks move in
   one indexed gather and one scatter each way, every layer at once (the device cache is one
@@ -56,7 +59,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastserve.core.block_pool import copy_runs
 from fastserve.executor.attention import PagedAttention
 
 logger = logging.getLogger(__name__)
@@ -207,7 +209,11 @@ class _Task:
 
 
 class CudaSwapper(KVSwapper):
-    """Copies on a separate CUDA stream from/to pinned host memory, one event per run."""
+    """Copies on a separate CUDA stream from/to pinned host memory: per iteration and
+    direction, one gather (or scatter) kernel over every block of the plan, the DMAs between
+    the device staging buffer and the host's runs of consecutive blocks, and one event. The
+    compute stream waits on that event only when an iteration uses one of its blocks, and
+    waits on the device: the host never blocks on a copy."""
 
     _pin = True
 
@@ -224,35 +230,65 @@ class CudaSwapper(KVSwapper):
 
     def _queue(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                ) -> list[_Task]:
-        # One event per run of consecutive blocks: an iteration waits for the runs into or
-        # out of its blocks only.
         tasks = []
+        kv, host = self.attn.kv_cache, self.host.blocks
+        device = self.stream.device
         with torch.cuda.stream(self.stream):
-            for dev, host, n in copy_runs(swap_out):
+            if swap_out:
+                dev_ids, host_ids = zip(*swap_out, strict=True)
                 # Allocated on the copy stream: its memory is reused only after these copies.
-                stage = torch.empty_like(self.host.blocks[host : host + n],
-                                         device=self.stream.device)
-                self._copy_out(dev, stage, n)
-                self.host.blocks[host : host + n].copy_(stage, non_blocking=True)
-                tasks.append(self._record(dev, n))
-            for host, dev, n in copy_runs(swap_in):
-                stage = self.host.blocks[host : host + n].to(self.stream.device, non_blocking=True)
-                self._copy_in(stage, dev, n)
-                tasks.append(self._record(dev, n))
+                # [n, layers, 2, heads, bs, dim], contiguous in the host's block-major layout
+                stage = kv.permute(_TO_HOST).index_select(0, _on_device(dev_ids, device))
+                for pos, start, n in _runs(host_ids):
+                    host[start : start + n].copy_(stage[pos : pos + n], non_blocking=True)
+                tasks.append(self._record(list(dev_ids)))
+            if swap_in:
+                host_ids, dev_ids = zip(*swap_in, strict=True)
+                stage = torch.empty((len(host_ids), *host.shape[1:]), dtype=host.dtype,
+                                    device=device)
+                for pos, start, n in _runs(host_ids):
+                    stage[pos : pos + n].copy_(host[start : start + n], non_blocking=True)
+                kv.index_copy_(3, _on_device(dev_ids, device), stage.permute(_TO_DEVICE))
+                tasks.append(self._record(list(dev_ids)))
         return tasks
 
-    def _record(self, dev: int, n: int) -> _Task:
+    def _record(self, device_blocks: list[int]) -> _Task:
         event = torch.cuda.Event()
         event.record(self.stream)
-        return _Task(event=event, device_blocks=list(range(dev, dev + n)))
+        return _Task(event=event, device_blocks=device_blocks)
 
     def _is_done(self, task: _Task) -> bool:
         assert isinstance(task.event, torch.cuda.Event)
         return bool(task.event.query())
 
     def _wait(self, task: _Task) -> None:
+        # NOTE: the compute stream waits, not the host: the iteration's kernels queue behind
+        # the copy while the host goes on preparing them.
         assert isinstance(task.event, torch.cuda.Event)
-        task.event.synchronize()
+        self.compute_stream.wait_event(task.event)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        self._prune()
+
+
+def _on_device(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Block ids as an index tensor on `device`, copied from pinned memory without a sync."""
+    return torch.tensor(ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+
+
+def _runs(host_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(position in the plan, first host block, length) of each run of consecutive host
+    blocks in plan order: one DMA each (the pool hands out consecutive ids, so usually one
+    run per request)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, h in enumerate(host_ids):
+        if runs and h == runs[-1][1] + runs[-1][2]:
+            p, start, n = runs[-1]
+            runs[-1] = (p, start, n + 1)
+        else:
+            runs.append((pos, h, 1))
+    return runs
 
 
 class ThreadSwapper(KVSwapper):

@@ -37,22 +37,47 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     layers: tuple[int, int] | None = None,
+    load_format: str = "auto",
 ) -> tuple[LlamaForCausalLM, ArchConfig]:
     """Build the model for `path`'s config.json and fill it from its safetensors files.
 
     Returns the model in eval mode, in `dtype` on `device`, holding the
     (tp_rank, tp_size) shard of every parallel layer, and only layers [start, end)
     when `layers` names a pipeline stage's range (tensors of other stages are skipped).
+    With `load_format="dummy"` no file but config.json is read: the weights are random,
+    made on the device (`fill_dummy_weights`).
     """
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"model directory {str(root)!r} does not exist")
+    if load_format not in ("auto", "dummy"):
+        raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     arch = read_arch_config(root)
-    files = find_safetensors_files(root)
+    files = find_safetensors_files(root) if load_format == "auto" else []
     with _default_dtype(dtype), torch.device(device):
         model = LlamaForCausalLM(arch, tp_rank=tp_rank, tp_size=tp_size, layers=layers)
-    load_weights(model, iter_safetensors(files))
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        load_weights(model, iter_safetensors(files))
     return model.eval(), arch
+
+
+def fill_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights drawn on the model's device, as vLLM's `--load-format dummy` does.
+
+    Scaled so activations stay O(1) and the logits are neither flat nor one-hot, which keeps
+    greedy decoding, sampling and the kernels on realistic values: matrices N(0, 1/fan_in),
+    norm weights 1. A weight's values depend on `seed` and its name, not on other weights.
+    """
+    with torch.no_grad():
+        for i, (_, param) in enumerate(sorted(model.named_parameters())):
+            if param.dim() == 1:
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + i)
+            fan_in = param.shape[-1]
+            param.normal_(0.0, fan_in**-0.5, generator=gen)
 
 
 def read_arch_config(root: Path) -> ArchConfig:
@@ -89,7 +114,8 @@ def find_safetensors_files(root: Path) -> list[Path]:
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(
-            f"no *.safetensors files in {str(root)!r} (pickle checkpoints are not supported)"
+            f"no *.safetensors files in {str(root)!r} (pickle checkpoints are not supported; "
+            "--load-format dummy serves its config.json with random weights)"
         )
     return files
 

@@ -170,6 +170,13 @@ class Preset:
     num_sentences: int  # tokenizer corpus size; enough distinct words to reach the target
     num_made_up_words: int
     max_position_embeddings: int = 2048
+    # The model's vocabulary when larger than the tokenizer's (the rows past the tokenizer's
+    # ids are never produced by encoding, as Llama 3's reserved tokens); 0 = the tokenizer's.
+    model_vocab_size: int = 0
+    rope_theta: float = 10000.0
+    # Whether `make-model` writes weights by default: a production shape's 13-16 GB of random
+    # numbers is better made on the device at load time (`--load-format dummy`).
+    write_weights: bool = True
 
 
 PRESETS: dict[str, Preset] = {
@@ -177,6 +184,16 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(4, 256, 688, 8, 4, False, 4096, "float32", 10_000, 3_000),
     # 12 layers, MHA, tied, Llama-2-sized vocabulary: ~110M params, bfloat16.
     "small": Preset(12, 768, 2048, 12, 12, True, 32_000, "bfloat16", 40_000, 30_000),
+    # Production shapes, served with `--load-format dummy` (config.json and tokenizer only).
+    # Llama-2-7B: 32 layers, 4096 hidden, 11008 MLP, 32 heads (MHA), vocab 32000: 6.7B params.
+    "llama-2-7b": Preset(32, 4096, 11008, 32, 32, False, 32_000, "bfloat16", 40_000, 30_000,
+                         max_position_embeddings=4096, model_vocab_size=32_000,
+                         write_weights=False),
+    # Llama-3-8B: 32 layers, 4096 hidden, 14336 MLP, 32 query heads over 8 kv heads (GQA),
+    # vocab 128256 (the tokenizer here has ~32k of them), rope theta 500000: 8.0B params.
+    "llama-3-8b": Preset(32, 4096, 14336, 32, 8, False, 32_000, "bfloat16", 40_000, 30_000,
+                         max_position_embeddings=8192, model_vocab_size=128_256,
+                         rope_theta=500000.0, write_weights=False),
 }
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, as in Llama 2
@@ -193,13 +210,18 @@ LOGIT_STD = 4.0  # set through the final norm's weight; gives a peaked but not o
 
 
 def make_model(
-    preset: str, out: str | Path, seed: int = 0, max_position_embeddings: int | None = None
+    preset: str,
+    out: str | Path,
+    seed: int = 0,
+    max_position_embeddings: int | None = None,
+    weights: bool | None = None,
 ) -> Path:
     """Write the `preset` checkpoint (weights from `seed`) into directory `out`; return `out`.
 
     `max_position_embeddings` sets the context length (default: the preset's, 2048); the
     weights do not depend on it (rotary embeddings have none), so long prompts can be served
-    by the same model.
+    by the same model. `weights=False` writes config.json and the tokenizer only, for
+    `--load-format dummy` (default: the preset's `write_weights`).
 
     The checkpoint is built in a temporary sibling directory and renamed into place,
     so a concurrent reader never sees half of it. If `out` already holds a
@@ -220,7 +242,7 @@ def make_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tokenizer = train_tokenizer(p)
-        vocab_size = tokenizer.get_vocab_size()
+        vocab_size = max(tokenizer.get_vocab_size(), p.model_vocab_size)
         tokenizer.save(str(tmp / "tokenizer.json"))
         config = hf_config(p, vocab_size)
         _write_json(tmp / "config.json", config)
@@ -228,8 +250,9 @@ def make_model(
             tmp / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
         )
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
-        weights = random_weights(p, vocab_size, seed)
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if p.write_weights if weights is None else weights:
+            tensors = random_weights(p, vocab_size, seed)
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         try:
             os.rename(tmp, out)  # atomic; fails if another writer got there first
         except OSError:
@@ -303,7 +326,7 @@ def hf_config(p: Preset, vocab_size: int) -> dict[str, Any]:
         "hidden_act": "silu",
         "max_position_embeddings": p.max_position_embeddings,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rope_theta": p.rope_theta,
         "rope_scaling": None,
         "attention_bias": False,
         "attention_dropout": 0.0,

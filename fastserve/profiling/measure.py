@@ -206,6 +206,7 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, Path]:
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)  # as the engine will run
     path = resolve_model_path(config.model.model)
-    model, arch = load_model(path, TORCH_DTYPES[config.model.dtype], config.model.device)
+    model, arch = load_model(path, TORCH_DTYPES[config.model.dtype], config.model.device,
+                             load_format=config.model.load_format)
     runner = ModelRunner(model, arch, config.model, config.cache, list(arch.eos_token_ids))
     return runner, path

@@ -264,3 +264,12 @@ def test_a_full_host_pool_back_pressures_and_loses_nothing(
     runner = llm.engine.runner
     assert isinstance(runner, ModelRunner)
     runner.swapper.close()
+
+
+def test_cuda_copy_runs_follow_consecutive_host_blocks_in_plan_order() -> None:
+    from fastserve.executor.swap import _runs
+
+    # (position in the plan, first host block, length): one DMA per run
+    assert _runs((7, 8, 9, 3, 4, 10)) == [(0, 7, 3), (3, 3, 2), (5, 10, 1)]
+    assert _runs((5,)) == [(0, 5, 1)]
+    assert _runs((2, 1, 0)) == [(0, 2, 1), (1, 1, 1), (2, 0, 1)]

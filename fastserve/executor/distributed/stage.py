@@ -265,7 +265,8 @@ def load_stage(
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     model, arch = load_model(model_path, TORCH_DTYPES[config.model.dtype], device,
-                             tp_rank=layout.tp_rank, tp_size=layout.tp_size, layers=layout.layers)
+                             tp_rank=layout.tp_rank, tp_size=layout.tp_size, layers=layout.layers,
+                             load_format=config.model.load_format)
     if groups.tp is not None:
         bind_tp_group(model, groups.tp)
     return StageRunner(layout, model, arch, config, device, eos_token_ids, groups)
