@@ -109,6 +109,27 @@ class MLFQBase(Scheduler):
     def num_in_top_queues(self, num_queues: int) -> int:
         return sum(self._level_counts[:num_queues])
 
+    def _routing_levels(self) -> tuple[tuple[float, ...], str]:
+        return self._quanta_s, self.charge.mode
+
+    def queued_work_s(self) -> list[float]:
+        """Per level j in use: the service the jobs at levels <= j would get before a job
+        joining j now has its turn, as `estimate_next_run_s` counts it (the rest of each
+        one's quantum, then the quanta of the levels between; the lowest level's quantum
+        stands in for its unbounded one). O(jobs + levels^2)."""
+        quanta = self._quanta_s
+        num_levels = self._lowest + 1
+        left = [0.0] * num_levels  # rest of the current quantum, summed per level
+        for job in self._jobs.values():
+            rest = job.allowance_s - job.attained_s
+            left[job.level] += max(0.0, rest) if math.isfinite(rest) else quanta[job.level]
+        out = []
+        for j in range(num_levels):
+            # a job at level l < j also runs through the quanta of levels l+1 .. j-1
+            out.append(sum(left[: j + 1]) + sum(
+                self._level_counts[lv] * sum(quanta[lv + 1 : j]) for lv in range(j)))
+        return out
+
     def estimate_next_run_s(self, order: Sequence[Request], now: float) -> list[float]:
         """ENST(i) = min(T_promote(i), T_execute(i)), FastServe's estimate (see the base).
 
