@@ -132,7 +132,8 @@ class Scheduler(ABC):
             replica_id=replica_id, time_s=now, num_requests=len(self.requests),
             queued_work_s=tuple(self.queued_work_s()),
             num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_total_blocks,
-            prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut)
+            prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut,
+            level_reach=tuple(self.level_reach()))
 
     def replica_model(self) -> ReplicaModel:
         """The static part of `replica_stats`, built once (again after `recalibrate`)."""
@@ -148,6 +149,10 @@ class Scheduler(ABC):
     def _routing_levels(self) -> tuple[tuple[float, ...], str]:
         """(quanta per level, charge mode) for `ReplicaModel`: one unbounded level by default."""
         return (math.inf,), "own"
+
+    def level_reach(self) -> list[float]:
+        """`ReplicaStats.level_reach`: one level, which every job reaches."""
+        return [1.0]
 
     def queued_work_s(self) -> list[float]:
         """`ReplicaStats.queued_work_s`: by default one level, every job's rest of its prefill
