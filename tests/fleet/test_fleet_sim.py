@@ -27,7 +27,7 @@ def conversations(n: int) -> list[WorkItem]:
     """Multi-turn jobs: turn k of conversation c repeats its first k blocks (Mooncake-like)."""
     items = []
     for i in range(n):
-        conv, turn = i % 7, i // 7
+        conv, turn = i % 9, i // 9
         ids = tuple(conv * 100 + k for k in range(turn + 2))
         items.append(WorkItem(arrival_s=0.02 * i, input_len=32 * len(ids) - 5,
                               output_len=3 + (i * 13) % 40, hash_ids=ids, block_tokens=32))

@@ -85,7 +85,7 @@ def test_imbalance_bound_overrides_prefix_affinity() -> None:
     reps[0].step(200)  # down to the lowest level: they give way to a new job
     turn2 = RouteRequest.from_tokens("turn2", tokens + prompt(6, 40), BLOCK_SIZE)
     for bound, expected in ((8, "r0"), (4, "r1")):
-        router = make_router(f"fastserve:max-imbalance={bound}")
+        router = make_router(f"fastserve:max-imbalance={bound}:deep-weight=0")
         for r in reps:
             router.update(r.stats())
         assert router.choose(turn2, 0.0) == expected
@@ -115,3 +115,23 @@ def test_bad_router_specs_are_refused_by_name() -> None:
         make_router("fastserve:max-imbalance=-1")
     with pytest.raises(ValueError, match="no replica"):
         make_router("pow2").choose(short_job("x"), 0.0)
+
+
+def test_deep_levels_count_as_likely_as_finished_jobs_reached_them() -> None:
+    """Two replicas hold the same 6 long jobs in the lowest level; one has seen 20 short
+    jobs finish in Q1, the other 20 long ones finish in the lowest level. A new job is
+    expected to meet the long jobs only where jobs like it got that far."""
+    reps = []
+    for name, out_len in (("shorts-done", 2), ("longs-done", 400)):
+        rep = Replica(name)
+        rep.add(*(request(f"{name}-d{i}", prompt(50 + i, 8), out_len) for i in range(20)))
+        rep.run_all()
+        rep.add(*(request(f"{name}-l{i}", prompt(10 + i, 8), 500) for i in range(6)))
+        rep.step(200)
+        reps.append(rep)
+    short_reach, long_reach = (r.stats().level_reach for r in reps)
+    assert short_reach[-1] == 0.0 and long_reach[-1] == 1.0
+    router = make_router("fastserve")
+    for r in reps:
+        router.update(r.stats())
+    assert router.choose(short_job("new"), 0.0) == "shorts-done"
