@@ -125,7 +125,9 @@ class Scheduler(ABC):
     def replica_stats(self, replica_id: str, now: float,
                       max_prefix_hashes: int = 8192) -> ReplicaStats:
         """This replica's snapshot for a fleet router (`fastserve.fleet`): O(jobs + cached
-        hashes), changes nothing. The simulator's replicas and the real engine both call it."""
+        hashes), changes nothing. The simulator's replicas and the real engine both call it.
+        NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
+        steps the engine, not from another thread while one runs."""
         hashes, cut = (self.kv.cached_hashes(max_prefix_hashes) if self.kv.is_caching
                        else (frozenset(), False))
         return ReplicaStats(
