@@ -283,6 +283,16 @@ class KVCacheManager:
             n += self.host_cache.lookup(hashes, n, max_blocks)
         return n
 
+    def cached_hashes(self, max_hashes: int) -> tuple[frozenset[int], bool]:
+        """Hashes of the blocks a new request could start from (a router's summary of this
+        cache, `ReplicaStats.prefix_hashes`): the device's, then the host tier's copies, at
+        most `max_hashes` of them, the most recently used first; and whether it was cut."""
+        device = self.device.recent_hashes(max_hashes)
+        room = max_hashes - len(device)
+        host = self.host_cache.recent_hashes(room) if room > 0 else []
+        total = self.device.num_cached + self.host_cache.num_cached
+        return frozenset(device).union(host), len(device) + len(host) < total
+
     def take_cache_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The prefix cache's copies since the last call, for this iteration's plan: (device,
         host) demotions to run with the swap-outs, (host, device) uploads with the swap-ins."""

@@ -46,6 +46,22 @@ def extend_block_hashes(req: Request, block_size: int) -> list[int]:
     return hashes
 
 
+def chain_block_hashes(token_ids: Sequence[int], block_size: int,
+                       cache_salt: str | None = None) -> list[int]:
+    """The chained hashes of the full blocks of `token_ids`, as `extend_block_hashes` names
+    a request's blocks: what a router walks against a replica's cached hashes to tell how much
+    of a prompt that replica would not recompute (`fastserve.fleet`).
+
+    NOTE: ints hash the same in every process; a salt is a string, whose hash differs between
+    processes unless PYTHONHASHSEED is fixed, so salted hashes compare only within one."""
+    parent = _root(cache_salt)
+    out = []
+    for i in range(0, len(token_ids) // block_size * block_size, block_size):
+        parent = hash((parent, *token_ids[i : i + block_size]))
+        out.append(parent)
+    return out
+
+
 def _root(salt: str | None) -> int:
     return _ROOT_HASH if salt is None else hash(("salt", salt))
 
@@ -194,6 +210,19 @@ class CachingBlockPool:
         self._parked += blocks
         return blocks
 
+    def recent_hashes(self, limit: int) -> list[int]:
+        """Up to `limit` registered hashes: those of blocks in use first (the most recently
+        used), then the evictable ones from the most recently released on (changes nothing)."""
+        if len(self._block_of) <= limit:
+            return list(self._block_of)
+        lru = self._lru
+        out = [h for b, h in self._hash_of.items() if b not in lru][:limit]
+        for b in reversed(lru):
+            if len(out) >= limit:
+                break
+            out.append(self._hash_of[b])
+        return out
+
     def num_unreferenced(self, hashes: Sequence[int]) -> int:
         """How many of these (cached) hashes' blocks nobody references: evictable now."""
         return sum(1 for h in hashes if self._block_of[h] in self._lru)
@@ -281,6 +310,12 @@ class HostPrefixCache:
         self._block_of[h] = self._last = got[0]
         self._fresh.append(h)
         return got[0]
+
+    def recent_hashes(self, limit: int) -> list[int]:
+        """Up to `limit` hashes with a host copy, the most recently added first."""
+        if len(self._block_of) <= limit:
+            return list(self._block_of)
+        return list(self._block_of)[::-1][:limit]
 
     def claim(self, h: int) -> int:
         """Take the copy of hash `h` out of the cache (it is being uploaded): its host block

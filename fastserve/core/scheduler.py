@@ -16,6 +16,7 @@ Pure Python over ints and floats: no torch and no clock; `now` is passed in.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ from fastserve.core.kv_moves import KVMoves
 from fastserve.core.kv_policy import KVPolicy, make_kv_policy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.prefix_cache import extend_block_hashes
+from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
 
 
@@ -70,6 +72,7 @@ class Scheduler(ABC):
         self.in_flight: set[str] = set()
         self.pipeline_depth = 1
         self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
+        self._replica_model: ReplicaModel | None = None  # built by `replica_model`
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -116,6 +119,53 @@ class Scheduler(ABC):
         """Unfinished requests per priority queue (1 = most urgent). One queue by default;
         the MLFQ policies report one entry per level."""
         return {1: len(self.requests)}
+
+    # -- what a fleet router reads ------------------------------------------------------
+
+    def replica_stats(self, replica_id: str, now: float,
+                      max_prefix_hashes: int = 8192) -> ReplicaStats:
+        """This replica's snapshot for a fleet router (`fastserve.fleet`): O(jobs + cached
+        hashes), changes nothing. The simulator's replicas and the real engine both call it.
+        NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
+        steps the engine, not from another thread while one runs."""
+        hashes, cut = (self.kv.cached_hashes(max_prefix_hashes) if self.kv.is_caching
+                       else (frozenset(), False))
+        return ReplicaStats(
+            replica_id=replica_id, time_s=now, num_requests=len(self.requests),
+            queued_work_s=tuple(self.queued_work_s()),
+            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_total_blocks,
+            prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut,
+            level_reach=tuple(self.level_reach()))
+
+    def replica_model(self) -> ReplicaModel:
+        """The static part of `replica_stats`, built once (again after `recalibrate`)."""
+        model = self._replica_model
+        if model is None or model.cost is not self.cost:
+            quanta_s, charge_mode = self._routing_levels()
+            model = self._replica_model = ReplicaModel(
+                block_size=self.kv.block_size, max_batch_size=self.config.max_batch_size,
+                max_num_batched_tokens=self.config.max_num_batched_tokens, quanta_s=quanta_s,
+                charge_mode=charge_mode, cost=self.cost, policy=self.config.policy)
+        return model
+
+    def _routing_levels(self) -> tuple[tuple[float, ...], str]:
+        """(quanta per level, charge mode) for `ReplicaModel`: one unbounded level by default."""
+        return (math.inf,), "own"
+
+    def level_reach(self) -> list[float]:
+        """`ReplicaStats.level_reach`: one level, which every job reaches."""
+        return [1.0]
+
+    def queued_work_s(self) -> list[float]:
+        """`ReplicaStats.queued_work_s`: by default one level, every job's rest of its prefill
+        (or one full-batch decode step's share, for a decoding job)."""
+        b = self.config.max_batch_size
+        step_s = self.cost.iteration_s(0, b, 0) / b
+        work = 0.0
+        for r in self.requests.values():
+            left = r.num_tokens - r.num_computed_tokens
+            work += self.cost.prefill_s(left, r.num_computed_tokens) if left > 1 else step_s
+        return [work]
 
     # -- one iteration ------------------------------------------------------------------
 
