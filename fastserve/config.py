@@ -24,6 +24,7 @@ KV_POLICIES = ("proactive", "reactive", "defer", "recompute")
 CPU_COPY_WORKERS = ("auto", "thread", "inline")
 MLFQ_CHARGES = ("iteration", "own")
 MLFQ_VARIANTS = ("robust", "paper")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # see fastserve.executor.backends
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -56,9 +57,23 @@ class ModelConfig:
     # Most tokens of one request (prompt + output); None = the checkpoint's
     # max_position_embeddings. A longer prompt is rejected naming this limit.
     max_model_len: int | None = None
+    # Attention kernels: auto = triton on CUDA (when installed), the C++ kernels on CPU
+    # (float32 cache), else per-request torch SDPA (`fastserve.executor.backends`).
+    attention_backend: str = "auto"
+    # Run every iteration eagerly: no CUDA graphs for decode iterations (a CUDA backend
+    # otherwise captures them at start-up). CPU never captures.
+    enforce_eager: bool = False
+    # Decode batches of up to this many requests replay a captured graph (padded to the next
+    # captured size: 1, 2, 4, 8, then multiples of 16); larger ones run eagerly.
+    cuda_graph_max_batch_size: int = 64
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+               f"got {self.attention_backend!r}")
+        _check(self.cuda_graph_max_batch_size >= 1,
+               f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
