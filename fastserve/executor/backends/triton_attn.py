@@ -69,8 +69,9 @@ class TritonAttention(PagedAttention):
 
     @classmethod
     def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
-        return device.type == "cuda" and cache_dtype in (torch.float32, torch.float16,
-                                                          torch.bfloat16)
+        # On CPU only under Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
+        runs_here = device.type == "cuda" or (device.type == "cpu" and ops.INTERPRETED)
+        return runs_here and cache_dtype in (torch.float32, torch.float16, torch.bfloat16)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:

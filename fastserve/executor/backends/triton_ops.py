@@ -19,9 +19,15 @@ imported), which is how `tests/executor/interpreted/` checks them without a GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Whether these kernels run under Triton's interpreter (read when triton decorates them): then
+# they take CPU tensors, which is how the tests run them without a GPU.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Rows of a decode program's query tile: `tl.dot` wants at least 16 on a GPU.
 _MIN_DOT = 16
@@ -35,6 +41,19 @@ def _precision(dtype: torch.dtype) -> str:
     # float32 caches get exact fp32 dots (tf32 would round q and k to 10-bit mantissas); for
     # half types the option is ignored.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _dot_dtype(cache: torch.Tensor) -> tl.dtype:
+    """What `tl.dot`'s operands are cast to: the cache's dtype on a GPU. NOTE: Triton's
+    interpreter (CPU tensors) multiplies bfloat16 as the raw 16-bit integers it stores them
+    in, so there bf16 operands are widened to float32 (the products are then exact, which
+    the tests' tolerance covers either way)."""
+    if cache.device.type == "cpu" and cache.dtype == torch.bfloat16:
+        return tl.float32
+    return _TL_DTYPES[cache.dtype]
 
 
 # --------------------------------------------------------------------------- KV store
@@ -85,7 +104,7 @@ def _decode_split_kernel(
     block_size, scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,7 +122,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + hs
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hm[:, None] & dm[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    q = q.to(DOT_DT)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -115,15 +134,15 @@ def _decode_split_kernel(
         slot = blk.to(tl.int64) * block_size + pos % block_size
         kv_off = cache + slot[:, None] * stride_cs + d[None, :]
         kvm = pm[:, None] & dm[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(pm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=PRECISION)
         m_i = m_new
     # An empty split (context shorter than the splits) leaves l_i = 0: weight 0 in the merge.
     has = l_i > 0
@@ -188,7 +207,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_size, scale,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=_pow2(group), BLOCK_N=32, NUM_SPLITS=num_splits,
-        PRECISION=_precision(k_cache.dtype),
+        PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
     )
     _decode_merge_kernel[(num_decodes, num_heads)](
         o_part, lse_part, q_rows, out, out.stride(0), out.stride(1),
@@ -206,7 +225,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
     block_size, scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -223,7 +242,7 @@ def _prefill_kernel(
     dm = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + ms)[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=mm[:, None] & dm[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    q = q.to(DOT_DT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -237,7 +256,7 @@ def _prefill_kernel(
         slot = blk.to(tl.int64) * block_size + pos % block_size
         kv_off = cache + slot[:, None] * stride_cs + d[None, :]
         kvm = pm[:, None] & dm[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)  # [BLOCK_N, BLOCK_D]
         sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= (prefix + ms)[:, None]) & pm[None, :]
         sc = tl.where(visible, sc, float("-inf"))
@@ -246,8 +265,8 @@ def _prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=PRECISION)
         m_i = m_new
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + ms)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -278,5 +297,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), block_table.stride(0), block_size, scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32,
-        PRECISION=_precision(k_cache.dtype),
+        PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
     )
