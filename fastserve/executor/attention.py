@@ -99,6 +99,10 @@ class PagedAttention(ABC):
         """Store k, v at the metadata's slots and attend: q [num_tokens, num_heads, head_dim],
         k, v [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Give the model's layers this device's fused kernels, if the backend has any (the
+        runner calls it once, before any forward pass)."""
+
     # -- CUDA-graph hooks (backends with `supports_cuda_graphs` override them) ------------
 
     def init_cuda_graphs(self, max_batch_size: int, max_blocks_per_seq: int) -> None:

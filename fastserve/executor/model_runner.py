@@ -107,6 +107,7 @@ class ModelRunner:
             dtype=self.cache_dtype,
             device=self.device,
         )
+        self.attn.prepare_model(model)
         self.sampler = Sampler(eos_token_ids, model_config.seed, self.device)
         # KV copies to/from host memory, beside the compute (this rank's shards only).
         self.num_host_blocks = host_pool_blocks(cache_config, self.block_bytes)

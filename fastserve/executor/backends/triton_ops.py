@@ -299,3 +299,69 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32,
         PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
     )
+
+
+# --------------------------------------------------------------------------- fused layer ops
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    dt = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)  # the add rounded to the model dtype
+        tl.store(res_out_ptr + row * hidden + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / hidden
+    y = (xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, (w * y).to(dt), mask=m)
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`RMSNorm.forward` in one launch, with HF's roundings: x [num_tokens, hidden] (and the
+    residual add before it, in the model dtype) -> norm(x) (, x + residual)."""
+    num_tokens, hidden = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(num_tokens,)](
+        x, res, weight, out, res_out, x.stride(0), res.stride(0), hidden, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inter
+    g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=m, other=0.0).to(tl.float32)
+    dt = g.dtype
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)  # silu, rounded as F.silu's output
+    tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=m)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`SiluAndMul.forward` in one launch: x [num_tokens, 2 * inter] = [gate | up] ->
+    silu(gate) * up [num_tokens, inter]."""
+    num_tokens, two_inter = x.shape
+    inter = two_inter // 2
+    assert x.stride(1) == 1
+    out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter,
+                                                                 BLOCK=block)
+    return out

@@ -26,6 +26,7 @@ from fastserve.executor.backends.torch_sdpa import TorchAttention  # noqa: E402
 from fastserve.executor.backends.triton_attn import TritonAttention  # noqa: E402
 from fastserve.executor.cuda_graphs import capture_sizes, graph_batch_size  # noqa: E402
 from fastserve.executor.model_runner import ModelRunner, flatten  # noqa: E402
+from fastserve.model.layers import RMSNorm, SiluAndMul  # noqa: E402
 from fastserve.model.loader import load_model  # noqa: E402
 from fastserve.request import SamplingParams  # noqa: E402
 
@@ -141,6 +142,37 @@ def test_paged_prefill_varlen_and_chunk_after_cached_prefix(dtype: torch.dtype) 
     assert not out[[0, 54]].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
+    """The fused kernels the backend gives the model compute what the plain layers do, with
+    the same roundings (hidden size not a power of 2: the masked tail)."""
+    torch.manual_seed(2)
+    hidden, inter = 48, 40
+    norm = RMSNorm(hidden, eps=1e-5).to(DEVICE, dtype)
+    norm.weight.copy_(torch.randn(hidden))
+    act = SiluAndMul()
+    x = torch.randn(5, hidden, device=DEVICE).to(dtype)
+    res = torch.randn(5, hidden, device=DEVICE).to(dtype)
+    gate_up = torch.randn(5, 2 * inter, device=DEVICE).to(dtype)
+    plain = norm(x), norm(x, res), act(gate_up)
+    TritonAttention(1, 1, 16, 1, 4, torch.float32, DEVICE).prepare_model(
+        torch.nn.ModuleList([norm, act]))
+    assert norm.fused is not None and act.fused is not None
+    fused = norm(x), norm(x, res), act(gate_up)
+    # bf16: the variance summed in another order (and the interpreter's rounding, below) can
+    # move a rounding of the normalised value by one step, two after the scale.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused[0], plain[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(fused[1][0], plain[1][0], rtol=tol, atol=tol)
+    # The residual stream: the same add. NOTE: Triton's interpreter rounds float32 to bf16
+    # toward zero (a GPU rounds to nearest, as torch does), one step off at most.
+    torch.testing.assert_close(fused[1][1], plain[1][1], rtol=tol, atol=tol)
+    if DEVICE.type == "cuda":
+        assert torch.equal(fused[1][1], plain[1][1])
+    torch.testing.assert_close(fused[2], plain[2], rtol=tol, atol=tol)
+
+
 def _req(rid: str, n: int, start: int, blocks: list[int]) -> ScheduledRequest:
     return ScheduledRequest(rid, [1] * n, start, blocks, SamplingParams(), 0)
 
@@ -215,12 +247,15 @@ def test_runner_with_triton_backend_matches_torch_backend(tiny_model_path: Path)
     """The whole model through `ModelRunner` (the tiny preset, float32): chunked and whole
     prefills, then decodes mixed with a chunk, then decodes only; the Triton backend's logits
     are the portable backend's, and `execute` samples one token per request."""
-    model, arch = load_model(tiny_model_path, torch.float32, str(DEVICE))
     cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)
-    runners = [ModelRunner(model, arch, ModelConfig(device=str(DEVICE), attention_backend=name,
-                                                    enforce_eager=True), cache, [2])
-               for name in ("triton", "torch")]
+    runners = []
+    for name in ("triton", "torch"):  # a model each: the triton backend fuses its layers
+        model, arch = load_model(tiny_model_path, torch.float32, str(DEVICE))
+        config = ModelConfig(device=str(DEVICE), attention_backend=name, enforce_eager=True)
+        runners.append(ModelRunner(model, arch, config, cache, [2]))
     assert [type(r.attn) for r in runners] == [TritonAttention, TorchAttention]
+    assert runners[0].model.model.norm.fused is not None  # type: ignore[union-attr]
+    assert runners[1].model.model.norm.fused is None  # type: ignore[union-attr]
     a, b = [3, 4, 5], [9, 1, 17, 12]  # A: 19 prompt tokens; B: 26 in two chunks
     steps = [
         [_req("A", 19, 0, a), _req("B", 10, 0, b)],
