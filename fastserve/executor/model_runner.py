@@ -19,7 +19,6 @@ from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cache_dtype
-from fastserve.executor.cpu_linear import pack_for_small_batches
 from fastserve.executor.cuda_graphs import DecodeGraphs
 from fastserve.executor.sampler import Sampler
 from fastserve.executor.swap import make_swapper
@@ -87,7 +86,6 @@ class ModelRunner:
         eos_token_ids: list[int],
     ) -> None:
         self.model = model
-        pack_for_small_batches(model)  # decode's small matmuls read weights packed once
         self.arch = arch
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.device = torch.device(model_config.device)
@@ -107,7 +105,7 @@ class ModelRunner:
             dtype=self.cache_dtype,
             device=self.device,
         )
-        self.attn.prepare_model(model)
+        self.attn.prepare_model(model)  # e.g. packed CPU weights, fused CUDA kernels
         self.sampler = Sampler(eos_token_ids, model_config.seed, self.device)
         # KV copies to/from host memory, beside the compute (this rank's shards only).
         self.num_host_blocks = host_pool_blocks(cache_config, self.block_bytes)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.cpu_kernels import decode_attention_kernel
+from fastserve.executor.cpu_linear import pack_for_small_batches
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class CpuAttention(PagedAttention):
         if kernel is None or dtype != torch.float32:
             raise ValueError("the cpu attention backend needs its C++ kernels and a float32 cache")
         self.kernel: ModuleType = kernel
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        pack_for_small_batches(model)  # decode's small matmuls read weights packed once
 
     def build_metadata(self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor) -> CpuMetadata:
         bs = self.block_size

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastserve.core.block_pool import is_contiguous
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
+from fastserve.executor.cpu_linear import pack_for_small_batches
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class TorchAttention(PagedAttention):
     @classmethod
     def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
         return True
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        # On CPU (float32) decode's small matmuls read weights packed once; elsewhere a no-op.
+        pack_for_small_batches(model)
 
     def build_metadata(
         self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor
@@ -169,6 +174,9 @@ class TorchCudaAttention(TorchAttention):
     @classmethod
     def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
         return device.type == "cuda"
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        pass  # packed weights are a CPU matter
 
     def _sdpa_backends(self) -> AbstractContextManager[object]:
         return sdpa_kernel(self._BACKENDS)
