@@ -54,7 +54,10 @@ class _GraphBuffers:
     # Pinned staging for one replay's inputs. NOTE: rewritten each replay without waiting for
     # the last copy out of it: every iteration reads its sampled tokens back first.
     host_slots: torch.Tensor  # [max_batch_size] long
-    host_meta: torch.Tensor  # [1 + max_batch_size, width] int32: context lengths, then tables
+    host_lens: torch.Tensor  # [max_batch_size] int32
+    # [max_batch_size * max_blocks_per_seq] int32: a replay's [batch_size, width] block table,
+    # contiguous, so that it goes over in one DMA whatever its width.
+    host_tables: torch.Tensor
 
 
 def _table(rows: list[list[int]]) -> list[list[int]]:
@@ -163,8 +166,9 @@ class TritonAttention(PagedAttention):
                                     device=dev),
             ctx_lens=torch.ones(max_batch_size, dtype=torch.int32, device=dev),
             host_slots=torch.zeros(max_batch_size, dtype=torch.long, pin_memory=self.pin_memory),
-            host_meta=torch.zeros((1 + max_batch_size, max(max_batch_size, max_blocks_per_seq)),
-                                  dtype=torch.int32, pin_memory=self.pin_memory),
+            host_lens=torch.zeros(max_batch_size, dtype=torch.int32, pin_memory=self.pin_memory),
+            host_tables=torch.zeros(max_batch_size * max_blocks_per_seq, dtype=torch.int32,
+                                    pin_memory=self.pin_memory),
         )
 
     def graph_metadata(self, batch_size: int) -> TritonMetadata:
@@ -185,13 +189,14 @@ class TritonAttention(PagedAttention):
         n = len(reqs)
         width = max(len(r.block_ids) for r in reqs)
         # Padding rows: slot -1 (store nothing), a context of one token in block 0.
-        hs, hm = g.host_slots, g.host_meta
-        hs[:batch_size] = -1
-        hs[:n] = torch.tensor(slots, dtype=torch.long)
-        hm[0, :batch_size] = 1
-        hm[0, :n] = torch.tensor([r.num_context_tokens for r in reqs], dtype=torch.int32)
-        hm[1 : 1 + n, :width] = torch.tensor(_table([r.block_ids for r in reqs]), dtype=torch.int32)
-        hm[1 + n : 1 + batch_size, :width] = 0
-        g.slot_mapping[:batch_size].copy_(hs[:batch_size], non_blocking=True)
-        g.ctx_lens[:batch_size].copy_(hm[0, :batch_size], non_blocking=True)
-        g.block_table[:batch_size, :width].copy_(hm[1 : 1 + batch_size, :width], non_blocking=True)
+        slots_h, lens_h = g.host_slots[:batch_size], g.host_lens[:batch_size]
+        slots_h.fill_(-1)
+        slots_h[:n] = torch.tensor(slots, dtype=torch.long)
+        lens_h.fill_(1)
+        lens_h[:n] = torch.tensor([r.num_context_tokens for r in reqs], dtype=torch.int32)
+        tables_h = g.host_tables[: batch_size * width].view(batch_size, width)
+        tables_h[:n] = torch.tensor(_table([r.block_ids for r in reqs]), dtype=torch.int32)
+        tables_h[n:] = 0
+        g.slot_mapping[:batch_size].copy_(slots_h, non_blocking=True)
+        g.ctx_lens[:batch_size].copy_(lens_h, non_blocking=True)
+        g.block_table[:batch_size, :width].copy_(tables_h, non_blocking=True)
