@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import PagedAttention
-from fastserve.executor.backends import BACKENDS, attention_backend
+from fastserve.executor.backends import attention_backend, backend_classes
 from fastserve.executor.backends.cpu import CpuAttention
 from fastserve.executor.backends.torch_sdpa import TorchAttention, TorchCudaAttention
 from fastserve.executor.cpu_kernels import decode_attention_kernel
@@ -126,8 +126,9 @@ def test_registry_picks_one_backend_per_device_and_dtype() -> None:
         attention_backend("triton", cpu, torch.float32)
     with pytest.raises(ValueError, match="must be one of"):
         attention_backend("flash", cpu, torch.float32)
-    if "triton" in BACKENDS:  # the CUDA backend is chosen on CUDA devices only
-        (triton_cls,) = BACKENDS["triton"]
+    # The CUDA backend is looked for on CUDA devices only (triton is not even imported here).
+    assert backend_classes("triton", cpu) == []
+    for triton_cls in backend_classes("triton", torch.device("cuda")):  # if triton is installed
         assert triton_cls.is_supported(torch.device("cuda"), torch.bfloat16)
         assert not triton_cls.is_supported(cpu, torch.float32)
 

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 
 import torch
 
@@ -22,21 +24,35 @@ from fastserve.executor.backends.torch_sdpa import TorchAttention, TorchCudaAtte
 
 logger = logging.getLogger(__name__)
 
-try:  # optional: a CPU machine (or a GPU one without triton) has the other backends
-    from fastserve.executor.backends.triton_attn import TritonAttention
-except ImportError as exc:
-    logger.debug("triton attention backend unavailable: %s", exc)
-    TritonAttention = None  # type: ignore[assignment,misc]
+
+def _triton_backends() -> list[type[PagedAttention]]:
+    # NOTE: imported on first need, not with this module: triton is optional, and importing
+    # it costs seconds that a CPU process (every distributed worker too) has no use for.
+    try:
+        from fastserve.executor.backends.triton_attn import TritonAttention
+    except ImportError as exc:
+        logger.info("triton attention backend unavailable: %s", exc)
+        return []
+    return [TritonAttention]
+
 
 # Name -> the classes answering to it, most specific first (`is_supported` picks).
-BACKENDS: dict[str, list[type[PagedAttention]]] = {
-    "cpu": [CpuAttention],
-    "torch": [TorchCudaAttention, TorchAttention],
+_BACKENDS: dict[str, Callable[[], list[type[PagedAttention]]]] = {
+    "triton": _triton_backends,
+    "cpu": lambda: [CpuAttention],
+    "torch": lambda: [TorchCudaAttention, TorchAttention],
 }
-if TritonAttention is not None:
-    BACKENDS["triton"] = [TritonAttention]
 # `auto` tries these names in turn.
 AUTO_ORDER = ("triton", "cpu", "torch")
+
+
+def backend_classes(name: str, device: torch.device) -> list[type[PagedAttention]]:
+    """The classes registered under `name` that may run on `device`'s type: triton is looked
+    for on CUDA (or on CPU under Triton's interpreter, which the tests use) only."""
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return []
+    return _BACKENDS[name]()
+
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,10 +75,10 @@ def attention_backend(name: str, device: torch.device,
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     for candidate in AUTO_ORDER if name == "auto" else (name,):
-        for cls in BACKENDS.get(candidate, []):
+        for cls in backend_classes(candidate, device):
             if cls.is_supported(device, cache_dtype):
                 return cls
-    if name == "triton" and "triton" not in BACKENDS:
+    if name == "triton" and device.type == "cuda":
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
     raise ValueError(
         f"attention_backend={name!r} does not run on device {device.type!r} with a "
