@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from fastserve.executor.attention import PagedAttention
+from fastserve.executor.backends.torch_sdpa import TorchAttention
 from fastserve.executor.swap import make_swapper
 
 
@@ -28,7 +28,7 @@ def gpu_overlap(repeats: int = 10) -> list[str]:
         return ["(no CUDA device: skipped)"]
     dev = torch.device("cuda")
     num_blocks = 160
-    attn = PagedAttention(num_layers=40, num_kv_heads=40, head_dim=128, num_blocks=num_blocks,
+    attn = TorchAttention(num_layers=40, num_kv_heads=40, head_dim=128, num_blocks=num_blocks,
                           block_size=16, dtype=torch.float16, device=dev)
     swapper = make_swapper(attn, num_host_blocks=num_blocks)
     x = torch.randn(8192, 8192, device=dev, dtype=torch.float16)

@@ -24,6 +24,7 @@ KV_POLICIES = ("proactive", "reactive", "defer", "recompute")
 CPU_COPY_WORKERS = ("auto", "thread", "inline")
 MLFQ_CHARGES = ("iteration", "own")
 MLFQ_VARIANTS = ("robust", "paper")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # see fastserve.executor.backends
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -62,11 +63,25 @@ class ModelConfig:
     # "auto": the checkpoint's safetensors; "dummy": random weights made on the device for
     # its config.json (production shapes without reading a 13 GB file; benchmarks only).
     load_format: str = "auto"
+    # Attention kernels: auto = triton on CUDA (when installed), the C++ kernels on CPU
+    # (float32 cache), else per-request torch SDPA (`fastserve.executor.backends`).
+    attention_backend: str = "auto"
+    # Run every iteration eagerly: no CUDA graphs for decode iterations (a CUDA backend
+    # otherwise captures them at start-up). CPU never captures.
+    enforce_eager: bool = False
+    # Decode batches of up to this many requests replay a captured graph (padded to the next
+    # captured size: 1, 2, 4, 8, then multiples of 16); larger ones run eagerly.
+    cuda_graph_max_batch_size: int = 256
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.load_format in LOAD_FORMATS,
                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+               f"got {self.attention_backend!r}")
+        _check(self.cuda_graph_max_batch_size >= 1,
+               f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")

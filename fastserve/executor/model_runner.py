@@ -1,4 +1,11 @@
-"""The real executor: turns a scheduler plan into tensors, runs the model, samples."""
+"""The real executor: turns a scheduler plan into tensors, runs the model, samples.
+
+Device-specific work lives behind the attention backend the registry picks once
+(`fastserve.executor.backends`): its KV cache, its metadata and, where it supports them,
+decode iterations replayed from CUDA graphs (`cuda_graphs.py`). `execute` is one sequence of
+steps that a pipeline stage (`distributed/stage.py`) reuses, overriding the hooks where a
+stage differs (what it receives, how far its forward pass goes, who samples).
+"""
 
 from __future__ import annotations
 
@@ -8,17 +15,27 @@ from dataclasses import dataclass
 import torch
 
 from fastserve.config import CacheConfig, ModelConfig
-from fastserve.core.block_pool import is_contiguous
 from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
-from fastserve.executor.attention import AttentionMetadata, DecodeBatch, PagedAttention, SeqSlice
-from fastserve.executor.cpu_linear import pack_for_small_batches
+from fastserve.executor.attention import AttentionMetadata, PagedAttention
+from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cache_dtype
+from fastserve.executor.cuda_graphs import DecodeGraphs
 from fastserve.executor.sampler import Sampler
 from fastserve.executor.swap import make_swapper
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["TORCH_DTYPES", "BatchInputs", "ModelRunner", "kv_block_bytes", "kv_cache_dtype"]
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """The scheduled requests' new tokens concatenated, as host lists."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # cache slot of each token
+    last_token_idx: list[int]  # where each request's logits come from
 
 
 @dataclass(frozen=True)
@@ -36,16 +53,29 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_siz
     return 2 * arch.num_hidden_layers * kv_heads * arch.head_dim * block_size * elem
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return TORCH_DTYPES[name]
-    if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return model_dtype
+def flatten(reqs: list[ScheduledRequest], block_size: int) -> FlatBatch:
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    for r in reqs:
+        input_ids += r.token_ids
+        pos = range(r.start_pos, r.start_pos + len(r.token_ids))
+        positions += pos
+        table = r.block_ids
+        slots += [table[p // bs] * bs + p % bs for p in pos]
+        last.append(len(input_ids) - 1)
+    return FlatBatch(input_ids, positions, slots, last)
 
 
 class ModelRunner:
     """Owns the model, the KV tensors and the sampler on one device."""
+
+    # A pipeline stage runs collectives mid-forward and never captures graphs.
+    can_capture_graphs = True
+    # Whether this runner samples (a pipeline's last stage samples on one rank only).
+    is_sampler = True
 
     def __init__(
         self,
@@ -56,7 +86,6 @@ class ModelRunner:
         eos_token_ids: list[int],
     ) -> None:
         self.model = model
-        pack_for_small_batches(model)  # decode's small matmuls read weights packed once
         self.arch = arch
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.device = torch.device(model_config.device)
@@ -66,7 +95,8 @@ class ModelRunner:
         self.num_blocks = cache_config.num_device_blocks or max(
             1, int(cache_config.kv_cache_gib * (1 << 30)) // self.block_bytes
         )
-        self.attn = PagedAttention(
+        backend = attention_backend(model_config.attention_backend, self.device, self.cache_dtype)
+        self.attn: PagedAttention = backend(
             num_layers=arch.num_hidden_layers,
             num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim,
@@ -75,103 +105,78 @@ class ModelRunner:
             dtype=self.cache_dtype,
             device=self.device,
         )
+        self.attn.prepare_model(model)  # e.g. packed CPU weights, fused CUDA kernels
         self.sampler = Sampler(eos_token_ids, model_config.seed, self.device)
         # KV copies to/from host memory, beside the compute (this rank's shards only).
         self.num_host_blocks = host_pool_blocks(cache_config, self.block_bytes)
         self.swapper = make_swapper(self.attn, self.num_host_blocks,
                                     cache_config.cpu_copy_worker)
+        self.graphs: DecodeGraphs | None = None
+        if self.attn.supports_cuda_graphs and self.can_capture_graphs and not model_config.enforce_eager:
+            max_len = model_config.max_model_len or arch.max_position_embeddings
+            self.graphs = DecodeGraphs(model, self.attn, model_config.cuda_graph_max_batch_size,
+                                       max_blocks_per_seq=-(-max_len // self.block_size))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         start = time.perf_counter()
         self.sampler.drop(plan.finished_ids)
+        self._receive(plan)
         self.swapper.submit(plan.swap_out, plan.swap_in)
         if plan.is_empty:
             return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
-        batch = self._prepare(plan.scheduled)
+        flat = flatten(plan.scheduled, self.block_size)
+        graph_size = self.graphs.batch_size_for(plan.scheduled) if self.graphs else None
+        batch = None if graph_size is not None else self._prepare(plan.scheduled, flat)
         # Only the copies into or out of this batch's blocks hold it up; the rest overlap.
         swap_wait_s = self.swapper.wait_for(s.block_ids for s in plan.scheduled)
-        self.attn.metadata = batch.metadata
-        hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
-        sampled = self.sampler.sample(logits, plan.scheduled)
-        self.attn.metadata = None
+        if batch is None:
+            assert self.graphs is not None and graph_size is not None
+            logits: torch.Tensor | None = self.graphs.replay(
+                plan.scheduled, flat.input_ids, flat.positions, flat.slots, graph_size)
+        else:
+            logits = self._forward(batch)  # [num_reqs, vocab]
+        tokens: list[int] = []
+        failed: dict[str, str] = {}
+        if logits is not None and self.is_sampler:
+            sampled = self.sampler.sample(logits, plan.scheduled)
+            tokens, failed = sampled.token_ids, sampled.errors
+        self._emit(tokens)
         return ExecutorOutput(
-            sampled_token_ids=sampled.token_ids,
+            sampled_token_ids=tokens,
             duration_s=time.perf_counter() - start,
             swap_wait_s=swap_wait_s,
-            failed=sampled.errors,
+            failed=failed,
         )
 
-    def _prepare(self, reqs: list[ScheduledRequest]) -> BatchInputs:
-        bs = self.block_size
-        # The CPU kernels read block tables themselves: no per-request slot gather to build.
-        gathers_in_kernel = self.attn.decode_kernel is not None
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last: list[int] = []
-        seqs: list[SeqSlice] = []
-        for r in reqs:
-            q_start = len(input_ids)
-            n = len(r.token_ids)
-            input_ids += r.token_ids
-            pos = range(r.start_pos, r.start_pos + n)
-            positions += pos
-            table = r.block_ids
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-            last.append(q_start + n - 1)
-            ctx = r.start_pos + n
-            live = table[: -(-ctx // bs)]  # the blocks its context occupies
-            contiguous = is_contiguous(live)
-            # Who reads the cache through a gather index: a prefill after cached tokens (a
-            # later chunk) and a decode, unless a kernel reads the block table itself.
-            reads_cache = r.start_pos > 0 and not gathers_in_kernel
-            extends = r.start_pos > 0 and r.is_prefill and gathers_in_kernel
-            seqs.append(
-                SeqSlice(
-                    q_start=q_start,
-                    q_len=n,
-                    is_prefill=r.is_prefill,
-                    ctx_len=ctx,
-                    slot_start=table[0] * bs,
-                    slot_index=None
-                    if contiguous or not reads_cache
-                    else self.attn.block_slots(live)[:ctx],
-                    block_table=torch.tensor(live, dtype=torch.int32)
-                    if extends
-                    else None,
-                )
-            )
-        dev = self.device
-        decodes = self._decode_batch(reqs) if self.attn.decode_kernel is not None else None
+    # -- the steps a pipeline stage overrides ---------------------------------------------
+
+    def _receive(self, plan: SchedulerOutput) -> None:
+        """Before the swaps are queued: a later pipeline stage posts its receive here."""
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor | None:
+        """The forward pass: logits [num_reqs, vocab] (None on a stage that computes none)."""
+        self.attn.metadata = batch.metadata
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
+            return self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
+        finally:
+            self.attn.metadata = None
+
+    def _emit(self, tokens: list[int]) -> None:
+        """After sampling: a pipeline stage sends its activations or tokens on here."""
+
+    def _prepare(self, reqs: list[ScheduledRequest], flat: FlatBatch | None = None) -> BatchInputs:
+        flat = flat or flatten(reqs, self.block_size)
+        pin, dev = self.attn.pin_memory, self.device
+
+        def to_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=True)
+
+        slot_mapping = to_device(flat.slots)
         return BatchInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-            last_token_idx=torch.tensor(last, dtype=torch.long).to(dev, non_blocking=True),
-            metadata=AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-                seqs=seqs,
-                decodes=decodes,
-            ),
-        )
-
-    def _decode_batch(self, reqs: list[ScheduledRequest]) -> DecodeBatch | None:
-        """Block tables of the decoding requests, for the one-call decode kernel."""
-        idx, tables, lens = [], [], []
-        q_start = 0
-        for r in reqs:
-            if not r.is_prefill:
-                idx.append(q_start)
-                tables.append(r.block_ids)
-                lens.append(r.num_context_tokens)
-            q_start += len(r.token_ids)
-        if not idx:
-            return None
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return DecodeBatch(
-            token_idx=torch.tensor(idx, dtype=torch.long),
-            block_table=torch.tensor(padded, dtype=torch.int32),
-            ctx_lens=torch.tensor(lens, dtype=torch.int32),
+            input_ids=to_device(flat.input_ids),
+            positions=to_device(flat.positions),
+            last_token_idx=to_device(flat.last_token_idx),
+            metadata=self.attn.build_metadata(reqs, slot_mapping),
         )

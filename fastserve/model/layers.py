@@ -26,6 +26,8 @@ from torch import Tensor, nn
 AllReduce = Callable[[Tensor], None]
 AllGather = Callable[[Tensor], list[Tensor]]
 WeightLoader = Callable[..., None]
+# (x, residual or None, weight, eps) -> norm(x), or (norm(x + residual), x + residual)
+FusedNorm = Callable[[Tensor, "Tensor | None", Tensor, float], "Tensor | tuple[Tensor, Tensor]"]
 
 
 def default_all_reduce(x: Tensor) -> None:
@@ -85,6 +87,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _new_param(hidden_size)
         _set_loader(self.weight, default_weight_loader)
+        # Set by a device backend (`PagedAttention.prepare_model`): one kernel for the same
+        # math, (x, residual, weight, eps) -> what `forward` returns.
+        self.fused: FusedNorm | None = None
 
     def _norm(self, x: Tensor) -> Tensor:
         # x: [num_tokens, hidden]
@@ -100,6 +105,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if self.fused is not None:
+            return self.fused(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = residual + x
@@ -109,8 +116,15 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """SwiGLU activation on a fused [gate | up] tensor: silu(gate) * up."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Set by a device backend (`PagedAttention.prepare_model`): one kernel, same math.
+        self.fused: Callable[[Tensor], Tensor] | None = None
+
     def forward(self, x: Tensor) -> Tensor:
         # x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]
+        if self.fused is not None:
+            return self.fused(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

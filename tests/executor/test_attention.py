@@ -1,4 +1,5 @@
-"""Paged attention reads the same context whether its blocks are contiguous or scattered."""
+"""The attention backends read the same context whether its blocks are contiguous or scattered,
+and match plain SDPA; the registry picks one per device and cache dtype."""
 
 from __future__ import annotations
 
@@ -6,9 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastserve.executor.attention import AttentionMetadata, PagedAttention, SeqSlice
+from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.attention import PagedAttention
+from fastserve.executor.backends import attention_backend, backend_classes
+from fastserve.executor.backends.cpu import CpuAttention
+from fastserve.executor.backends.torch_sdpa import TorchAttention, TorchCudaAttention
+from fastserve.executor.cpu_kernels import decode_attention_kernel
+from fastserve.executor.model_runner import flatten
+from fastserve.request import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+HAS_CPU_KERNEL = decode_attention_kernel() is not None
+# The backends that run on this machine's CPU (TorchCudaAttention only changes which SDPA
+# implementations may run, so it runs here too); the Triton one runs under its interpreter in
+# a subprocess (tests/executor/test_triton_interpreter.py).
+CPU_BACKENDS = [TorchAttention, TorchCudaAttention] + ([CpuAttention] if HAS_CPU_KERNEL else [])
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -19,27 +32,105 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     return F.scaled_dot_product_attention(q.transpose(0, 1), k, v).transpose(0, 1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+def _req(rid: str, n: int, start: int, blocks: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(rid, [1] * n, start, blocks, SamplingParams(), 0)
+
+
+def _run(attn: PagedAttention, reqs: list[ScheduledRequest], q: torch.Tensor, k: torch.Tensor,
+         v: torch.Tensor) -> torch.Tensor:
+    """One layer of one iteration through the backend's own metadata, as the runner does it."""
+    slots = torch.tensor(flatten(reqs, attn.block_size).slots, dtype=torch.long, device=q.device)
+    attn.metadata = attn.build_metadata(reqs, slots)
+    try:
+        return attn.forward(0, q, k, v)
+    finally:
+        attn.metadata = None
+
+
+def _backend(cls: type[PagedAttention], kv_heads: int, dim: int, num_blocks: int, bs: int,
+             device: str = "cpu") -> PagedAttention:
+    return cls(1, kv_heads, dim, num_blocks=num_blocks, block_size=bs, dtype=torch.float32,
+               device=torch.device(device))
+
+
+@pytest.mark.parametrize("cls", CPU_BACKENDS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("blocks", [[4, 5, 6], [9, 2, 7]], ids=["contiguous", "scattered"])
-def test_decode_reads_through_block_table(device: str, blocks: list[int]) -> None:
+def test_decode_reads_through_block_table(cls: type[PagedAttention], blocks: list[int]) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, bs = 8, 4, 16, 4
-    attn = PagedAttention(1, kv_heads, dim, num_blocks=12, block_size=bs,
-                          dtype=torch.float32, device=torch.device(device))
+    attn = _backend(cls, kv_heads, dim, 12, bs)
     ctx = 10
-    k = torch.randn(ctx, kv_heads, dim, device=device)
-    v = torch.randn(ctx, kv_heads, dim, device=device)
-    slots = attn.block_slots(blocks)[:ctx]
+    k = torch.randn(ctx, kv_heads, dim)
+    v = torch.randn(ctx, kv_heads, dim)
     # Prefill the first ctx-1 tokens, then decode the last one through the cache.
-    attn.metadata = AttentionMetadata(slots[: ctx - 1], [SeqSlice(0, ctx - 1, True, ctx - 1, blocks[0] * bs, None)])
-    attn.forward(0, torch.randn(ctx - 1, heads, dim, device=device), k[:-1], v[:-1])
-    contiguous = blocks == sorted(blocks) and blocks[-1] - blocks[0] == len(blocks) - 1
-    q = torch.randn(1, heads, dim, device=device)
-    attn.metadata = AttentionMetadata(
-        slots[ctx - 1 :], [SeqSlice(0, 1, False, ctx, blocks[0] * bs, None if contiguous else slots)]
-    )
-    out = attn.forward(0, q, k[-1:], v[-1:])
+    _run(attn, [_req("a", ctx - 1, 0, blocks)], torch.randn(ctx - 1, heads, dim), k[:-1], v[:-1])
+    q = torch.randn(1, heads, dim)
+    out = _run(attn, [_req("a", 1, ctx - 1, blocks)], q, k[-1:], v[-1:])
     torch.testing.assert_close(out, _reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_backend_decode_on_each_device(device: str) -> None:
+    """The portable backend (what CUDA falls back to without triton) on every device here."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs, ctx = 8, 2, 16, 4, 9
+    cls = attention_backend("torch", torch.device(device), torch.float32)
+    attn = _backend(cls, kv_heads, dim, 8, bs, device)
+    k, v = torch.randn(2, ctx, kv_heads, dim, device=device)
+    _run(attn, [_req("a", ctx - 1, 0, [3, 1, 6])], torch.randn(ctx - 1, heads, dim, device=device),
+         k[:-1], v[:-1])
+    q = torch.randn(1, heads, dim, device=device)
+    out = _run(attn, [_req("a", 1, ctx - 1, [3, 1, 6])], q, k[-1:], v[-1:])
+    torch.testing.assert_close(out, _reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", CPU_BACKENDS, ids=lambda c: c.__name__)
+def test_mixed_batch_matches_reference(cls: type[PagedAttention]) -> None:
+    """Decodes, a fresh prefill and a chunk after cached tokens in one iteration, in that
+    interleaved order, each against its own reference."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs = 8, 2, 32, 4
+    attn = _backend(cls, kv_heads, dim, 40, bs)
+    tables = {"d1": [7, 3, 30], "p": [11, 12], "c": [20, 1, 25, 2, 9], "d2": [5]}
+    ctx = {"d1": 11, "p": 6, "c": 19, "d2": 3}
+    new = {"d1": 1, "p": 6, "c": 12, "d2": 1}
+    k = {r: torch.randn(n, kv_heads, dim) for r, n in ctx.items()}
+    v = {r: torch.randn(n, kv_heads, dim) for r, n in ctx.items()}
+    # The cached parts first, as one prefill each.
+    cached = [r for r in ctx if ctx[r] > new[r]]
+    _run(attn, [_req(r, ctx[r] - new[r], 0, tables[r]) for r in cached],
+         torch.randn(sum(ctx[r] - new[r] for r in cached), heads, dim),
+         torch.cat([k[r][: ctx[r] - new[r]] for r in cached]),
+         torch.cat([v[r][: ctx[r] - new[r]] for r in cached]))
+    order = ["d1", "p", "c", "d2"]
+    q = {r: torch.randn(new[r], heads, dim) for r in order}
+    out = _run(attn, [_req(r, new[r], ctx[r] - new[r], tables[r]) for r in order],
+               torch.cat([q[r] for r in order]),
+               torch.cat([k[r][ctx[r] - new[r]:] for r in order]),
+               torch.cat([v[r][ctx[r] - new[r]:] for r in order]))
+    row = 0
+    for r in order:
+        ref = _causal_reference(q[r], k[r], v[r])
+        torch.testing.assert_close(out[row : row + new[r]], ref, rtol=1e-5, atol=1e-5)
+        row += new[r]
+
+
+def test_registry_picks_one_backend_per_device_and_dtype() -> None:
+    cpu = torch.device("cpu")
+    expected = CpuAttention if HAS_CPU_KERNEL else TorchAttention
+    assert attention_backend("auto", cpu, torch.float32) is expected
+    # The C++ kernels read float32 caches only: a bf16 cache takes the portable backend.
+    assert attention_backend("auto", cpu, torch.bfloat16) is TorchAttention
+    assert attention_backend("torch", cpu, torch.float32) is TorchAttention
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        attention_backend("triton", cpu, torch.float32)
+    with pytest.raises(ValueError, match="must be one of"):
+        attention_backend("flash", cpu, torch.float32)
+    # The CUDA backend is looked for on CUDA devices only (triton is not even imported here).
+    assert backend_classes("triton", cpu) == []
+    for triton_cls in backend_classes("triton", torch.device("cuda")):  # if triton is installed
+        assert triton_cls.is_supported(torch.device("cuda"), torch.bfloat16)
+        assert not triton_cls.is_supported(cpu, torch.float32)
 
 
 @pytest.mark.parametrize("dim,bs", [(32, 4), (64, 4), (64, 16), (128, 8)])
@@ -47,8 +138,6 @@ def test_cpu_decode_kernel_matches_reference(dim: int, bs: int) -> None:
     """The one-call CPU kernel reads ragged, scattered contexts exactly like the reference
     (head_dim 64 and 128 take its vectorised path, others the plain loops; contexts end
     mid-block and inside the last four-row group)."""
-    from fastserve.executor.cpu_kernels import decode_attention_kernel
-
     kernel = decode_attention_kernel()
     if kernel is None:
         pytest.skip("no C++ compiler: the PyTorch fallback path is covered above")
@@ -98,8 +187,6 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
     """A prefill chunk after `start` cached tokens, read through a scattered block table by
     the CPU extend kernel, matches masked SDPA over the gathered context: chunk offsets that
     start and end mid-block, one-token chunks, chunks longer than the cached part."""
-    from fastserve.executor.cpu_kernels import decode_attention_kernel
-
     kernel = decode_attention_kernel()
     if kernel is None:
         pytest.skip("no C++ compiler: the PyTorch fallback path is covered by the engine tests")
@@ -117,30 +204,19 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
-def test_chunk_after_cached_prefix_reads_scattered_blocks(use_kernel: bool) -> None:
-    """Through `PagedAttention.forward`: a second chunk whose first chunk sits in scattered
-    blocks attends exactly as one causal pass over the whole prompt would."""
+@pytest.mark.parametrize("cls", CPU_BACKENDS, ids=lambda c: c.__name__)
+def test_chunk_after_cached_prefix_reads_scattered_blocks(cls: type[PagedAttention]) -> None:
+    """A second chunk whose first chunk sits in scattered blocks attends exactly as one
+    causal pass over the whole prompt would."""
     torch.manual_seed(1)
     heads, kv_heads, dim, bs = 8, 4, 32, 16
-    attn = PagedAttention(1, kv_heads, dim, num_blocks=16, block_size=bs,
-                          dtype=torch.float32, device=torch.device("cpu"))
-    if use_kernel and attn.decode_kernel is None:
-        pytest.skip("no C++ compiler")
-    if not use_kernel:
-        attn.decode_kernel = None
+    attn = _backend(cls, kv_heads, dim, 16, bs)
     blocks = [9, 2, 14, 5]
     first, second = 37, 20
     ctx = first + second
     q = torch.randn(ctx, heads, dim)
     k = torch.randn(ctx, kv_heads, dim)
     v = torch.randn(ctx, kv_heads, dim)
-    slots = attn.block_slots(blocks)[:ctx]
-    attn.metadata = AttentionMetadata(slots[:first], [SeqSlice(0, first, True, first, 0, None)])
-    attn.forward(0, q[:first], k[:first], v[:first])
-    table = torch.tensor(blocks, dtype=torch.int32)
-    chunk = SeqSlice(0, second, True, ctx, blocks[0] * bs,
-                     None if use_kernel else slots, table if use_kernel else None)
-    attn.metadata = AttentionMetadata(slots[first:], [chunk])
-    out = attn.forward(0, q[first:], k[first:], v[first:])
+    _run(attn, [_req("a", first, 0, blocks)], q[:first], k[:first], v[:first])
+    out = _run(attn, [_req("a", second, first, blocks)], q[first:], k[first:], v[first:])
     torch.testing.assert_close(out, _causal_reference(q, k, v)[first:], rtol=1e-5, atol=1e-5)

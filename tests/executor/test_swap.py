@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fastserve.executor.attention import PagedAttention
+from fastserve.executor.backends.torch_sdpa import TorchAttention
 from fastserve.executor.model_runner import ModelRunner
 from fastserve.executor.swap import (
     CudaSwapper,
@@ -33,7 +34,7 @@ FIXED_PROFILE = pathlib.Path(__file__).parents[2] / "profiles" / "cpu-tiny-2thre
 
 
 def random_cache(device: str, dtype: torch.dtype, seed: int = 0) -> PagedAttention:
-    attn = PagedAttention(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=NUM_BLOCKS,
+    attn = TorchAttention(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=NUM_BLOCKS,
                           block_size=BLOCK_SIZE, dtype=dtype, device=torch.device(device))
     g = torch.Generator().manual_seed(seed)
     for cache in attn.k_caches + attn.v_caches:

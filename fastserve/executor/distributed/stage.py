@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fastserve.config import EngineConfig
 from fastserve.core.kv_policy import host_pool_blocks
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput
+from fastserve.core.plan import SchedulerOutput
 from fastserve.executor.distributed.comm import (
     TAG_ACTIVATIONS,
     TAG_TOKENS,
@@ -35,6 +35,7 @@ from fastserve.executor.distributed.layout import RankLayout, split_layers
 from fastserve.executor.distributed.messages import RankStats
 from fastserve.executor.model_runner import (
     TORCH_DTYPES,
+    BatchInputs,
     ModelRunner,
     kv_block_bytes,
     kv_cache_dtype,
@@ -140,7 +141,10 @@ def bind_tp_group(model: LlamaForCausalLM, group: dist.ProcessGroup) -> None:
 
 
 class StageRunner(ModelRunner):
-    """This rank's share of each iteration; see the module docstring."""
+    """This rank's share of each iteration; see the module docstring. `ModelRunner.execute`
+    runs it, through the hooks below."""
+
+    can_capture_graphs = False  # collectives and point-to-point sends run mid-iteration
 
     def __init__(
         self,
@@ -162,62 +166,66 @@ class StageRunner(ModelRunner):
         assert self.num_blocks == sizes.num_device_blocks
         self.full_arch = arch
         self.layout = layout
+        self.is_sampler = layout.is_sampler
         self.groups = groups
         self.timeout_s = config.parallel.worker_timeout_s
         self._stage_attn = _StageAttention(self, layout.layers[0])
         self._sending = Pending()  # the last activations (or tokens) sent on
         self._stats = _Stats()
+        # Between the steps of one `execute`: the posted receive, the stream to send on.
+        self._incoming: tuple[dist.Work, torch.Tensor] | None = None
+        self._outgoing: torch.Tensor | None = None
+        self._compute_start = 0.0
 
-    @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
-        """This rank's share of the plan. Only the sampler rank returns the sampled tokens."""
-        start = time.perf_counter()
-        lay = self.layout
-        self.sampler.drop(plan.finished_ids)
+    def _receive(self, plan: SchedulerOutput) -> None:
+        """Post the receive of this batch's residual stream first: its swaps are queued while
+        the activations travel."""
+        self._incoming = None
         num_tokens = sum(len(s.token_ids) for s in plan.scheduled)
-        incoming: tuple[dist.Work, torch.Tensor] | None = None
-        if num_tokens and not lay.is_first_stage:
-            # Posted first: this batch's swaps are queued while its activations travel.
+        if num_tokens and not self.layout.is_first_stage:
             buf = torch.empty(2, num_tokens, self.full_arch.hidden_size, dtype=self.dtype, device=self.device)
-            work = dist.irecv(buf, lay.prev_rank, tag=TAG_ACTIVATIONS)
+            work = dist.irecv(buf, self.layout.prev_rank, tag=TAG_ACTIVATIONS)
             assert work is not None
-            incoming = (work, buf)
-        self.swapper.submit(plan.swap_out, plan.swap_in)
-        if plan.is_empty:
-            return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
-        batch = self._prepare(plan.scheduled)
-        swap_wait_s = self.swapper.wait_for(s.block_ids for s in plan.scheduled)
-        if incoming is not None:
-            incoming[0].wait(timedelta(seconds=self.timeout_s))
-        compute_start = time.perf_counter()
+            self._incoming = (work, buf)
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor | None:
+        """This stage's layers: from the embeddings (first stage) or the previous stage's
+        residual stream; logits on the last stage, else the stream is kept for `_emit`."""
+        if self._incoming is not None:
+            self._incoming[0].wait(timedelta(seconds=self.timeout_s))
+        self._compute_start = time.perf_counter()
         stage = self.model.model
         x: torch.Tensor
         residual: torch.Tensor | None
-        if incoming is None:
+        if self._incoming is None:
             assert stage.embed_tokens is not None
             x, residual = stage.embed_tokens(batch.input_ids), None  # [num_tokens, hidden]
         else:
-            x, residual = incoming[1][0], incoming[1][1]  # the previous stage's [2, num_tokens, hidden]
+            x, residual = self._incoming[1][0], self._incoming[1][1]  # the previous stage's [2, num_tokens, hidden]
+        self._incoming = None
         self.attn.metadata = batch.metadata
-        x, residual = stage.forward_layers(x, residual, batch.positions, self._stage_attn)
-        tokens: list[int] = []
-        failed: dict[str, str] = {}
-        if lay.is_last_stage:
-            assert stage.norm is not None
-            hidden, _ = stage.norm(x, residual)
-            logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
-            if lay.is_sampler:
-                sampled = self.sampler.sample(logits, plan.scheduled)
-                tokens, failed = sampled.token_ids, sampled.errors
-        self.attn.metadata = None
-        self._stats.add(compute_start, time.perf_counter())
+        try:
+            x, residual = stage.forward_layers(x, residual, batch.positions, self._stage_attn)
+        finally:
+            self.attn.metadata = None
+        if not self.layout.is_last_stage:
+            self._outgoing = torch.stack((x, residual))
+            return None
+        assert stage.norm is not None
+        hidden, _ = stage.norm(x, residual)
+        return self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
+
+    def _emit(self, tokens: list[int]) -> None:
+        lay = self.layout
+        self._stats.add(self._compute_start, time.perf_counter())
         if not lay.is_last_stage:
-            self._send(torch.stack((x, residual)), lay.next_rank, TAG_ACTIVATIONS)
+            assert self._outgoing is not None
+            self._send(self._outgoing, lay.next_rank, TAG_ACTIVATIONS)
+            self._outgoing = None
         elif lay.is_sampler and not lay.is_driver:
+            # NOTE: a sampler rank that is not the driver sends only tokens; FAILED_TOKEN
+            # stands for a failed row's error.
             self._send(torch.tensor(tokens, dtype=torch.long, device=self.device), 0, TAG_TOKENS)
-        # NOTE: a sampler rank that is not the driver sends only tokens; FAILED_TOKEN stands
-        # for a failed row's error.
-        return ExecutorOutput(tokens, time.perf_counter() - start, swap_wait_s, failed)
 
     def stats(self, reset: bool = False) -> RankStats:
         s = self._stats

@@ -1,0 +1,142 @@
+"""The CPU backend: the C++ paged kernels of `executor/cpu_kernels.py` (float32 cache).
+
+One kernel call per layer for all decodes (`decode_attention`), and one per prefill chunk after
+cached tokens (`extend_attention`); both follow the block tables themselves, so nothing is
+gathered. A prefill from position 0 attends over its fresh K/V with SDPA, as the portable
+backend does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.attention import AttentionMetadata, PagedAttention
+from fastserve.executor.cpu_kernels import decode_attention_kernel
+from fastserve.executor.cpu_linear import pack_for_small_batches
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All decoding requests of an iteration, for the one-call decode kernel."""
+
+    token_idx: torch.Tensor  # [num_decodes] long: their rows in the flattened batch
+    block_table: torch.Tensor  # [num_decodes, max_blocks] int32
+    ctx_lens: torch.Tensor  # [num_decodes] int32
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    """One prefill (or chunk of one) in the flattened batch."""
+
+    q_start: int
+    q_len: int
+    start_pos: int  # cached tokens before it: > 0 reads them through `block_table`
+    block_table: torch.Tensor | None  # [num_blocks] int32 when start_pos > 0
+
+
+@dataclass(frozen=True)
+class CpuMetadata(AttentionMetadata):
+    decodes: DecodeBatch | None
+    prefills: list[PrefillSlice]
+
+
+class CpuAttention(PagedAttention):
+    """The C++ kernels; see the module docstring."""
+
+    name = "cpu"
+
+    @classmethod
+    def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
+        return (device.type == "cpu" and cache_dtype == torch.float32
+                and decode_attention_kernel() is not None)
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
+        kernel = decode_attention_kernel()
+        if kernel is None or dtype != torch.float32:
+            raise ValueError("the cpu attention backend needs its C++ kernels and a float32 cache")
+        self.kernel: ModuleType = kernel
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        pack_for_small_batches(model)  # decode's small matmuls read weights packed once
+
+    def build_metadata(self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor) -> CpuMetadata:
+        bs = self.block_size
+        idx: list[int] = []
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        prefills: list[PrefillSlice] = []
+        q_start = 0
+        for r in reqs:
+            n = len(r.token_ids)
+            if r.is_prefill:
+                live = r.block_ids[: -(-r.num_context_tokens // bs)]
+                table = torch.tensor(live, dtype=torch.int32) if r.start_pos > 0 else None
+                prefills.append(PrefillSlice(q_start, n, r.start_pos, table))
+            else:
+                idx.append(q_start)
+                tables.append(r.block_ids)
+                lens.append(r.num_context_tokens)
+            q_start += n
+        decodes = None
+        if idx:
+            width = max(len(t) for t in tables)
+            decodes = DecodeBatch(
+                token_idx=torch.tensor(idx, dtype=torch.long),
+                block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                         dtype=torch.int32),
+                ctx_lens=torch.tensor(lens, dtype=torch.int32),
+            )
+        return CpuMetadata(slot_mapping=slot_mapping, decodes=decodes, prefills=prefills)
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        md = self.metadata
+        assert isinstance(md, CpuMetadata), "attention metadata must be set before the forward pass"
+        k_cache, v_cache = self.store_kv(layer_idx, k, v, md.slot_mapping)
+        dec = md.decodes
+        if dec is not None and not md.prefills and dec.token_idx.shape[0] == q.shape[0]:
+            # Decodes only: the kernel's output is the whole batch's.
+            return self._decode(q.float(), k_cache, v_cache, dec).to(q.dtype)
+        if dec is None and len(md.prefills) == 1:
+            return self._prefill(md.prefills[0], q, k, v, k_cache, v_cache)
+        out = torch.empty(q.shape, dtype=q.dtype)  # [num_tokens, num_heads, head_dim]
+        if dec is not None:
+            qd = q.index_select(0, dec.token_idx).float()  # [num_decodes, num_heads, head_dim]
+            out.index_copy_(0, dec.token_idx, self._decode(qd, k_cache, v_cache, dec).to(q.dtype))
+        for p in md.prefills:
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            out[sl] = self._prefill(p, q[sl], k[sl], v[sl], k_cache, v_cache)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                dec: DecodeBatch) -> torch.Tensor:
+        return self.kernel.decode_attention(  # type: ignore[no-any-return]
+            q, k_cache, v_cache, dec.block_table, dec.ctx_lens, self.block_size, self.scale
+        )
+
+    def _prefill(self, p: PrefillSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: [q_len, num_heads, head_dim] -> the same shape."""
+        if p.block_table is not None:
+            # Block by block through the table: no gathered context, no [q_len, ctx_len] mask.
+            return self.kernel.extend_attention(  # type: ignore[no-any-return]
+                q.float(), k_cache, v_cache, p.block_table, p.start_pos, self.block_size,
+                self.scale,
+            ).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [1, num_heads, q_len, head_dim]
+        return o[0].transpose(0, 1)

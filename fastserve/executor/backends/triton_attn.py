@@ -1,0 +1,202 @@
+"""The CUDA backend: Triton kernels (`triton_ops`), a fixed number of launches per layer.
+
+Per layer: one KV store for every new token, one paged decode (split-KV, plus its merge) for
+all decodes, one varlen paged prefill for all prefills and chunks. Metadata is built on the
+host in pinned memory and copied once per iteration; nothing in `forward` syncs with the host,
+so a decode iteration can be captured as a CUDA graph over the static buffers of
+`init_cuda_graphs` and replayed at any batch size up to the captured one (padding rows store
+nothing and read slot 0 of block 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.attention import AttentionMetadata, PagedAttention
+from fastserve.executor.backends import triton_ops as ops
+from fastserve.model.layers import RMSNorm, SiluAndMul
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    q_rows: torch.Tensor  # [num_decodes] long: the decodes' rows in the flattened batch
+    block_table: torch.Tensor  # [num_decodes, >= max blocks] int32
+    ctx_lens: torch.Tensor  # [num_decodes] int32, new token included
+    num_splits: int  # splits per context (fixed for a captured graph)
+
+
+@dataclass(frozen=True)
+class PrefillMeta:
+    q_starts: torch.Tensor  # [num_prefills] long: first row of each in the flattened batch
+    q_lens: torch.Tensor  # [num_prefills] int32
+    ctx_lens: torch.Tensor  # [num_prefills] int32: cached tokens before it + q_len
+    block_table: torch.Tensor  # [num_prefills, max blocks] int32
+    max_q_len: int  # sizes the grid
+
+
+@dataclass(frozen=True)
+class TritonMetadata(AttentionMetadata):
+    decode: DecodeMeta | None
+    prefill: PrefillMeta | None
+
+
+@dataclass
+class _GraphBuffers:
+    """The static inputs a captured decode graph reads; replays overwrite them in place."""
+
+    slot_mapping: torch.Tensor  # [max_batch_size] long
+    q_rows: torch.Tensor  # [max_batch_size] long: 0..n-1 (a decode batch is all decodes)
+    block_table: torch.Tensor  # [max_batch_size, max_blocks_per_seq] int32
+    ctx_lens: torch.Tensor  # [max_batch_size] int32
+    # Pinned staging for one replay's inputs. NOTE: rewritten each replay without waiting for
+    # the last copy out of it: every iteration reads its sampled tokens back first.
+    host_slots: torch.Tensor  # [max_batch_size] long
+    host_lens: torch.Tensor  # [max_batch_size] int32
+    # [max_batch_size * max_blocks_per_seq] int32: a replay's [batch_size, width] block table,
+    # contiguous, so that it goes over in one DMA whatever its width.
+    host_tables: torch.Tensor
+
+
+def _table(rows: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in rows)
+    return [t + [0] * (width - len(t)) for t in rows]
+
+
+class TritonAttention(PagedAttention):
+    """Triton kernels on a CUDA device; see the module docstring."""
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    @classmethod
+    def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
+        # On CPU only under Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
+        runs_here = device.type == "cuda" or (device.type == "cpu" and ops.INTERPRETED)
+        return runs_here and cache_dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 1)
+        self._graph: _GraphBuffers | None = None
+        # NOTE: the kernels also run on CPU tensors under Triton's interpreter (the tests);
+        # only a real GPU gets pinned staging.
+        self.pin_memory = device.type == "cuda"
+
+    def _to_device(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
+        return host.to(self.device, non_blocking=True)
+
+    def build_metadata(
+        self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor
+    ) -> TritonMetadata:
+        d_rows: list[int] = []
+        d_tables: list[list[int]] = []
+        d_lens: list[int] = []
+        p_starts: list[int] = []
+        p_lens: list[int] = []
+        p_ctx: list[int] = []
+        p_tables: list[list[int]] = []
+        q_start = 0
+        for r in reqs:
+            n = len(r.token_ids)
+            if r.is_prefill:
+                p_starts.append(q_start)
+                p_lens.append(n)
+                p_ctx.append(r.num_context_tokens)
+                p_tables.append(r.block_ids)
+            else:
+                d_rows.append(q_start)
+                d_tables.append(r.block_ids)
+                d_lens.append(r.num_context_tokens)
+            q_start += n
+        decode = prefill = None
+        if d_rows:
+            splits = ops.decode_splits(len(d_rows), self.num_kv_heads, max(d_lens), self.num_sms)
+            decode = DecodeMeta(self._to_device(d_rows, torch.long),
+                                self._to_device(_table(d_tables), torch.int32),
+                                self._to_device(d_lens, torch.int32), splits)
+        if p_starts:
+            prefill = PrefillMeta(self._to_device(p_starts, torch.long),
+                                  self._to_device(p_lens, torch.int32),
+                                  self._to_device(p_ctx, torch.int32),
+                                  self._to_device(_table(p_tables), torch.int32), max(p_lens))
+        return TritonMetadata(slot_mapping=slot_mapping, decode=decode, prefill=prefill)
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        md = self.metadata
+        assert isinstance(md, TritonMetadata), "attention metadata must be set before the forward pass"
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if md.decode is not None:
+            d = md.decode
+            ops.paged_decode(q, k_cache, v_cache, d.q_rows, d.block_table, d.ctx_lens,
+                             self.block_size, self.scale, d.num_splits, out)
+        if md.prefill is not None:
+            p = md.prefill
+            ops.paged_prefill(q, k_cache, v_cache, p.q_starts, p.q_lens, p.ctx_lens,
+                              p.block_table, p.max_q_len, self.block_size, self.scale, out)
+        return out
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Fused add+RMSNorm and SiLU-and-mul kernels (one launch each instead of four or
+        five), with the plain layers' roundings."""
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = ops.rms_norm
+            elif isinstance(m, SiluAndMul):
+                m.fused = ops.silu_and_mul
+
+    # -- CUDA graphs ----------------------------------------------------------------------
+
+    def init_cuda_graphs(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
+        dev = self.device
+        self._graph = _GraphBuffers(
+            slot_mapping=torch.full((max_batch_size,), -1, dtype=torch.long, device=dev),
+            q_rows=torch.arange(max_batch_size, dtype=torch.long, device=dev),
+            block_table=torch.zeros((max_batch_size, max_blocks_per_seq), dtype=torch.int32,
+                                    device=dev),
+            ctx_lens=torch.ones(max_batch_size, dtype=torch.int32, device=dev),
+            host_slots=torch.zeros(max_batch_size, dtype=torch.long, pin_memory=self.pin_memory),
+            host_lens=torch.zeros(max_batch_size, dtype=torch.int32, pin_memory=self.pin_memory),
+            host_tables=torch.zeros(max_batch_size * max_blocks_per_seq, dtype=torch.int32,
+                                    pin_memory=self.pin_memory),
+        )
+
+    def graph_metadata(self, batch_size: int) -> TritonMetadata:
+        g = self._graph
+        assert g is not None, "init_cuda_graphs first"
+        max_ctx = g.block_table.shape[1] * self.block_size
+        splits = ops.decode_splits(batch_size, self.num_kv_heads, max_ctx, self.num_sms)
+        decode = DecodeMeta(g.q_rows[:batch_size], g.block_table[:batch_size],
+                            g.ctx_lens[:batch_size], splits)
+        return TritonMetadata(slot_mapping=g.slot_mapping[:batch_size], decode=decode,
+                              prefill=None)
+
+    def fill_graph_metadata(
+        self, reqs: list[ScheduledRequest], slots: list[int], batch_size: int
+    ) -> None:
+        g = self._graph
+        assert g is not None, "init_cuda_graphs first"
+        n = len(reqs)
+        width = max(len(r.block_ids) for r in reqs)
+        # Padding rows: slot -1 (store nothing), a context of one token in block 0.
+        slots_h, lens_h = g.host_slots[:batch_size], g.host_lens[:batch_size]
+        slots_h.fill_(-1)
+        slots_h[:n] = torch.tensor(slots, dtype=torch.long)
+        lens_h.fill_(1)
+        lens_h[:n] = torch.tensor([r.num_context_tokens for r in reqs], dtype=torch.int32)
+        tables_h = g.host_tables[: batch_size * width].view(batch_size, width)
+        tables_h[:n] = torch.tensor(_table([r.block_ids for r in reqs]), dtype=torch.int32)
+        tables_h[n:] = 0
+        g.slot_mapping[:batch_size].copy_(slots_h, non_blocking=True)
+        g.ctx_lens[:batch_size].copy_(lens_h, non_blocking=True)
+        g.block_table[:batch_size, :width].copy_(tables_h, non_blocking=True)

@@ -1,0 +1,367 @@
+"""Triton kernels of the CUDA backend: the KV store, paged decode (split-KV) and varlen paged
+prefill. Each is one launch per layer for the whole batch.
+
+Cache layout (see `executor/attention.py`): K and V of a layer are each [num_kv_heads,
+num_slots, head_dim], slot = block_id * block_size + offset; every kernel takes the strides,
+so any layout with a unit head_dim stride works.
+
+The kernels follow well-known designs: the KV store is nano-vllm's `store_kvcache` (one program
+per token, a slot of -1 stores nothing: the padding rows of a CUDA-graph batch); decode is
+SGLang's / vLLM's grouped split-KV decode (one program per (request, KV head, split) computes
+the `group` query heads sharing that KV head with `tl.dot`, padded to 16 rows, and a second
+kernel merges the splits by their log-sum-exp); prefill is a flash-attention forward over the
+block table, bottom-right causal, so a chunk after a cached prefix and a prefill from position
+0 are the same case.
+
+They run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before triton is
+imported), which is how `tests/executor/interpreted/` checks them without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Whether these kernels run under Triton's interpreter (read when triton decorates them): then
+# they take CPU tensors, which is how the tests run them without a GPU.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Rows of a decode program's query tile: `tl.dot` wants at least 16 on a GPU.
+_MIN_DOT = 16
+
+
+def _pow2(n: int) -> int:
+    return max(_MIN_DOT, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 caches get exact fp32 dots (tf32 would round q and k to 10-bit mantissas); for
+    # half types the option is ignored.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _dot_dtype(cache: torch.Tensor) -> tl.dtype:
+    """What `tl.dot`'s operands are cast to: the cache's dtype on a GPU. NOTE: Triton's
+    interpreter (CPU tensors) multiplies bfloat16 as the raw 16-bit integers it stores them
+    in, so there bf16 operands are widened to float32 (the products are then exact, which
+    the tests' tolerance covers either way)."""
+    if cache.device.type == "cpu" and cache.dtype == torch.bfloat16:
+        return tl.float32
+    return _TL_DTYPES[cache.dtype]
+
+
+# --------------------------------------------------------------------------- KV store
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # a padding row: stores nothing
+        return
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
+    dst = h * stride_ch + slot * stride_cs + d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dm)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dm)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [num_tokens, num_kv_heads, head_dim] (unit last stride) into the caches at
+    `slot_mapping` [num_tokens] (long; -1 = skip)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride()
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, q_rows_ptr, block_table_ptr, ctx_lens_ptr,
+    o_part_ptr, lse_part_ptr,
+    stride_qt, stride_qh, stride_ch, stride_cs, stride_bt,
+    block_size, scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_DT: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(ctx_lens_ptr + r)
+    # Splits are fixed in number (a CUDA graph's grid) and sized by this request's context.
+    split_len = tl.cdiv(ctx, NUM_SPLITS)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, ctx)
+    row = tl.load(q_rows_ptr + r).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    hm = hs < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    heads = kvh * GROUP + hs
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hm[:, None] & dm[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    q = q.to(DOT_DT)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    cache = kvh * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pm = pos < end
+        blk = tl.load(block_table_ptr + r * stride_bt + pos // block_size, mask=pm, other=0)
+        slot = blk.to(tl.int64) * block_size + pos % block_size
+        kv_off = cache + slot[:, None] * stride_cs + d[None, :]
+        kvm = pm[:, None] & dm[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(pm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=PRECISION)
+        m_i = m_new
+    # An empty split (context shorter than the splits) leaves l_i = 0: weight 0 in the merge.
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (r * NUM_HEADS + heads) * NUM_SPLITS + sp  # [BLOCK_H]
+    tl.store(o_part_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=hm[:, None])
+    tl.store(lse_part_ptr + part, lse, mask=hm)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    o_part_ptr, lse_part_ptr, q_rows_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sps = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    part = (r * NUM_HEADS + h) * NUM_SPLITS + sps  # [NUM_SPLITS]
+    lse = tl.load(lse_part_ptr + part)
+    w = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    o = tl.load(o_part_ptr + part[:, None] * BLOCK_D + d[None, :])  # [NUM_SPLITS, BLOCK_D]
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    row = tl.load(q_rows_ptr + r).to(tl.int64)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def decode_splits(num_decodes: int, num_kv_heads: int, max_ctx_len: int, num_sms: int,
+                  block_n: int = 32) -> int:
+    """How many splits each decode's context gets: enough programs to fill the GPU's
+    multiprocessors twice over, no more than the context has key tiles; a power of 2."""
+    want = -(-2 * num_sms // max(1, num_decodes * num_kv_heads))
+    tiles = -(-max_ctx_len // block_n)
+    return min(16, triton.next_power_of_2(max(1, min(want, tiles))))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 q_rows: torch.Tensor, block_table: torch.Tensor, ctx_lens: torch.Tensor,
+                 block_size: int, scale: float, num_splits: int, out: torch.Tensor) -> None:
+    """One query token per decode: q[q_rows[i]] [num_heads, head_dim] against its context of
+    ctx_lens[i] (>= 1) tokens through block_table[i] (int32); written to out[q_rows[i]].
+
+    q, out: [num_tokens, num_heads, head_dim] (unit last stride); num_splits a power of 2.
+    """
+    num_decodes = q_rows.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride()
+    o_part = torch.empty((num_decodes, num_heads, num_splits, block_d), dtype=torch.float32,
+                         device=q.device)
+    lse_part = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32,
+                           device=q.device)
+    _decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, q_rows, block_table, ctx_lens, o_part, lse_part,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        block_size, scale,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=_pow2(group), BLOCK_N=32, NUM_SPLITS=num_splits,
+        PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
+    )
+    _decode_merge_kernel[(num_decodes, num_heads)](
+        o_part, lse_part, q_rows, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+    )
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, q_starts_ptr, q_lens_ptr, ctx_lens_ptr,
+    block_table_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
+    block_size, scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_DT: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    q_len = tl.load(q_lens_ptr + s)
+    if mb * BLOCK_M >= q_len:  # the grid covers the longest prefill
+        return
+    q_start = tl.load(q_starts_ptr + s).to(tl.int64)
+    prefix = tl.load(ctx_lens_ptr + s) - q_len  # cached tokens before this chunk
+    kvh = h // GROUP
+    ms = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mm = ms < q_len
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + ms)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mm[:, None] & dm[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = q.to(DOT_DT)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Bottom-right causal: query i (position prefix + i) sees keys 0..prefix + i.
+    end = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_M)
+    cache = kvh * stride_ch
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pm = pos < end
+        blk = tl.load(block_table_ptr + s * stride_bt + pos // block_size, mask=pm, other=0)
+        slot = blk.to(tl.int64) * block_size + pos % block_size
+        kv_off = cache + slot[:, None] * stride_cs + d[None, :]
+        kvm = pm[:, None] & dm[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)  # [BLOCK_N, BLOCK_D]
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        visible = (pos[None, :] <= (prefix + ms)[:, None]) & pm[None, :]
+        sc = tl.where(visible, sc, float("-inf"))
+        # NOTE: key 0 is visible to every row, so m_new is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=PRECISION)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + ms)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mm[:, None] & dm[None, :])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor,
+                  block_table: torch.Tensor, max_q_len: int, block_size: int, scale: float,
+                  out: torch.Tensor) -> None:
+    """Every prefill (or chunk) of the batch in one launch: q_lens[i] queries at rows
+    q_starts[i].. of q, the last q_lens[i] of a context of ctx_lens[i] tokens whose K/V (the
+    chunk's own included) are in the cache through block_table[i] (int32).
+
+    q, out: [num_tokens, num_heads, head_dim] (unit last stride).
+    """
+    num_prefills = q_starts.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[0]
+    block_d = triton.next_power_of_2(head_dim)
+    # Wider tiles for half types; float32 tiles twice the bytes (shared memory).
+    block_m = 64 if k_cache.dtype != torch.float32 and block_d <= 128 else 32
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride()
+    grid = (num_prefills, num_heads, triton.cdiv(max_q_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, q_starts, q_lens, ctx_lens, block_table,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), block_table.stride(0), block_size, scale,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32,
+        PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
+    )
+
+
+# --------------------------------------------------------------------------- fused layer ops
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    dt = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)  # the add rounded to the model dtype
+        tl.store(res_out_ptr + row * hidden + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / hidden
+    y = (xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, (w * y).to(dt), mask=m)
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`RMSNorm.forward` in one launch, with HF's roundings: x [num_tokens, hidden] (and the
+    residual add before it, in the model dtype) -> norm(x) (, x + residual)."""
+    num_tokens, hidden = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(num_tokens,)](
+        x, res, weight, out, res_out, x.stride(0), res.stride(0), hidden, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inter
+    g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=m, other=0.0).to(tl.float32)
+    dt = g.dtype
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)  # silu, rounded as F.silu's output
+    tl.store(out_ptr + row * inter + cols, (act * u).to(dt), mask=m)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`SiluAndMul.forward` in one launch: x [num_tokens, 2 * inter] = [gate | up] ->
+    silu(gate) * up [num_tokens, inter]."""
+    num_tokens, two_inter = x.shape
+    inter = two_inter // 2
+    assert x.stride(1) == 1
+    out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter,
+                                                                 BLOCK=block)
+    return out

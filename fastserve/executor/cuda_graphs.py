@@ -1,0 +1,108 @@
+"""Decode iterations replayed from CUDA graphs (as nano-vllm and vLLM do).
+
+A decode iteration launches a few kernels per layer for a handful of rows: on a GPU its time
+goes to launching them. At start-up the runner captures the whole decode forward pass (model
+and LM head) once per batch size in `capture_sizes`, over static input buffers (token ids,
+positions, and the backend's metadata buffers: `PagedAttention.graph_metadata`). An iteration
+whose requests are all decodes is padded to the next captured size: its inputs are written to
+pinned host buffers, copied into the static ones, and the graph is replayed; the padding rows
+store no K/V and their logits are dropped. Anything else (a prefill, a batch larger than the
+largest captured size) runs eagerly, as does everything under `enforce_eager`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.attention import PagedAttention
+from fastserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every multiple of 16, and the maximum
+    itself, so a batch is padded by less than 16 rows (at most doubled below 16)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += range(16, max_batch_size + 1, 16)
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+def graph_batch_size(reqs: list[ScheduledRequest], sizes: list[int],
+                     max_blocks_per_seq: int) -> int | None:
+    """The captured size this iteration replays at, or None to run it eagerly: only a batch
+    of decodes fits a decode graph, and only one whose block tables fit its static table."""
+    if not reqs or any(r.is_prefill for r in reqs):
+        return None
+    if any(len(r.block_ids) > max_blocks_per_seq for r in reqs):
+        return None
+    i = bisect.bisect_left(sizes, len(reqs))
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one runner and their static inputs."""
+
+    def __init__(self, model: LlamaForCausalLM, attn: PagedAttention, max_batch_size: int,
+                 max_blocks_per_seq: int) -> None:
+        assert attn.supports_cuda_graphs and attn.device.type == "cuda"
+        self.model = model
+        self.attn = attn
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        top = self.sizes[-1]
+        dev = attn.device
+        attn.init_cuda_graphs(top, max_blocks_per_seq)
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
+        # NOTE: rewritten each replay; the previous replay's copy out of it has landed (its
+        # sampled tokens were read back).
+        self.host = torch.zeros((2, top), dtype=torch.long, pin_memory=True)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture()
+
+    def batch_size_for(self, reqs: list[ScheduledRequest]) -> int | None:
+        return graph_batch_size(reqs, self.sizes, self.max_blocks_per_seq)
+
+    def _forward(self, batch_size: int) -> torch.Tensor:
+        self.attn.metadata = self.attn.graph_metadata(batch_size)
+        try:
+            hidden = self.model(self.input_ids[:batch_size], self.positions[:batch_size],
+                                self.attn)  # [batch_size, hidden]
+            return self.model.compute_logits(hidden)  # [batch_size, vocab]
+        finally:
+            self.attn.metadata = None
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        # Largest first: the smaller graphs fit in the memory pool the largest one made.
+        for bs in reversed(self.sizes):
+            self._forward(bs)  # eager warm-up: compiles the kernels, sizes the allocator
+            torch.cuda.synchronize(self.attn.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(self.attn.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def replay(self, reqs: list[ScheduledRequest], input_ids: list[int], positions: list[int],
+               slots: list[int], batch_size: int) -> torch.Tensor:
+        """Logits [len(reqs), vocab] of a decode batch padded to `batch_size`."""
+        n = len(reqs)
+        self.host[0, :n] = torch.tensor(input_ids, dtype=torch.long)
+        self.host[1, :n] = torch.tensor(positions, dtype=torch.long)
+        self.input_ids[:n].copy_(self.host[0, :n], non_blocking=True)
+        self.positions[:n].copy_(self.host[1, :n], non_blocking=True)
+        self.attn.fill_graph_metadata(reqs, slots, batch_size)
+        graph, logits = self.graphs[batch_size]
+        graph.replay()
+        return logits[:n]

@@ -1,0 +1,273 @@
+"""The Triton kernels and backend against plain torch: on a GPU natively, on a CPU under
+Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is imported, so
+tests/executor/test_triton_interpreter.py runs this file in a subprocess with it; in a plain
+CPU session it skips). Small shapes: the interpreter runs each program in numpy."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a GPU, or TRITON_INTERPRET=1 (test_triton_interpreter.py sets it)",
+                allow_module_level=True)
+
+from fastserve.config import CacheConfig, ModelConfig  # noqa: E402
+from fastserve.core.plan import ScheduledRequest, SchedulerOutput  # noqa: E402
+from fastserve.executor.attention import PagedAttention  # noqa: E402
+from fastserve.executor.backends import triton_ops as ops  # noqa: E402
+from fastserve.executor.backends.torch_sdpa import TorchAttention  # noqa: E402
+from fastserve.executor.backends.triton_attn import TritonAttention  # noqa: E402
+from fastserve.executor.cuda_graphs import capture_sizes, graph_batch_size  # noqa: E402
+from fastserve.executor.model_runner import ModelRunner, flatten  # noqa: E402
+from fastserve.model.layers import RMSNorm, SiluAndMul  # noqa: E402
+from fastserve.model.loader import load_model  # noqa: E402
+from fastserve.request import SamplingParams  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Half types accumulate in float32 but round q, k, v and the probabilities to 8 (bf16) or 11
+# (fp16) mantissa bits.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    """float64 reference: q [n, H, D] are the last n positions of a context k, v [ctx, Hkv, D],
+    bottom-right causal (query i sees keys 0..prefix + i)."""
+    n, ctx = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    mask = torch.ones(n, ctx, dtype=torch.bool).tril(prefix)
+    o = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1),
+        k.double().repeat_interleave(group, 1).transpose(0, 1),
+        v.double().repeat_interleave(group, 1).transpose(0, 1),
+        attn_mask=mask.to(q.device),
+    )
+    return o.transpose(0, 1)
+
+
+def _slots(table: list[int], n: int, bs: int) -> torch.Tensor:
+    return (torch.tensor(table).unsqueeze(1) * bs + torch.arange(bs)).flatten()[:n]
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                        device=DEVICE)
+
+
+def test_store_kv_writes_slots_and_skips_padding() -> None:
+    torch.manual_seed(0)
+    kv_heads, dim = 2, 24  # head_dim not a power of 2: the masked tail
+    qkv = torch.randn(4, 3 * kv_heads, dim, device=DEVICE)
+    k, v = qkv[:, :kv_heads], qkv[:, kv_heads : 2 * kv_heads]  # strided views, as the model's
+    k_cache = torch.zeros(kv_heads, 32, dim, device=DEVICE)
+    v_cache = torch.zeros(kv_heads, 32, dim, device=DEVICE)
+    slots = torch.tensor([5, 17, -1, 30], device=DEVICE)  # -1: a CUDA-graph padding row
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    written = [0, 1, 3]
+    idx = slots[written]
+    torch.testing.assert_close(k_cache[:, idx], k[written].transpose(0, 1))
+    torch.testing.assert_close(v_cache[:, idx], v[written].transpose(0, 1))
+    assert int((k_cache != 0).any(-1).sum()) == kv_heads * 3  # nothing else touched
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,splits", [
+    (torch.float32, 8, 2, 4),
+    (torch.float32, 4, 4, 1),
+    (torch.float32, 6, 1, 8),
+    (torch.bfloat16, 8, 2, 4),
+    (torch.float16, 6, 1, 8),
+], ids=str)
+def test_paged_decode_split_kv_gqa(dtype: torch.dtype, heads: int, kv_heads: int,
+                                   splits: int) -> None:
+    """Ragged contexts through scattered tables (ending mid-block, one of a single token,
+    shorter than the number of splits), GQA groups of 4, 1 and 6, at decode rows interleaved
+    with other tokens."""
+    torch.manual_seed(heads * 10 + splits)
+    dim, bs = 32, 4
+    k_cache = torch.randn(kv_heads, 48 * bs, dim, device=DEVICE).to(dtype)
+    v_cache = torch.randn(kv_heads, 48 * bs, dim, device=DEVICE).to(dtype)
+    tables = [[3, 4, 5], [10, 2, 40, 7, 33, 21, 8, 9, 11, 12, 13], [47]]
+    lens = [11, 42, 1]
+    q = torch.randn(7, heads, dim, device=DEVICE).to(dtype)
+    rows = torch.tensor([1, 4, 6], device=DEVICE)
+    out = torch.zeros_like(q)
+    ops.paged_decode(q, k_cache, v_cache, rows, _padded(tables),
+                     torch.tensor(lens, dtype=torch.int32, device=DEVICE), bs, dim**-0.5,
+                     splits, out)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        s = _slots(table, n, bs).to(DEVICE)
+        row = int(rows[i])
+        ref = _attend(q[row : row + 1], k_cache[:, s].transpose(0, 1),
+                      v_cache[:, s].transpose(0, 1), n - 1)
+        torch.testing.assert_close(out[row : row + 1].double(), ref, rtol=TOL[dtype],
+                                   atol=TOL[dtype])
+    assert not out[[0, 2, 3, 5]].any()  # rows that are not decodes stay untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_paged_prefill_varlen_and_chunk_after_cached_prefix(dtype: torch.dtype) -> None:
+    """One launch for three prefills: one from position 0, a chunk after 37 cached tokens
+    (longer than a query tile), a one-token chunk after 5; scattered tables, GQA."""
+    torch.manual_seed(7)
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    k_cache = torch.randn(kv_heads, 32 * bs, dim, device=DEVICE).to(dtype)
+    v_cache = torch.randn(kv_heads, 32 * bs, dim, device=DEVICE).to(dtype)
+    tables = [[6, 2], [9, 30, 1, 14, 3, 22, 8, 17, 5, 11], [28]]
+    prefixes = [0, 37, 5]
+    q_lens = [13, 40, 1]
+    q = torch.randn(sum(q_lens) + 2, heads, dim, device=DEVICE).to(dtype)
+    starts = [1, 14, 55]  # rows 0 and 54: a decode would sit there
+    out = torch.zeros_like(q)
+    ops.paged_prefill(
+        q, k_cache, v_cache, torch.tensor(starts, device=DEVICE),
+        torch.tensor(q_lens, dtype=torch.int32, device=DEVICE),
+        torch.tensor([p + n for p, n in zip(prefixes, q_lens, strict=True)], dtype=torch.int32,
+                     device=DEVICE),
+        _padded(tables), max(q_lens), bs, dim**-0.5, out,
+    )
+    for table, prefix, n, start in zip(tables, prefixes, q_lens, starts, strict=True):
+        s = _slots(table, prefix + n, bs).to(DEVICE)
+        ref = _attend(q[start : start + n], k_cache[:, s].transpose(0, 1),
+                      v_cache[:, s].transpose(0, 1), prefix)
+        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=TOL[dtype],
+                                   atol=TOL[dtype])
+    assert not out[[0, 54]].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
+    """The fused kernels the backend gives the model compute what the plain layers do, with
+    the same roundings (hidden size not a power of 2: the masked tail)."""
+    torch.manual_seed(2)
+    hidden, inter = 48, 40
+    norm = RMSNorm(hidden, eps=1e-5).to(DEVICE, dtype)
+    norm.weight.copy_(torch.randn(hidden))
+    act = SiluAndMul()
+    x = torch.randn(5, hidden, device=DEVICE).to(dtype)
+    res = torch.randn(5, hidden, device=DEVICE).to(dtype)
+    gate_up = torch.randn(5, 2 * inter, device=DEVICE).to(dtype)
+    plain = norm(x), norm(x, res), act(gate_up)
+    TritonAttention(1, 1, 16, 1, 4, torch.float32, DEVICE).prepare_model(
+        torch.nn.ModuleList([norm, act]))
+    assert norm.fused is not None and act.fused is not None
+    fused = norm(x), norm(x, res), act(gate_up)
+    # bf16: the variance summed in another order (and the interpreter's rounding, below) can
+    # move a rounding of the normalised value by one step, two after the scale.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused[0], plain[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(fused[1][0], plain[1][0], rtol=tol, atol=tol)
+    # The residual stream: the same add. NOTE: Triton's interpreter rounds float32 to bf16
+    # toward zero (a GPU rounds to nearest, as torch does), one step off at most.
+    torch.testing.assert_close(fused[1][1], plain[1][1], rtol=tol, atol=tol)
+    if DEVICE.type == "cuda":
+        assert torch.equal(fused[1][1], plain[1][1])
+    torch.testing.assert_close(fused[2], plain[2], rtol=tol, atol=tol)
+
+
+def _req(rid: str, n: int, start: int, blocks: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(rid, [1] * n, start, blocks, SamplingParams(), 0)
+
+
+def _layer(attn: PagedAttention, reqs: list[ScheduledRequest], q: torch.Tensor,
+           k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    slots = torch.tensor(flatten(reqs, attn.block_size).slots, device=DEVICE)
+    attn.metadata = attn.build_metadata(reqs, slots)
+    try:
+        return attn.forward(0, q, k, v)
+    finally:
+        attn.metadata = None
+
+
+def test_backend_mixed_batch_matches_torch_backend() -> None:
+    """Through `TritonAttention`'s own metadata: cached prefixes first, then one iteration of
+    decodes, a fresh prefill and a chunk, interleaved; the portable backend computes the same."""
+    torch.manual_seed(11)
+    heads, kv_heads, dim, bs = 8, 2, 32, 4
+    args = (1, kv_heads, dim, 40, bs, torch.float32, DEVICE)
+    backends = [TritonAttention(*args), TorchAttention(*args)]
+    tables = {"d1": [7, 3, 30], "p": [11, 12], "c": [20, 1, 25, 2, 9], "d2": [5]}
+    ctx = {"d1": 11, "p": 6, "c": 19, "d2": 3}
+    new = {"d1": 1, "p": 6, "c": 12, "d2": 1}
+    cached = [_req(r, ctx[r] - new[r], 0, tables[r]) for r in ctx if ctx[r] > new[r]]
+    order = ["d1", "p", "c", "d2"]
+    step = [_req(r, new[r], ctx[r] - new[r], tables[r]) for r in order]
+    outs = []
+    for attn in backends:
+        torch.manual_seed(12)  # the same q, k, v for both
+        for reqs in (cached, step):
+            num = sum(len(r.token_ids) for r in reqs)
+            qkv = torch.randn(num, heads + 2 * kv_heads, dim, device=DEVICE)
+            out = _layer(attn, reqs, qkv[:, :heads], qkv[:, heads : heads + kv_heads],
+                         qkv[:, heads + kv_heads :])
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_graph_metadata_replays_a_padded_decode_batch() -> None:
+    """What a captured decode graph runs, run eagerly: three decodes written into the static
+    buffers of a batch padded to 4 give the eager metadata's answer, and the padding row
+    stores nothing."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, bs = 4, 2, 16, 4
+    attn = TritonAttention(1, kv_heads, dim, 24, bs, torch.float32, DEVICE)
+    attn.k_caches[0].normal_()
+    attn.v_caches[0].normal_()
+    reqs = [_req("a", 1, 6, [3, 9]), _req("b", 1, 12, [1, 2, 20, 4])]
+    q = torch.randn(2, heads, dim, device=DEVICE)
+    k, v = torch.randn(2, 2, kv_heads, dim, device=DEVICE)
+    eager = _layer(attn, reqs, q, k, v)
+    sizes = capture_sizes(8)
+    assert graph_batch_size(reqs + [_req("p", 5, 0, [6, 8])], sizes, 16) is None
+    assert graph_batch_size(reqs + [_req("c", 1, 2, [7])], sizes, 16) == 4
+    size = 4  # this batch of 2, padded as if a third decode had come and gone
+    before = attn.kv_cache.clone()
+    attn.init_cuda_graphs(max_batch_size=8, max_blocks_per_seq=16)
+    md = attn.graph_metadata(size)
+    attn.fill_graph_metadata(reqs, flatten(reqs, bs).slots, size)
+    attn.metadata = md
+    qp = torch.cat([q, torch.randn(size - 2, heads, dim, device=DEVICE)])
+    kp = torch.cat([k, torch.randn(size - 2, kv_heads, dim, device=DEVICE)])
+    vp = torch.cat([v, torch.randn(size - 2, kv_heads, dim, device=DEVICE)])
+    padded = attn.forward(0, qp, kp, vp)
+    attn.metadata = None
+    torch.testing.assert_close(padded[:2], eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn.kv_cache, before)  # the same K/V again, padding nowhere
+
+
+def test_runner_with_triton_backend_matches_torch_backend(tiny_model_path: Path) -> None:
+    """The whole model through `ModelRunner` (the tiny preset, float32): chunked and whole
+    prefills, then decodes mixed with a chunk, then decodes only; the Triton backend's logits
+    are the portable backend's, and `execute` samples one token per request."""
+    cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)
+    runners = []
+    for name in ("triton", "torch"):  # a model each: the triton backend fuses its layers
+        model, arch = load_model(tiny_model_path, torch.float32, str(DEVICE))
+        config = ModelConfig(device=str(DEVICE), attention_backend=name, enforce_eager=True)
+        runners.append(ModelRunner(model, arch, config, cache, [2]))
+    assert [type(r.attn) for r in runners] == [TritonAttention, TorchAttention]
+    assert runners[0].model.model.norm.fused is not None  # type: ignore[union-attr]
+    assert runners[1].model.model.norm.fused is None  # type: ignore[union-attr]
+    a, b = [3, 4, 5], [9, 1, 17, 12]  # A: 19 prompt tokens; B: 26 in two chunks
+    steps = [
+        [_req("A", 19, 0, a), _req("B", 10, 0, b)],
+        [_req("A", 1, 19, a), _req("B", 16, 10, b)],
+        [_req("A", 1, 20, a), _req("B", 1, 26, b)],
+    ]
+    for reqs in steps:
+        reqs = [dataclasses.replace(r, token_ids=[(7 * i + 3) % 50 + 4 for i in
+                                                  range(len(r.token_ids))]) for r in reqs]
+        with torch.inference_mode():
+            logits = [r._forward(r._prepare(reqs)) for r in runners]
+        assert logits[0] is not None and logits[1] is not None
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    out = runners[0].execute(SchedulerOutput(scheduled=steps[-1]))
+    assert len(out.sampled_token_ids) == 2 and not out.failed
