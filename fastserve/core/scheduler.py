@@ -207,6 +207,10 @@ class Scheduler(ABC):
             self._cache_computed(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet
                 continue
+            if req.params.max_tokens == 0:  # a prefill alone (prompt log-probabilities)
+                self.finish(req, FinishReason.LENGTH, now)
+                touched.append(req)
+                continue
             req.output_token_ids.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
@@ -339,8 +343,8 @@ class Scheduler(ABC):
     def _cached_prefix(self, req: Request) -> Sequence[int]:
         """Hashes of the request's longest cached run of leading blocks, leaving at least one
         token to compute (its logits give the next token)."""
-        if not self.kv.is_caching:
-            return ()
+        if not self.kv.is_caching or req.params.prompt_logprobs is not None:
+            return ()  # NOTE: prompt log-probabilities need every prompt position's logits
         hashes = extend_block_hashes(req, self.kv.block_size)
         n = self.kv.num_cached_prefix(hashes, (req.num_tokens - 1) // self.kv.block_size)
         return hashes[:n]
@@ -411,6 +415,8 @@ class Scheduler(ABC):
                     params=req.params,
                     num_output_tokens=req.num_output_tokens,
                     samples=req.num_computed_tokens + n == req.num_tokens,
+                    prompt_token_ids=_history(req, req.prompt_token_ids),
+                    output_token_ids=_history(req, req.output_token_ids),
                 )
             )
         # Jobs still in flight ran in an earlier batch: they are checked once they are back.
@@ -450,6 +456,11 @@ def check_fits(req: Request, kv: KVCacheManager) -> None:
             f"max_tokens: the prompt ({req.num_prompt_tokens} tokens) plus max_tokens "
             f"({req.params.max_tokens}) needs {need} KV blocks but the cache has "
             f"{kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib", "max_tokens")
+
+
+def _history(req: Request, token_ids: list[int]) -> Sequence[int]:
+    """`token_ids` for the plan when the request's sampling needs its tokens, else ()."""
+    return token_ids if req.params.needs_token_history else ()
 
 
 def _new_tokens(req: Request, n: int) -> list[int]:

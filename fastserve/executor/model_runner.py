@@ -13,6 +13,7 @@ from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.attention import AttentionMetadata, DecodeBatch, PagedAttention, SeqSlice
 from fastserve.executor.cpu_linear import pack_for_small_batches
+from fastserve.executor.logprobs import prompt_logprobs
 from fastserve.executor.sampler import Sampler
 from fastserve.executor.swap import make_swapper
 from fastserve.model.arch import ArchConfig
@@ -96,11 +97,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
         sampled = self.sampler.sample(logits, plan.scheduled)
         self.attn.metadata = None
+        # Echo's prompt log-probabilities: the logits of every prompt position fed (issue 27).
+        prompt_lps = prompt_logprobs(hidden, plan.scheduled, self.model.compute_logits)
         return ExecutorOutput(
             sampled_token_ids=sampled.token_ids,
             duration_s=time.perf_counter() - start,
             swap_wait_s=swap_wait_s,
             failed=sampled.errors,
+            sample_logprobs=sampled.logprobs,
+            prompt_logprobs=prompt_lps,
         )
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> BatchInputs:
