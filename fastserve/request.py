@@ -22,6 +22,9 @@ MAX_LOGPROBS = 20
 # OpenAI's ranges: presence/frequency penalties, and a logit bias per token.
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# repetition_penalty: logits are divided by it, so a tiny one overflows them to inf (1e-156
+# did, found by the schema fuzzer); a huge one makes a seen token's logit 0.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class InvalidRequestError(ValueError):
@@ -90,7 +93,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # Hugging Face / CTRL: a token of the prompt or the output has its logit divided by this
-    # (multiplied when negative). > 0; 1 is off.
+    # (multiplied when negative). In [0.01, 100]; 1 is off.
     repetition_penalty: float = 1.0
     # Token id -> bias in [-100, 100], added to its logit: a mapping or (id, bias) pairs,
     # frozen into sorted pairs (`bias_items`).
@@ -147,9 +150,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", name)
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
             raise InvalidRequestError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
+                f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty!r}",
                 "repetition_penalty")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")

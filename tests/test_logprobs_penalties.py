@@ -218,6 +218,7 @@ def test_batched_processing_matches_hf_processors() -> None:
     ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 1e-156}, "repetition_penalty"),  # would overflow the logits
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {5: 101}}, "logit_bias"),
     ({"max_tokens": -1}, "max_tokens"),
 ])

@@ -406,6 +406,8 @@ class Scheduler(ABC):
         for req in batch:
             req.status = RequestStatus.RUNNING
             n = chunks[req.request_id]
+            # Penalties and prompt log-probabilities read the request's tokens (else none).
+            history = req.params.needs_token_history
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
@@ -415,8 +417,8 @@ class Scheduler(ABC):
                     params=req.params,
                     num_output_tokens=req.num_output_tokens,
                     samples=req.num_computed_tokens + n == req.num_tokens,
-                    prompt_token_ids=_history(req, req.prompt_token_ids),
-                    output_token_ids=_history(req, req.output_token_ids),
+                    prompt_token_ids=req.prompt_token_ids if history else (),
+                    output_token_ids=req.output_token_ids if history else (),
                 )
             )
         # Jobs still in flight ran in an earlier batch: they are checked once they are back.
@@ -456,11 +458,6 @@ def check_fits(req: Request, kv: KVCacheManager) -> None:
             f"max_tokens: the prompt ({req.num_prompt_tokens} tokens) plus max_tokens "
             f"({req.params.max_tokens}) needs {need} KV blocks but the cache has "
             f"{kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib", "max_tokens")
-
-
-def _history(req: Request, token_ids: list[int]) -> Sequence[int]:
-    """`token_ids` for the plan when the request's sampling needs its tokens, else ()."""
-    return token_ids if req.params.needs_token_history else ()
 
 
 def _new_tokens(req: Request, n: int) -> list[int]:

@@ -40,7 +40,13 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
-from fastserve.request import LOGIT_BIAS_RANGE, MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from fastserve.request import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 # -- errors ---------------------------------------------------------------------------------
 
@@ -262,7 +268,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: LogitBias = Field(
         None, description="Token id (a string of digits) -> bias in [-100, 100], added to its logit.")
     repetition_penalty: StrictFloat | None = Field(
-        None, gt=0, description="Extension (Hugging Face's): a logit of a token of the prompt or "
+        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], description="Extension (Hugging Face's): a logit of a token of the prompt or "
                                 "the output is divided by it (multiplied when negative); 1 is off.")
     min_p: StrictFloat | None = Field(
         None, ge=0, le=1, description="Extension: drop tokens less likely than min_p times the most likely.")
