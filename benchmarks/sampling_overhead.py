@@ -3,18 +3,24 @@ penalties, logit_bias, min_p), on this checkout: run it on two checkouts (PYTHON
 compare before and after. Times are the process's CPU time (`time.process_time`), which a
 machine shared with other jobs disturbs far less than wall-clock time.
 
-1. `Sampler.sample` alone: a batch of random logits over a Llama-sized vocabulary.
+1. `Sampler.sample` alone: a batch of random logits over a Llama-sized vocabulary. With
+   `--against OTHER/fastserve/executor/sampler.py`, that checkout's Sampler runs interleaved
+   with this one's on the same inputs (no request using the fields): the before/after ratio.
 2. `LLM.generate` on the tiny preset (the model is cheap, so the sampler's share is large).
 
     PYTHONPATH=. .venv/bin/python benchmarks/sampling_overhead.py [--reps 5] [--features]
+        [--against ../main/fastserve/executor/sampler.py]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import statistics
+import sys
 import time
+from typing import Any
 
 import torch
 
@@ -54,6 +60,35 @@ def sampler_us(batch: int, vocab: int, temperature: float, features: bool, reps:
     return statistics.median(times) * 1e6
 
 
+def _load_sampler(path: str) -> Any:
+    """The Sampler class of another checkout's sampler.py (same plan types)."""
+    spec = importlib.util.spec_from_file_location("other_sampler", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["other_sampler"] = module  # NOTE: dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.Sampler
+
+
+def sampler_ab_us(other: Any, batch: int, vocab: int, temperature: float,
+                  reps: int) -> tuple[float, float]:
+    """Median CPU microseconds of (other's, this) Sampler.sample, interleaved, no fields."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=g)
+    params = SamplingParams(max_tokens=256, temperature=temperature)
+    reqs = [ScheduledRequest(f"r{i}", [1], 640, [0], params, 128) for i in range(batch)]
+    samplers = [other([2], 0, torch.device("cpu")), Sampler([2], 0, torch.device("cpu"))]
+    times: list[list[float]] = [[], []]
+    for rep in range(reps * (40 if temperature == 0 else 4)):
+        for k in (rep % 2, 1 - rep % 2):  # alternate which goes first
+            x = logits.clone()
+            t = time.process_time()
+            samplers[k].sample(x, reqs)
+            times[k].append(time.process_time() - t)
+    before, after = (statistics.median(ts) * 1e6 for ts in times)
+    return before, after
+
+
 def generate_tok_s(llm: LLM, prompts: list[list[int]], n_out: int, temperature: float,
                    features: bool) -> float:
     base = SamplingParams(max_tokens=n_out, temperature=temperature, ignore_eos=True, seed=1)
@@ -74,8 +109,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--features", action="store_true", help="every request uses issue 27's fields")
+    ap.add_argument("--against", default=None, help="another checkout's executor/sampler.py")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.against:
+        other = _load_sampler(args.against)
+        for batch, vocab in ((args.batch, args.vocab), (8, 4096)):
+            for temp in (0.0, 1.0):
+                b, a = sampler_ab_us(other, batch, vocab, temp, args.reps)
+                print(f"Sampler.sample batch {batch} vocab {vocab} temperature {temp}: other "
+                      f"{b:.0f} CPU us, this {a:.0f} CPU us, this/other {a / b:.3f}")
+        return
     label = "with the fields" if args.features else "no request uses the fields"
     print(f"{label}; batch {args.batch}, threads {args.threads}")
     for temp in (0.0, 1.0):

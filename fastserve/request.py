@@ -100,6 +100,9 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
     # Drop tokens less likely than min_p times the most likely one (after temperature).
     min_p: float = 0.0
+    # Derived: whether any of the fields above but min_p is used, so that a batch where none
+    # is skips their work after one check per request.
+    uses_logits_fields: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -158,6 +161,9 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         object.__setattr__(self, "logit_bias", _frozen_bias(self.logit_bias))
+        object.__setattr__(self, "uses_logits_fields", bool(
+            self.logprobs is not None or self.prompt_logprobs is not None or self.bias_items
+            or self.has_penalties))
 
     @property
     def bias_items(self) -> tuple[tuple[int, float], ...]:

@@ -232,3 +232,17 @@ def test_logit_bias_beyond_vocab_refused(engine: LLMEngine) -> None:
     with pytest.raises(InvalidRequestError) as exc_info:
         engine.add_request([1, 2, 3], SamplingParams(logit_bias={engine.arch.vocab_size: 1.0}))
     assert exc_info.value.param == "logit_bias"
+
+
+def test_plan_carries_tokens_only_for_requests_that_need_them() -> None:
+    """The executor gets a request's prompt and output tokens only when its penalties or
+    prompt log-probabilities read them: plain requests cost the plan nothing more."""
+    engine = _engine()
+    prompt = [1, 5, 6, 7, 8]
+    for rid, params in [("plain", SamplingParams(logprobs=2, logit_bias={3: 1.0})),
+                        ("penalized", SamplingParams(repetition_penalty=1.2)),
+                        ("echo", SamplingParams(prompt_logprobs=0))]:
+        engine.add_request(prompt, params, request_id=rid)
+    plan = engine.scheduler.schedule(engine.clock.now())
+    history = {s.request_id: (list(s.prompt_token_ids), list(s.output_token_ids)) for s in plan.scheduled}
+    assert history == {"plain": ([], []), "penalized": (prompt, []), "echo": (prompt, [])}

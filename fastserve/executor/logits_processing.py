@@ -19,10 +19,12 @@ from fastserve.core.plan import ScheduledRequest
 
 
 def apply_logits_processing(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
-                            eos_token_ids: Sequence[int]) -> None:
-    """Bias, penalize and mask `logits` ([num_reqs, vocab], one row per request) in place."""
-    _add_sparse(logits, _bias_entries(reqs))
-    _apply_penalties(logits, reqs)
+                            eos_token_ids: Sequence[int], uses_fields: bool = True) -> None:
+    """Bias, penalize and mask `logits` ([num_reqs, vocab], one row per request) in place.
+    `uses_fields` False (no request has `params.uses_logits_fields`): only the min_tokens mask."""
+    if uses_fields:
+        _add_sparse(logits, _bias_entries(reqs))
+        _apply_penalties(logits, reqs)
     _add_sparse(logits, _early_stop_entries(reqs, eos_token_ids))
 
 
@@ -56,37 +58,46 @@ def _add_sparse(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> 
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> None:
+    """Gathers and scatters over each row's earlier tokens, not over the vocabulary: a
+    request has hundreds of tokens where the vocabulary has 32k-256k entries."""
     rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
     if not rows:
         return
-    vocab = logits.shape[-1]
     dev = logits.device
     sub = [reqs[i] for i in rows]
-    # How many times each token is in the output, and whether it is in the prompt.
-    out_counts = _token_counts([r.output_token_ids for r in sub], vocab, dev)  # [n, vocab]
-    in_prompt = _token_counts([r.prompt_token_ids for r in sub], vocab, dev) > 0  # [n, vocab]
+    row_idx = torch.tensor(rows, device=dev).unsqueeze(1)  # [n, 1]
+    # Hugging Face (CTRL): a logit of a token of the prompt or the output is divided by the
+    # penalty, or multiplied when negative, so a penalty > 1 always makes it less likely.
+    # NOTE: a token seen twice is gathered twice and written twice with the same value.
+    seen, _ = _padded([[*r.prompt_token_ids, *r.output_token_ids] for r in sub], dev)  # [n, L]
     rep = _column([r.params.repetition_penalty for r in sub], logits)  # [n, 1]
+    x = logits[row_idx, seen]  # [n, L]
+    logits[row_idx, seen] = torch.where(x < 0, x * rep, x / rep)
+    # OpenAI: frequency once per time a token is in the output, presence once per token.
+    out_ids, valid = _padded([r.output_token_ids for r in sub], dev)  # [n, M]
+    if out_ids.shape[1] == 0:
+        return
     freq = _column([r.params.frequency_penalty for r in sub], logits)
     pres = _column([r.params.presence_penalty for r in sub], logits)
-    idx = torch.tensor(rows, device=dev)
-    x = logits[idx]  # [n, vocab]
-    seen = in_prompt | (out_counts > 0)
-    # Hugging Face (CTRL): a seen token's logit is divided by the penalty, or multiplied when
-    # negative, so a penalty > 1 always makes it less likely.
-    x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)
-    x = x - freq * out_counts - pres * (out_counts > 0).to(x.dtype)
-    logits[idx] = x
+    logits.index_put_((row_idx.expand_as(out_ids), out_ids), -freq * valid, accumulate=True)
+    x = logits[row_idx, out_ids]
+    logits[row_idx, out_ids] = x - pres * valid
 
 
-def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(seqs), vocab] float32: how often each token id is in each sequence."""
-    width = max(1, max(len(s) for s in seqs))
-    # Padded with `vocab`, an extra column dropped at the end.
-    padded = [list(s) + [vocab] * (width - len(s)) for s in seqs]
-    ids = torch.tensor(padded, dtype=torch.long, device=device)  # [n, width]
-    counts = torch.zeros(len(seqs), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab]
+def _padded(seqs: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, longest] token ids and a 1/0 float mask of the real ones. A row is padded with its
+    own first token (0 when empty), so a pad writes back what the row's real copy writes (or,
+    where masked out, the value it read: the row has no real entry then)."""
+    width = max(len(s) for s in seqs)
+    ids: list[int] = []  # NOTE: flat: torch converts a flat list several times faster
+    mask: list[float] = []
+    for s in seqs:
+        pad = width - len(s)
+        ids += s
+        ids += [s[0] if s else 0] * pad
+        mask += [1.0] * len(s) + [0.0] * pad
+    return (torch.tensor(ids, dtype=torch.long).reshape(len(seqs), width).to(device),
+            torch.tensor(mask).reshape(len(seqs), width).to(device))
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

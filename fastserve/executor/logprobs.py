@@ -75,6 +75,8 @@ def prompt_logprobs(hidden: torch.Tensor, reqs: Sequence[ScheduledRequest],
     first output token (the sampled one), so it is not scored here.
     """
     # hidden: [num_tokens, hidden_size], the plan's tokens in order
+    if not any(r.params.prompt_logprobs is not None for r in reqs):
+        return {}
     positions: list[int] = []  # rows of `hidden`
     targets: list[int] = []
     spans: list[tuple[ScheduledRequest, int, int]] = []  # (request, first target position, count)

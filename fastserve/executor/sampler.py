@@ -56,12 +56,13 @@ class Sampler:
         errors: dict[str, str] = {}
         all_reqs = reqs
         out = [NO_TOKEN if not r.samples else FAILED_TOKEN for r in reqs]
-        lp_rows = logprob_rows(reqs)
+        uses_fields = any(r.params.uses_logits_fields for r in reqs)
+        lp_rows = logprob_rows(reqs) if uses_fields else []
         raw = raw_logprobs(logits, lp_rows)  # NOTE: before anything below changes the logits
         rows = [i for i, r in enumerate(reqs) if r.samples and self._prepare_row(logits, i, r, errors)]
         if len(rows) < len(reqs):
             logits, reqs = logits[rows], [reqs[i] for i in rows]
-        apply_logits_processing(logits, reqs, self.eos_token_ids)
+        apply_logits_processing(logits, reqs, self.eos_token_ids, uses_fields)
         try:
             tokens = self._draw(logits, reqs, errors)
         except Exception:  # a backstop: draw row by row to find the culprits
