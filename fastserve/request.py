@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,15 @@ from typing import Any
 MIN_TEMPERATURE = 1e-5
 # What a per-request torch.Generator accepts as a seed.
 SEED_RANGE = (-(2**63), 2**64)
+# Most alternatives a request may ask for per position (vLLM's default max_logprobs; OpenAI's
+# chat top_logprobs allows 20).
+MAX_LOGPROBS = 20
+# OpenAI's ranges: presence/frequency penalties, and a logit bias per token.
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# repetition_penalty: logits are divided by it, so a tiny one overflows them to inf (1e-156
+# did, found by the schema fuzzer); a huge one makes a seen token's logit 0.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class InvalidRequestError(ValueError):
@@ -71,6 +80,29 @@ class SamplingParams:
     # row of logits ([vocab] tensor) before sampling and returns the row to sample from. One
     # that raises (or yields NaN) fails its own request, not the batch.
     logits_processors: tuple[Callable[[int, Any], Any], ...] = ()
+    # -- log-probabilities, penalties and biases (issue 27) -------------------------------
+    # Log-probabilities of the model's own distribution (the raw logits, before penalties,
+    # bias, temperature and top-k/top-p/min-p), as vLLM's default `raw_logprobs`.
+    # `logprobs`: for each output token, its log-probability and the `logprobs` most likely
+    # alternatives (0: the sampled token's only); None: none.
+    logprobs: int | None = None
+    # The same for each prompt token but the first (which no logits predict); None: none.
+    prompt_logprobs: int | None = None
+    # OpenAI: subtract presence_penalty from the logit of each token the output already has,
+    # and frequency_penalty times the number of times it has it. In [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Hugging Face / CTRL: a token of the prompt or the output has its logit divided by this
+    # (multiplied when negative). In [0.01, 100]; 1 is off.
+    repetition_penalty: float = 1.0
+    # Token id -> bias in [-100, 100], added to its logit: a mapping or (id, bias) pairs,
+    # frozen into sorted pairs (`bias_items`).
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
+    # Drop tokens less likely than min_p times the most likely one (after temperature).
+    min_p: float = 0.0
+    # Derived: whether any of the fields above but min_p is used, so that a batch where none
+    # is skips their work after one check per request.
+    uses_logits_fields: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -79,9 +111,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        # NOTE: 0 is a prefill alone (no token): what prompt log-probabilities need.
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise InvalidRequestError(
-                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
+                f"max_tokens must be an integer >= 0, got {self.max_tokens!r}", "max_tokens")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(
                 f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
@@ -107,6 +140,47 @@ class SamplingParams:
         if bad:
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids (integers >= 0), got {bad[:5]}", "stop_token_ids")
+        self._check_logits_fields()
+
+    def _check_logits_fields(self) -> None:
+        """The log-probability, penalty, bias and min_p fields (ranges as OpenAI / vLLM)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}", name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", name)
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty!r}",
+                "repetition_penalty")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        object.__setattr__(self, "logit_bias", _frozen_bias(self.logit_bias))
+        object.__setattr__(self, "uses_logits_fields", bool(
+            self.logprobs is not None or self.prompt_logprobs is not None or self.bias_items
+            or self.has_penalties))
+
+    @property
+    def bias_items(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as sorted (token id, bias) pairs."""
+        return self.logit_bias  # type: ignore[return-value]  # NOTE: frozen so in __post_init__
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must count this request's earlier tokens."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether the executor needs the request's prompt and output tokens: penalties count
+        them, and prompt log-probabilities score prompt tokens past the chunk fed."""
+        return self.has_penalties or self.prompt_logprobs is not None
 
     def for_vocab(self, vocab_size: int) -> SamplingParams:
         """These parameters checked against a model's vocabulary: token ids outside it are
@@ -117,6 +191,11 @@ class SamplingParams:
                 f"stop_token_ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}",
                 "stop_token_ids",
             )
+        bad = [t for t, _ in self.bias_items if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                f"got {bad[:5]}", "logit_bias")
         if self.top_k >= vocab_size:
             return dataclasses.replace(self, top_k=0)
         return self
@@ -124,6 +203,41 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _frozen_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs; from a mapping or pairs. Token ids may
+    be given as strings of digits (OpenAI's JSON keys)."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        items = list(pairs)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias") from None
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+        key, value = item
+        token = int(key) if isinstance(key, str) and key.isdigit() and key.isascii() else key
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (integers >= 0), got {key!r}", "logit_bias")
+        if not _is_number(value) or not LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]:
+            raise InvalidRequestError(
+                f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key!r}",
+                "logit_bias")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One position's log-probabilities: its token's, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    # (token id, logprob) pairs, most likely first; as many as the request asked for.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -202,6 +316,11 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache (OpenAI's
     # usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
+    # SamplingParams.logprobs: one per token of `token_ids` (None when not asked for).
+    logprobs: list[TokenLogprobs] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (which no
+    # logits predict); set once the whole prompt has been computed.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -100,7 +100,7 @@ def test_eos_ends_generation_unless_ignored(llm: LLM, tiny_model_path: Path, tmp
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),  # 0 is a prefill alone (prompt_logprobs)
         ({"max_tokens": -3}, "max_tokens"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),

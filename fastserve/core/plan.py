@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from fastserve.request import SamplingParams
+from fastserve.request import SamplingParams, TokenLogprobs
 
 # The token of a scheduled request that samples none (a prefill chunk with prompt left).
 NO_TOKEN = -1
@@ -61,6 +61,12 @@ class ScheduledRequest:
     # False for a prefill chunk that leaves tokens for later iterations: it samples nothing
     # (a seeded generator must not advance, so chunked and whole prefills sample alike).
     samples: bool = True
+    # The request's tokens so far, only when `params.needs_token_history` (else empty): the
+    # penalties count them, and prompt log-probabilities score the prompt token after each
+    # position of a chunk. NOTE: the request's own lists, not copies; the scheduler does not
+    # change them before this plan's results come back (a pickled plan is a snapshot).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
     @property
     def is_prefill(self) -> bool:
@@ -119,3 +125,9 @@ class ExecutorOutput:
     # Requests whose own sampling failed (request id -> why): they are failed alone, and
     # their entry in sampled_token_ids (a negative id) is not a token.
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests that asked for log-probabilities (SamplingParams.logprobs): request id -> the
+    # sampled token's. Prompt log-probabilities (SamplingParams.prompt_logprobs): request id
+    # -> (the prompt position of the first entry, one entry per prompt token this iteration's
+    # chunk predicts).
+    sample_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

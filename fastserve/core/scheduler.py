@@ -257,6 +257,10 @@ class Scheduler(ABC):
             self._cache_computed(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet
                 continue
+            if req.params.max_tokens == 0:  # a prefill alone (prompt log-probabilities)
+                self.finish(req, FinishReason.LENGTH, now)
+                touched.append(req)
+                continue
             req.output_token_ids.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
@@ -389,8 +393,8 @@ class Scheduler(ABC):
     def _cached_prefix(self, req: Request) -> Sequence[int]:
         """Hashes of the request's longest cached run of leading blocks, leaving at least one
         token to compute (its logits give the next token)."""
-        if not self.kv.is_caching:
-            return ()
+        if not self.kv.is_caching or req.params.prompt_logprobs is not None:
+            return ()  # NOTE: prompt log-probabilities need every prompt position's logits
         hashes = extend_block_hashes(req, self.kv.block_size)
         n = self.kv.num_cached_prefix(hashes, (req.num_tokens - 1) // self.kv.block_size)
         return hashes[:n]
@@ -452,6 +456,8 @@ class Scheduler(ABC):
         for req in batch:
             req.status = RequestStatus.RUNNING
             n = chunks[req.request_id]
+            # Penalties and prompt log-probabilities read the request's tokens (else none).
+            history = req.params.needs_token_history
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
@@ -461,6 +467,8 @@ class Scheduler(ABC):
                     params=req.params,
                     num_output_tokens=req.num_output_tokens,
                     samples=req.num_computed_tokens + n == req.num_tokens,
+                    prompt_token_ids=req.prompt_token_ids if history else (),
+                    output_token_ids=req.output_token_ids if history else (),
                 )
             )
         # Jobs still in flight ran in an earlier batch: they are checked once they are back.

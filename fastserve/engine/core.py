@@ -11,7 +11,7 @@ from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.kv_policy import make_kv_policy
-from fastserve.core.plan import SchedulerOutput
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler
 from fastserve.core.scheduler import Scheduler
 from fastserve.executor.base import Executor, ExecutorDeadError, PipelinedExecutor
@@ -47,6 +47,9 @@ class EngineCore:
         self.swap_wait_s = 0.0
         # The plan of the latest step (`LLMEngine` records its batch shape per iteration).
         self.last_plan: SchedulerOutput | None = None
+        # What the executor returned for the requests of the latest step's update (None when
+        # the step handed back no batch): the engine takes their log-probabilities from it.
+        self.last_output: ExecutorOutput | None = None
 
     @property
     def num_in_flight(self) -> int:
@@ -56,8 +59,9 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that got a token or failed."""
         plan = self.last_plan = self.scheduler.schedule(self.clock.now())
+        self.last_output = None
         try:
-            out = self.executor.execute(plan)
+            out = self.last_output = self.executor.execute(plan)
         except ExecutorDeadError:
             raise
         except Exception as exc:  # NOTE: one failing batch must not take the engine down
@@ -111,6 +115,7 @@ class PipelinedEngineCore(EngineCore):
     def step(self) -> list[Request]:
         """Launch a batch, or finish the oldest; returns the requests that got a token or failed."""
         self.last_plan = None  # a collect step launches nothing
+        self.last_output = None
         if len(self._in_flight) < self.max_in_flight:
             plan = self.last_plan = self.scheduler.schedule(self.clock.now())
             try:
@@ -134,6 +139,7 @@ class PipelinedEngineCore(EngineCore):
             raise
         except Exception as exc:
             return self._fail(plan, exc)
+        self.last_output = result.out
         self.clock.advance(result.wait_s)
         self.busy_s += result.out.duration_s
         self.swap_wait_s += result.out.swap_wait_s

@@ -152,6 +152,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 "logits_processors run in the sampling process: not with tensor or pipeline "
                 "parallelism", "logits_processors")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None and isinstance(self.runner, DistributedExecutor):
+                raise InvalidRequestError(
+                    f"{name}: log-probabilities are not returned with tensor or pipeline "
+                    "parallelism yet", name)
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
@@ -216,6 +221,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start_s = self.recorder.begin()
         touched = self.core.step()
+        if self.core.last_output is not None:
+            self.outputs.take_logprobs(touched, self.core.last_output)
         for req in touched:
             self._detokenize(req)
         touched += self._aborted

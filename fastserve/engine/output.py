@@ -1,11 +1,14 @@
-"""Turns engine requests into `RequestOutput`s: incremental detokenization and stop strings."""
+"""Turns engine requests into `RequestOutput`s: incremental detokenization, stop strings and
+log-probabilities."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from fastserve.core.plan import ExecutorOutput
 from fastserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from fastserve.request import Request, RequestOutput
+from fastserve.request import Request, RequestOutput, TokenLogprobs
 
 
 @dataclass
@@ -16,6 +19,10 @@ class _Stream:
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
     num_detok_tokens: int = 0
+    # SamplingParams.logprobs: one per output token.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one per prompt token scored so far (None first).
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
 
 
 class OutputProcessor:
@@ -30,6 +37,24 @@ class OutputProcessor:
 
     def discard(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    def take_logprobs(self, touched: Sequence[Request], out: ExecutorOutput) -> None:
+        """Keep an iteration's log-probabilities with their requests' streams."""
+        for rid, (first, entries) in out.prompt_logprobs.items():
+            st = self._streams.get(rid)
+            if st is not None:
+                # NOTE: by position: a recomputed prefill scores the same prompt tokens again.
+                have = len(st.prompt_logprobs)
+                if first <= have:
+                    st.prompt_logprobs += entries[have - first :]
+        if not out.sample_logprobs:
+            return
+        for req in touched:
+            entry = out.sample_logprobs.get(req.request_id)
+            st = self._streams.get(req.request_id)
+            # A token that did not join the output (a prefill alone) has none.
+            if entry is not None and st is not None and len(st.logprobs) < req.num_output_tokens:
+                st.logprobs.append(entry)
 
     def detokenize(self, req: Request) -> bool:
         """Take the request's new tokens into its text; True when a stop string was reached."""
@@ -74,9 +99,19 @@ class OutputProcessor:
             error=req.error,
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens or 0,
+            logprobs=st.logprobs[: req.num_output_tokens] if req.params.logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs(req, st),
         )
         st.num_sent_tokens = req.num_output_tokens
         st.num_sent_chars = len(out.text)
         if req.is_finished:
             del self._streams[req.request_id]
         return out
+
+
+
+def _prompt_logprobs(req: Request, st: _Stream) -> list[TokenLogprobs | None] | None:
+    """The prompt's log-probabilities once all of it is scored, for a request that asked."""
+    if req.params.prompt_logprobs is None or len(st.prompt_logprobs) < req.num_prompt_tokens:
+        return None
+    return list(st.prompt_logprobs)

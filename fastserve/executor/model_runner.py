@@ -20,10 +20,12 @@ from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutpu
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cache_dtype
 from fastserve.executor.cuda_graphs import DecodeGraphs
+from fastserve.executor.logprobs import prompt_logprobs
 from fastserve.executor.sampler import Sampler
 from fastserve.executor.swap import make_swapper
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
+from fastserve.request import TokenLogprobs
 
 __all__ = ["TORCH_DTYPES", "BatchInputs", "ModelRunner", "kv_block_bytes", "kv_cache_dtype"]
 
@@ -130,23 +132,28 @@ class ModelRunner:
         batch = None if graph_size is not None else self._prepare(plan.scheduled, flat)
         # Only the copies into or out of this batch's blocks hold it up; the rest overlap.
         swap_wait_s = self.swapper.wait_for(s.block_ids for s in plan.scheduled)
+        prompt_lps: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         if batch is None:
             assert self.graphs is not None and graph_size is not None
             logits: torch.Tensor | None = self.graphs.replay(
                 plan.scheduled, flat.input_ids, flat.positions, flat.slots, graph_size)
         else:
-            logits = self._forward(batch)  # [num_reqs, vocab]
+            # Echo's prompt log-probabilities: the logits of every prompt position fed.
+            logits, prompt_lps = self._forward(batch, plan.scheduled)  # [num_reqs, vocab]
         tokens: list[int] = []
         failed: dict[str, str] = {}
+        sample_lps: dict[str, TokenLogprobs] = {}
         if logits is not None and self.is_sampler:
             sampled = self.sampler.sample(logits, plan.scheduled)
-            tokens, failed = sampled.token_ids, sampled.errors
+            tokens, failed, sample_lps = sampled.token_ids, sampled.errors, sampled.logprobs
         self._emit(tokens)
         return ExecutorOutput(
             sampled_token_ids=tokens,
             duration_s=time.perf_counter() - start,
             swap_wait_s=swap_wait_s,
             failed=failed,
+            sample_logprobs=sample_lps,
+            prompt_logprobs=prompt_lps,
         )
 
     # -- the steps a pipeline stage overrides ---------------------------------------------
@@ -154,14 +161,17 @@ class ModelRunner:
     def _receive(self, plan: SchedulerOutput) -> None:
         """Before the swaps are queued: a later pipeline stage posts its receive here."""
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor | None:
-        """The forward pass: logits [num_reqs, vocab] (None on a stage that computes none)."""
+    def _forward(self, batch: BatchInputs, reqs: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor | None, dict[str, tuple[int, list[TokenLogprobs]]]]:
+        """The forward pass: logits [num_reqs, vocab] (None on a stage that computes none),
+        and the prompt log-probabilities of the requests that asked for them (echo)."""
         self.attn.metadata = batch.metadata
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
-            return self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
+            logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
         finally:
             self.attn.metadata = None
+        return logits, prompt_logprobs(hidden, reqs, self.model.compute_logits)
 
     def _emit(self, tokens: list[int]) -> None:
         """After sampling: a pipeline stage sends its activations or tokens on here."""

@@ -1,12 +1,16 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, min_tokens."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds; the logits
+changes before it (`logits_processing`) and the log-probabilities (`logprobs`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fastserve.core.plan import NO_TOKEN, ScheduledRequest
+from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
+from fastserve.executor.logprobs import gather_sampled, logprob_rows, raw_logprobs
+from fastserve.request import TokenLogprobs
 
 # The token of a row whose sampling failed: the engine fails that request alone.
 FAILED_TOKEN = -2  # NOTE: not NO_TOKEN (-1), a prefill chunk's
@@ -20,14 +24,17 @@ class Sampled:
     token_ids: list[int]
     # Request id -> why its sampling failed (a logits processor raised, NaN probabilities).
     errors: dict[str, str]
+    # Request id -> its sampled token's log-probabilities (SamplingParams.logprobs).
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class Sampler:
     """Samples one token per row. Seeded requests own a generator, so their tokens do not
     depend on what else is in the batch.
 
-    NOTE: a failure in one row's sampling fails only that row: per-request steps (logits
-    processors, masks) run row by row, and when the batched draw fails each row is drawn
+    NOTE: a failure in one row's sampling fails only that row: the caller's own logits
+    processors run row by row (the built-in biases, penalties and masks are batched tensor
+    operations over valid parameters), and when the batched draw fails each row is drawn
     alone to find the culprits while the other rows still get their tokens.
     """
 
@@ -47,24 +54,29 @@ class Sampler:
         where the request's own sampling failed."""
         # logits: [num_reqs, vocab] float32
         errors: dict[str, str] = {}
+        all_reqs = reqs
         out = [NO_TOKEN if not r.samples else FAILED_TOKEN for r in reqs]
+        uses_fields = any(r.params.uses_logits_fields for r in reqs)
+        lp_rows = logprob_rows(reqs) if uses_fields else []
+        raw = raw_logprobs(logits, lp_rows)  # NOTE: before anything below changes the logits
         rows = [i for i, r in enumerate(reqs) if r.samples and self._prepare_row(logits, i, r, errors)]
         if len(rows) < len(reqs):
             logits, reqs = logits[rows], [reqs[i] for i in rows]
+        apply_logits_processing(logits, reqs, self.eos_token_ids, uses_fields)
         try:
             tokens = self._draw(logits, reqs, errors)
         except Exception:  # a backstop: draw row by row to find the culprits
             tokens = [self._draw_alone(logits, i, r, errors) for i, r in enumerate(reqs)]
         for row, token in zip(rows, tokens):
             out[row] = token
-        return Sampled(out, errors)
+        logprobs = {} if raw is None else gather_sampled(raw, lp_rows, all_reqs, out)
+        return Sampled(out, errors, logprobs)
 
     def _prepare_row(self, logits: torch.Tensor, i: int, r: ScheduledRequest, errors: dict[str, str]) -> bool:
         """The request's own changes to its logits row; False (and the error) if they fail."""
         try:
             for proc in r.params.logits_processors:
                 logits[i] = proc(r.num_output_tokens, logits[i])  # [vocab]
-            self._mask_early_stop(logits, i, r)
         except Exception as exc:
             errors[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
             return False
@@ -85,7 +97,10 @@ class Sampler:
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = logits[rows]  # [n, vocab]
         temps = torch.tensor([reqs[i].params.temperature for i in rows], device=sub.device)
-        probs = torch.softmax(_filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows), dim=-1)
+        filtered = _filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows)
+        # min_p after top-k/top-p, as Hugging Face's warpers run.
+        filtered = apply_min_p(filtered, [reqs[i].params.min_p for i in rows])
+        probs = torch.softmax(filtered, dim=-1)
         # NOTE: checked before any draw, so a bad row cannot fail the batch halfway through
         # its draws (which would advance the other rows' seeded generators twice).
         is_bad = (~torch.isfinite(probs).all(dim=-1)).tolist()  # [n]
@@ -107,15 +122,6 @@ class Sampler:
             gen.manual_seed(req.params.seed)
             self._generators[req.request_id] = gen
         return gen
-
-    def _mask_early_stop(self, logits: torch.Tensor, i: int, r: ScheduledRequest) -> None:
-        """Before min_tokens, EOS and stop token ids may not be sampled."""
-        if r.num_output_tokens < r.params.min_tokens:
-            ids = list(r.params.stop_token_ids)
-            if not r.params.ignore_eos:
-                ids += self.eos_token_ids
-            if ids:
-                logits[i, ids] = float("-inf")
 
 
 def _filter_top_k_top_p(

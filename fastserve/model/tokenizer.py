@@ -112,6 +112,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's entry for `token_id` (its raw piece, e.g. byte-level "Ġthe")."""
+        return self._tok.id_to_token(token_id)
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

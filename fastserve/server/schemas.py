@@ -8,8 +8,9 @@ integer), as in the OpenAI API.
 Extensions: vLLM's names, as the load tools that benchmark servers send them (guidellm, aiperf,
 `vllm bench serve`). Implemented: `top_k`, `min_tokens`, `ignore_eos` (generate exactly
 `max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
-`request_id`, `chat_template_kwargs` and `stream_options.continuous_usage_stats`. The others
-(`repetition_penalty`, `min_p`, ...) are accepted only at the values that mean "not used".
+`request_id`, `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
+`repetition_penalty` and `min_p`. The others are accepted only at the values that mean
+"not used".
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
-from fastserve.request import SamplingParams
+from fastserve.request import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 # -- errors ---------------------------------------------------------------------------------
 
@@ -173,6 +180,39 @@ Stop = Annotated[
 ]
 
 
+def _check_logit_bias(value: Any) -> dict[str, float] | None:
+    """`logit_bias`: {token id as a string of digits: bias in [-100, 100]} (OpenAI's JSON)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("logit_bias_type", "must be an object mapping token ids to numbers")
+    lo, hi = LOGIT_BIAS_RANGE
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise PydanticCustomError("logit_bias_key", "keys must be token ids (strings of digits), got {key}",
+                                      {"key": json.dumps(key)})
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not lo <= bias <= hi:
+            raise PydanticCustomError("logit_bias_value",
+                                      "the bias of token {key} must be a number in [-100, 100], got {bias}",
+                                      {"key": key, "bias": json.dumps(bias)})
+    return {k: float(v) for k, v in value.items()}
+
+
+LogitBias = Annotated[
+    Any,
+    BeforeValidator(_check_logit_bias),
+    WithJsonSchema({"anyOf": [
+        {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+         "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
+                                  "maximum": LOGIT_BIAS_RANGE[1]}},
+        {"type": "null"},
+    ]}),
+]
+# A number of alternatives per position (`logprobs`, `top_logprobs`).
+NumLogprobs = Annotated[StrictInt, annotated_types.Ge(0), annotated_types.Le(MAX_LOGPROBS),
+                        BeforeValidator(_integral)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -198,9 +238,6 @@ class _GenerationRequest(BaseModel):
     metadata: dict[Text, Text] | None = None
     # OpenAI fields accepted only at the values that mean "not used".
     n: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
-    presence_penalty: Annotated[Any, Only((0,))] = Field(None, description="Only 0 is supported.")
-    frequency_penalty: Annotated[Any, Only((0,))] = Field(None, description="Only 0 is supported.")
-    logit_bias: Annotated[Any, Only(({},))] = Field(None, description="Not supported (only null or {}).")
     service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
         None, description="Accepted for compatibility; ignored.")
     # vLLM's extensions, implemented.
@@ -215,8 +252,6 @@ class _GenerationRequest(BaseModel):
     request_id: Text | None = Field(
         None, description="Extension: the response `id` is built from it (for tracing).")
     # vLLM's extensions, accepted only at the values that mean "not used".
-    repetition_penalty: Annotated[Any, Only((1,))] = Field(None, description="Extension: only 1.")
-    min_p: Annotated[Any, Only((0,))] = Field(None, description="Extension: only 0.")
     length_penalty: Annotated[Any, Only((1,))] = Field(None, description="Extension: only 1.")
     use_beam_search: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
     skip_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
@@ -225,6 +260,18 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: Annotated[Any, Only(())] = Field(None, description="Extension: only null.")
     priority: Annotated[Any, Only((0,))] = Field(None, description="Extension: only 0.")
     return_token_ids: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
+    # Penalties, bias and min_p (issue 27): OpenAI's, then vLLM's extensions.
+    presence_penalty: StrictFloat | None = Field(
+        None, ge=-2, le=2, description="Subtracted from the logit of each token the output has.")
+    frequency_penalty: StrictFloat | None = Field(
+        None, ge=-2, le=2, description="Subtracted from a token's logit once per time the output has it.")
+    logit_bias: LogitBias = Field(
+        None, description="Token id (a string of digits) -> bias in [-100, 100], added to its logit.")
+    repetition_penalty: StrictFloat | None = Field(
+        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], description="Extension (Hugging Face's): a logit of a token of the prompt or "
+                                "the output is divided by it (multiplied when negative); 1 is off.")
+    min_p: StrictFloat | None = Field(
+        None, ge=0, le=1, description="Extension: drop tokens less likely than min_p times the most likely.")
 
     @property
     def include_usage(self) -> bool:
@@ -249,7 +296,18 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens or 0,
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            **self._logits_params(),
         )
+
+    def _logits_params(self) -> dict[str, Any]:
+        """SamplingParams' penalty, bias and min_p fields (the endpoints add logprobs)."""
+        return {
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
+            "min_p": self.min_p or 0.0,
+        }
 
 
 def _check_prompt(value: Any) -> str | list[int]:
@@ -288,12 +346,20 @@ class CompletionRequest(_GenerationRequest):
     prompt: Prompt = Field(
         ..., description="A string, a list of token ids, or a list holding one of either."
     )
-    max_tokens: PositiveInt | None = Field(None, description="Default 16.")
-    logprobs: Annotated[Any, Only((False,))] = Field(None, description="Not supported.")
+    max_tokens: Count | None = Field(None, description="Default 16; 0 only with echo (the prompt alone).")
     best_of: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
-    echo: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
     suffix: Annotated[Any, Only(("",))] = Field(None, description="Not supported.")
     add_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
+    # Log-probabilities and echo (issue 27).
+    logprobs: NumLogprobs | None = Field(
+        None, description="Log-probabilities of each token and of this many most likely alternatives.")
+    echo: StrictBool | None = Field(
+        None, description="Return the prompt before the completion (with logprobs: the prompt "
+                          "tokens' too, the first null).")
+
+    def _logits_params(self) -> dict[str, Any]:
+        return {**super()._logits_params(), "logprobs": self.logprobs,
+                "prompt_logprobs": self.logprobs if self.echo else None}
 
 
 class TextPart(BaseModel):
@@ -370,8 +436,6 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: PositiveInt | None = Field(
         None, description="Default: what the model's context leaves after the prompt."
     )
-    logprobs: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
-    top_logprobs: Annotated[Any, Only((0,))] = Field(None, description="Not supported.")
     tools: Annotated[Any, Only(([],))] = Field(None, description="Not supported.")
     tool_choice: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
     parallel_tool_calls: Annotated[Any, Only((True, False))] = Field(
@@ -387,6 +451,16 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="Extension: more variables for the chat template.")
     add_special_tokens: Annotated[Any, Only((False,))] = Field(
         None, description="Extension: only false (the chat template adds them).")
+    # Log-probabilities (issue 27).
+    logprobs: StrictBool | None = Field(None, description="Log-probabilities of the output tokens.")
+    top_logprobs: NumLogprobs | None = Field(
+        None, description="With logprobs: this many most likely alternatives per token.")
+
+    def _logits_params(self) -> dict[str, Any]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs: needs logprobs to be true", "top_logprobs")
+        return {**super()._logits_params(),
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     @property
     def requested_max_tokens(self) -> tuple[str, int | None]:
@@ -416,10 +490,36 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """Completions' log-probabilities: one entry per token (with echo, the prompt's first,
+    which nothing predicts, has null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    # The most likely alternatives and the token itself, by token text.
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -443,7 +543,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -470,7 +570,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

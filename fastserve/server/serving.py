@@ -4,6 +4,7 @@ submit to the engine, and shape its outputs into OpenAI responses and stream chu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -20,9 +21,10 @@ from fastserve.engine.async_llm import (
     QueueFullError,
 )
 from fastserve.model.tokenizer import check_encodable
-from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams
+from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from fastserve.server import schemas, streaming
 from fastserve.server.gate import ClientDisconnected, bad_input, engine_dead, engine_failure
+from fastserve.server.logprobs import LogprobsFormatter
 from fastserve.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -45,6 +47,8 @@ class _Job:
     include_usage: bool
     continuous_usage: bool  # usage in every chunk (vLLM's continuous_usage_stats)
     created: int
+    # Completions' echo: the prompt's text, returned before the completion (None: no echo).
+    echo_text: str | None = None
 
 
 class OpenAIServing:
@@ -56,6 +60,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_model_len: int = llm.engine.max_model_len
         self.created = schemas.now_s()
+        self.logprobs = LogprobsFormatter(llm.tokenizer)
 
     def model_card(self) -> schemas.ModelCard:
         return schemas.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
@@ -76,9 +81,17 @@ class OpenAIServing:
         prompt = body.prompt
         ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         max_tokens = self._max_tokens(
-            "max_tokens", body.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
+            "max_tokens", body.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt",
+            allow_zero=bool(body.echo),
         )
         job = self._job("cmpl", body, ids, max_tokens)
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(ids)
+            job = dataclasses.replace(job, echo_text=echo)
+        if job.echo_text is not None or job.params.logprobs is not None:
+            return await self._respond(
+                job, request, "prompt", self._completion_logprob_events,
+                schemas.CompletionResponse, lambda final: self._completion_choice(job, final))
         return await self._respond(
             job, request, "prompt", self._completion_events, schemas.CompletionResponse,
             lambda final: schemas.CompletionChoice(text=final.text,
@@ -106,6 +119,7 @@ class OpenAIServing:
             job, request, "messages", self._chat_events, schemas.ChatCompletionResponse,
             lambda final: schemas.ChatChoice(
                 message=schemas.ChatResponseMessage(content=final.text),
+                logprobs=self._chat_logprobs(final, len(final.token_ids)),
                 finish_reason=_finish_reason(final),
             ),
         )
@@ -125,9 +139,11 @@ class OpenAIServing:
             raise bad_input(exc, param) from exc
 
     def _max_tokens(
-        self, field: str, requested: int | None, num_prompt: int, default: int | None, prompt_param: str
+        self, field: str, requested: int | None, num_prompt: int, default: int | None, prompt_param: str,
+        allow_zero: bool = False,
     ) -> int:
-        """The request's output budget; refuses a prompt or budget beyond the model's context."""
+        """The request's output budget; refuses a prompt or budget beyond the model's context.
+        `allow_zero`: 0 is the prompt alone (completions' echo)."""
         limit = self.max_model_len
         if num_prompt == 0:
             raise schemas.APIError(400, f"{prompt_param}: must not be empty", param=prompt_param)
@@ -142,8 +158,9 @@ class OpenAIServing:
         room = limit - num_prompt
         if requested is None:
             return room if default is None else min(default, room)
-        if requested < 1:
-            raise schemas.APIError(400, f"{field}: must be at least 1, got {requested}", param=field)
+        if requested < (0 if allow_zero else 1):
+            raise schemas.APIError(
+                400, f"{field}: must be at least 1 (0 only with echo), got {requested}", param=field)
         if requested > room:
             raise schemas.APIError(
                 400,
@@ -264,9 +281,11 @@ class OpenAIServing:
         exclude = None if job.include_usage else {"usage"}
 
         def chunk(
-            delta: schemas.ChatDelta | None, finish: schemas.FinishReason | None = None, usage: schemas.Usage | None = None
+            delta: schemas.ChatDelta | None, finish: schemas.FinishReason | None = None, usage: schemas.Usage | None = None,
+            logprobs: schemas.ChatLogprobs | None = None,
         ) -> str:
-            choices = [] if delta is None else [schemas.ChatChunkChoice(delta=delta, finish_reason=finish)]
+            choices = [] if delta is None else [
+                schemas.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)]
             resp = schemas.ChatCompletionChunk(
                 id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
             )
@@ -280,7 +299,11 @@ class OpenAIServing:
                 yield streaming.sse_data(out.response_body())
                 break
             so_far = _usage(job, out) if job.continuous_usage else None
-            if so_far is not None and (out.new_text or not out.finished):
+            new_lps = self._chat_logprobs(out, len(out.new_token_ids))
+            if new_lps is not None and (out.new_text or out.new_token_ids):
+                # Each chunk carries its tokens' log-probabilities (text may lag behind them).
+                yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far, logprobs=new_lps)
+            elif so_far is not None and (out.new_text or not out.finished):
                 yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far)
             elif out.new_text:
                 yield text_chunk(out.new_text)
@@ -288,6 +311,70 @@ class OpenAIServing:
                 yield chunk(schemas.ChatDelta(), _finish_reason(out), so_far)
                 if job.include_usage:
                     yield chunk(None, usage=_usage(job, out))
+        yield "data: [DONE]\n\n"
+
+
+    # -- log-probabilities and echo (issue 27) ------------------------------------------
+
+    def _chat_logprobs(self, out: RequestOutput, num_last: int) -> schemas.ChatLogprobs | None:
+        """The log-probabilities of the output's last `num_last` tokens, when asked for."""
+        if out.logprobs is None:
+            return None
+        return self.logprobs.chat(out.logprobs[len(out.logprobs) - num_last:] if num_last else [])
+
+    def _completion_logprobs(
+        self, job: _Job, out: RequestOutput, num_last: int, with_prompt: bool, text_offset: int
+    ) -> tuple[schemas.CompletionLogprobs | None, int]:
+        """Completions' log-probabilities of the output's last `num_last` tokens, after the
+        prompt's when `with_prompt` (echo); and the text offset after them."""
+        if job.params.logprobs is None:
+            return None, text_offset
+        ids: list[int] = []
+        entries: list[TokenLogprobs | None] = []
+        if with_prompt:
+            ids += job.prompt_token_ids
+            entries += out.prompt_logprobs or [None] * len(job.prompt_token_ids)
+        if num_last:
+            ids += out.token_ids[-num_last:]
+            entries += (out.logprobs or [])[-num_last:]
+        return self.logprobs.completion(ids, entries, text_offset)
+
+    def _completion_choice(self, job: _Job, final: RequestOutput) -> schemas.CompletionChoice:
+        echo = job.echo_text is not None
+        logprobs, _ = self._completion_logprobs(job, final, len(final.token_ids), echo, 0)
+        return schemas.CompletionChoice(text=(job.echo_text or "") + final.text, logprobs=logprobs,
+                                        finish_reason=_finish_reason(final))
+
+    async def _completion_logprob_events(
+        self, job: _Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+    ) -> AsyncGenerator[str, None]:
+        """Completions' stream with echo or log-probabilities: the first chunk carries the
+        prompt (and its log-probabilities), then a chunk per output with new tokens."""
+        exclude = None if job.include_usage else {"usage"}
+
+        def chunk(choice: schemas.CompletionChoice | None, usage: schemas.Usage | None = None) -> str:
+            resp = schemas.CompletionResponse(id=job.response_id, created=job.created,
+                                              model=self.model_name,
+                                              choices=[] if choice is None else [choice], usage=usage)
+            return streaming.sse_data(resp.model_dump(exclude=exclude))
+
+        offset = 0
+        echo_pending = job.echo_text is not None
+        async for out in streaming.stream_outputs(first, outputs):
+            if isinstance(out, schemas.APIError):
+                yield streaming.sse_data(out.response_body())
+                break
+            text = (job.echo_text or "") + out.new_text if echo_pending else out.new_text
+            logprobs, offset = self._completion_logprobs(job, out, len(out.new_token_ids),
+                                                         echo_pending, offset)
+            echo_pending = False
+            so_far = _usage(job, out) if job.continuous_usage else None
+            if text or out.new_token_ids or out.finished or so_far is not None:
+                yield chunk(schemas.CompletionChoice(
+                    text=text, logprobs=logprobs,
+                    finish_reason=_finish_reason(out) if out.finished else None), so_far)
+            if out.finished and job.include_usage:
+                yield chunk(None, usage=_usage(job, out))
         yield "data: [DONE]\n\n"
 
 

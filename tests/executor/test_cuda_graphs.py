@@ -94,13 +94,13 @@ def test_replayed_decodes_match_eager(tiny_model_path: Path, dtype: str) -> None
     decodes = [_decode(p.request_id, len(p.token_ids), p.block_ids) for p in prompts]
     with torch.inference_mode():
         for r in runners:
-            r._forward(r._prepare(prompts))
+            r._forward(r._prepare(prompts), prompts)
         graphs = runners[0].graphs
         assert graphs is not None and graphs.batch_size_for(decodes) == 4
         replayed = graphs.replay(decodes, [5] * 3, [d.start_pos for d in decodes],
                                  [d.block_ids[d.start_pos // 16] * 16 + d.start_pos % 16
                                   for d in decodes], 4)
-        eager = runners[1]._forward(runners[1]._prepare(decodes))
+        eager = runners[1]._forward(runners[1]._prepare(decodes), decodes)[0]
     assert eager is not None
     tol = 1e-4 if dtype == "float32" else 3e-2
     torch.testing.assert_close(replayed, eager, rtol=tol, atol=tol)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fastserve.config import EngineConfig
 from fastserve.core.kv_policy import host_pool_blocks
-from fastserve.core.plan import SchedulerOutput
+from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.executor.distributed.comm import (
     TAG_ACTIVATIONS,
     TAG_TOKENS,
@@ -44,6 +44,7 @@ from fastserve.model.arch import ArchConfig
 from fastserve.model.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.model.loader import load_model
+from fastserve.request import TokenLogprobs
 
 
 def rank_arch(arch: ArchConfig, layers: tuple[int, int], tp_size: int) -> ArchConfig:
@@ -188,9 +189,11 @@ class StageRunner(ModelRunner):
             assert work is not None
             self._incoming = (work, buf)
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor | None:
+    def _forward(self, batch: BatchInputs, reqs: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor | None, dict[str, tuple[int, list[TokenLogprobs]]]]:
         """This stage's layers: from the embeddings (first stage) or the previous stage's
-        residual stream; logits on the last stage, else the stream is kept for `_emit`."""
+        residual stream; logits on the last stage, else the stream is kept for `_emit`.
+        NOTE: no prompt log-probabilities: the server refuses them under parallelism."""
         if self._incoming is not None:
             self._incoming[0].wait(timedelta(seconds=self.timeout_s))
         self._compute_start = time.perf_counter()
@@ -210,10 +213,10 @@ class StageRunner(ModelRunner):
             self.attn.metadata = None
         if not self.layout.is_last_stage:
             self._outgoing = torch.stack((x, residual))
-            return None
+            return None, {}
         assert stage.norm is not None
         hidden, _ = stage.norm(x, residual)
-        return self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
+        return self.model.compute_logits(hidden[batch.last_token_idx]), {}  # [num_reqs, vocab]
 
     def _emit(self, tokens: list[int]) -> None:
         lay = self.layout

@@ -266,7 +266,7 @@ def test_runner_with_triton_backend_matches_torch_backend(tiny_model_path: Path)
         reqs = [dataclasses.replace(r, token_ids=[(7 * i + 3) % 50 + 4 for i in
                                                   range(len(r.token_ids))]) for r in reqs]
         with torch.inference_mode():
-            logits = [r._forward(r._prepare(reqs)) for r in runners]
+            logits = [r._forward(r._prepare(reqs), reqs)[0] for r in runners]
         assert logits[0] is not None and logits[1] is not None
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     out = runners[0].execute(SchedulerOutput(scheduled=steps[-1]))

@@ -1,0 +1,116 @@
+"""Batched changes to a batch's logits before sampling: logit_bias, min_tokens, the penalties
+(repetition, presence, frequency) and min_p.
+
+Each is one set of tensor operations over the rows that use it, with per-row parameters as
+tensors; a batch where no row uses one skips it after a check per request (no tensor work).
+They follow Hugging Face's logits processors (SequenceBiasLogitsProcessor for single tokens,
+RepetitionPenaltyLogitsProcessor, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper) and
+OpenAI's presence/frequency penalties (over the output tokens), in Hugging Face's order: bias,
+then repetition penalty, then the early-stop mask (its -inf survives the penalties anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastserve.core.plan import ScheduledRequest
+
+
+def apply_logits_processing(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
+                            eos_token_ids: Sequence[int], uses_fields: bool = True) -> None:
+    """Bias, penalize and mask `logits` ([num_reqs, vocab], one row per request) in place.
+    `uses_fields` False (no request has `params.uses_logits_fields`): only the min_tokens mask."""
+    if uses_fields:
+        _add_sparse(logits, _bias_entries(reqs))
+        _apply_penalties(logits, reqs)
+    _add_sparse(logits, _early_stop_entries(reqs, eos_token_ids))
+
+
+def _bias_entries(reqs: Sequence[ScheduledRequest]) -> list[tuple[int, int, float]]:
+    return [(i, tok, bias) for i, r in enumerate(reqs) for tok, bias in r.params.bias_items]
+
+
+def _early_stop_entries(reqs: Sequence[ScheduledRequest],
+                        eos_token_ids: Sequence[int]) -> list[tuple[int, int, float]]:
+    """Before min_tokens, EOS and the stop token ids may not be sampled."""
+    out = []
+    for i, r in enumerate(reqs):
+        p = r.params
+        if r.num_output_tokens < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            out += [(i, tok, float("-inf")) for tok in ids]
+    return out
+
+
+def _add_sparse(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
+    """logits[row, token] += value for each entry, in one indexed add."""
+    if not entries:
+        return
+    rows, cols, values = zip(*entries)
+    dev = logits.device
+    logits.index_put_(
+        (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+        torch.tensor(values, dtype=logits.dtype, device=dev),
+        accumulate=True,
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> None:
+    """Gathers and scatters over each row's earlier tokens, not over the vocabulary: a
+    request has hundreds of tokens where the vocabulary has 32k-256k entries."""
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+    if not rows:
+        return
+    dev = logits.device
+    sub = [reqs[i] for i in rows]
+    row_idx = torch.tensor(rows, device=dev).unsqueeze(1)  # [n, 1]
+    # Hugging Face (CTRL): a logit of a token of the prompt or the output is divided by the
+    # penalty, or multiplied when negative, so a penalty > 1 always makes it less likely.
+    # NOTE: a token seen twice is gathered twice and written twice with the same value.
+    seen, _ = _padded([[*r.prompt_token_ids, *r.output_token_ids] for r in sub], dev)  # [n, L]
+    rep = _column([r.params.repetition_penalty for r in sub], logits)  # [n, 1]
+    x = logits[row_idx, seen]  # [n, L]
+    logits[row_idx, seen] = torch.where(x < 0, x * rep, x / rep)
+    # OpenAI: frequency once per time a token is in the output, presence once per token.
+    out_ids, valid = _padded([r.output_token_ids for r in sub], dev)  # [n, M]
+    if out_ids.shape[1] == 0:
+        return
+    freq = _column([r.params.frequency_penalty for r in sub], logits)
+    pres = _column([r.params.presence_penalty for r in sub], logits)
+    logits.index_put_((row_idx.expand_as(out_ids), out_ids), -freq * valid, accumulate=True)
+    x = logits[row_idx, out_ids]
+    logits[row_idx, out_ids] = x - pres * valid
+
+
+def _padded(seqs: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, longest] token ids and a 1/0 float mask of the real ones. A row is padded with its
+    own first token (0 when empty), so a pad writes back what the row's real copy writes (or,
+    where masked out, the value it read: the row has no real entry then)."""
+    width = max(len(s) for s in seqs)
+    ids: list[int] = []  # NOTE: flat: torch converts a flat list several times faster
+    mask: list[float] = []
+    for s in seqs:
+        pad = width - len(s)
+        ids += s
+        ids += [s[0] if s else 0] * pad
+        mask += [1.0] * len(s) + [0.0] * pad
+    return (torch.tensor(ids, dtype=torch.long).reshape(len(seqs), width).to(device),
+            torch.tensor(mask).reshape(len(seqs), width).to(device))
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Set to -inf the logits of tokens less likely than min_p times the row's most likely
+    (Hugging Face's MinPLogitsWarper; min_p 0 keeps the row)."""
+    # logits: [n, vocab], temperature already applied
+    if not any(min_p):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)  # [n, 1]
+    threshold = _column(min_p, probs) * top
+    return logits.masked_fill(probs < threshold, float("-inf"))
