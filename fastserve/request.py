@@ -16,6 +16,8 @@ from typing import Any
 MIN_TEMPERATURE = 1e-5
 # What a per-request torch.Generator accepts as a seed.
 SEED_RANGE = (-(2**63), 2**64)
+# Most sequences one request may ask for (`n`, `best_of`): OpenAI's limit on `n`.
+MAX_SEQUENCES = 128
 
 
 class InvalidRequestError(ValueError):
@@ -71,6 +73,10 @@ class SamplingParams:
     # row of logits ([vocab] tensor) before sampling and returns the row to sample from. One
     # that raises (or yields NaN) fails its own request, not the batch.
     logits_processors: tuple[Callable[[int, Any], Any], ...] = ()
+    # Several sequences over one prompt (fastserve.engine.group): `n` are returned, out of
+    # `best_of` generated (None: n), the n with the highest cumulative log-probability.
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -107,6 +113,22 @@ class SamplingParams:
         if bad:
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids (integers >= 0), got {bad[:5]}", "stop_token_ids")
+        self._check_sequences()
+
+    def _check_sequences(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SEQUENCES:
+            raise InvalidRequestError(
+                f"n must be an integer in [1, {MAX_SEQUENCES}], got {self.n!r}", "n")
+        if self.best_of is not None and (not _is_int(self.best_of)
+                                         or not self.n <= self.best_of <= MAX_SEQUENCES):
+            raise InvalidRequestError(
+                f"best_of must be an integer in [n={self.n}, {MAX_SEQUENCES}], got "
+                f"{self.best_of!r}", "best_of")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences to generate: `best_of`, else `n`."""
+        return self.n if self.best_of is None else self.best_of
 
     def for_vocab(self, vocab_size: int) -> SamplingParams:
         """These parameters checked against a model's vocabulary: token ids outside it are
@@ -202,6 +224,18 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache (OpenAI's
     # usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
+    # Requests with several sequences (`n`, `best_of`): which one this is (OpenAI's choice
+    # index), and whether this is the request's last output (None: one sequence, whose own
+    # `finished` says so). `finished` is this sequence's. Offline, `LLM.generate` lists the
+    # final output of every sequence in `outputs`, in index order.
+    index: int = 0
+    request_finished: bool | None = None
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def ends_request(self) -> bool:
+        """The request's last output: no more come for any of its sequences."""
+        return self.finished if self.request_finished is None else self.request_finished
 
     @property
     def ttft_s(self) -> float | None:

@@ -283,6 +283,16 @@ class KVCacheManager:
             n += self.host_cache.lookup(hashes, n, max_blocks)
         return n
 
+    def hold_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """A reference, owned by no request, to the device-cached blocks of the leading run
+        of `hashes`: nothing evicts them until `release_prefix`. A request's later sequences
+        share its prompt this way (`fastserve.engine.group`)."""
+        return self.device.share(hashes[: self.device.lookup(hashes, len(hashes))])
+
+    def release_prefix(self, block_ids: Sequence[int]) -> None:
+        """Drop the references `hold_prefix` took (the blocks stay cached, evictable)."""
+        self.device.free(block_ids)
+
     def take_cache_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The prefix cache's copies since the last call, for this iteration's plan: (device,
         host) demotions to run with the swap-outs, (host, device) uploads with the swap-ins."""

@@ -39,7 +39,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
-from fastserve.request import SamplingParams
+from fastserve.request import MAX_SEQUENCES, SamplingParams
 
 # -- errors ---------------------------------------------------------------------------------
 
@@ -145,6 +145,9 @@ def _integral(value: Any) -> Any:
 # stay in the JSON schema (placed after, pydantic writes them as unknown keywords).
 Count = Annotated[StrictInt, annotated_types.Ge(0), BeforeValidator(_integral)]
 PositiveInt = Annotated[StrictInt, annotated_types.Ge(1), BeforeValidator(_integral)]
+# `n` and `best_of`: how many sequences one request may run.
+NumSequences = Annotated[StrictInt, annotated_types.Ge(1), annotated_types.Le(MAX_SEQUENCES),
+                         BeforeValidator(_integral)]
 Seed = Annotated[StrictInt, annotated_types.Ge(-(2**63)), annotated_types.Lt(2**64),
                  BeforeValidator(_integral)]
 _NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
@@ -197,12 +200,13 @@ class _GenerationRequest(BaseModel):
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
     # OpenAI fields accepted only at the values that mean "not used".
-    n: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
     presence_penalty: Annotated[Any, Only((0,))] = Field(None, description="Only 0 is supported.")
     frequency_penalty: Annotated[Any, Only((0,))] = Field(None, description="Only 0 is supported.")
     logit_bias: Annotated[Any, Only(({},))] = Field(None, description="Not supported (only null or {}).")
     service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
         None, description="Accepted for compatibility; ignored.")
+    n: NumSequences | None = Field(
+        None, description="Choices to return, each a sequence of its own sampled from the prompt.")
     # vLLM's extensions, implemented.
     top_k: Count | None = Field(
         None, description="Extension: 0 disables top-k; beyond the vocabulary means none.")
@@ -249,7 +253,12 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens or 0,
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            **self._sequences(),
         )
+
+    def _sequences(self) -> dict[str, Any]:
+        """`n` and `best_of` for SamplingParams (completions have `best_of`)."""
+        return {"n": self.n or 1}
 
 
 def _check_prompt(value: Any) -> str | list[int]:
@@ -290,10 +299,15 @@ class CompletionRequest(_GenerationRequest):
     )
     max_tokens: PositiveInt | None = Field(None, description="Default 16.")
     logprobs: Annotated[Any, Only((False,))] = Field(None, description="Not supported.")
-    best_of: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
+    best_of: NumSequences | None = Field(
+        None, description="Sequences generated, at least n; the n with the highest cumulative "
+        "log-probability are returned. Not with stream unless equal to n.")
     echo: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
     suffix: Annotated[Any, Only(("",))] = Field(None, description="Not supported.")
     add_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
+
+    def _sequences(self) -> dict[str, Any]:
+        return {"n": self.n or 1, "best_of": self.best_of}
 
 
 class TextPart(BaseModel):
