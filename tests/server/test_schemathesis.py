@@ -53,13 +53,18 @@ def api_schema(fuzzed_server: ServerProcess) -> Any:
 
 def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
     """positive_data_acceptance, less the limits across fields that JSON Schema cannot state:
-    the prompt's tokens plus max_tokens must fit the context (`context_length_exceeded`), and
-    min_tokens may not exceed max_tokens (whose default depends on the prompt)."""
+    the prompt's tokens plus max_tokens must fit the context (`context_length_exceeded`),
+    min_tokens may not exceed max_tokens (whose default depends on the prompt), and best_of
+    may not be below n (nor above it with stream)."""
     if response.status_code == 400:
         error = response.json()["error"]
         if error["code"] == "context_length_exceeded":
             return None
         if error["param"] == "min_tokens" and "max_tokens=" in error["message"]:
+            return None
+        # best_of >= n, and best_of > n only without stream.
+        if error["param"] == "best_of" and ("[n=" in error["message"]
+                                            or "streaming" in error["message"]):
             return None
     return positive_data_acceptance(ctx, response, case)
 
