@@ -33,12 +33,16 @@ def _prefilled(engine: LLMEngine) -> int:
 
 
 def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams,
-         request_id: str) -> list[RequestOutput]:
-    """Every output of one request, checking they carry its id and it ends once."""
+         request_id: str, levels: list[list[int | None]] | None = None) -> list[RequestOutput]:
+    """Every output of one request, checking they carry its id and it ends once; `levels`
+    gets each sequence's scheduler queue when the later sequences have joined."""
     engine.add_request(prompt, params, request_id=request_id)
+    ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.num_sequences)]
     outs: list[RequestOutput] = []
     while engine.has_unfinished:
         outs += engine.step()
+        if levels is not None and not levels and ids[-1] in engine.scheduler.requests:
+            levels.append([engine.scheduler.level_of(i) for i in ids])
     assert {o.request_id for o in outs} == {request_id}
     assert [o.ends_request for o in outs].count(True) == 1 and outs[-1].ends_request
     return outs
@@ -64,9 +68,12 @@ def test_n8_costs_one_prefill_and_is_reproducible(engine: LLMEngine) -> None:
 
     prompt = _prompt(engine, 1000, 2)
     before = _prefilled(engine)
-    outs = _run(engine, prompt, replace(params, n=8), "eight")
+    levels: list[list[int | None]] = []
+    outs = _run(engine, prompt, replace(params, n=8), "eight", levels)
     cost_eight = _prefilled(engine) - before
     assert cost_eight <= 1.1 * cost_one, (cost_eight, cost_one)
+    # Skip-join placed sequence 0 by its long prefill, the others (cached) in the top queue.
+    assert levels[0][0] > 0 and levels[0][1:] == [0] * 7
     eight = _finals(outs)
     assert len(eight) == 8 and all(len(t) == 6 for t in eight)
     assert len({tuple(t) for t in eight}) == 8  # temperature 1: every sequence its own
