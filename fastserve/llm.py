@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -51,7 +52,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt together; returns one final output per prompt, in order."""
+        """Generate for every prompt together; returns one final output per prompt, in order.
+
+        With `n` (or `best_of`) > 1 a prompt's output is its sequence 0's (the best, with
+        `best_of`), and `outputs` lists the final output of each of its `n` sequences."""
         if self._is_shut_down:
             raise RuntimeError("this LLM has been shut down; create a new one")
         if isinstance(prompts, str) or (
@@ -70,11 +74,18 @@ class LLM:
         ids = []
         for prompt, p in zip(prompt_list, param_list):
             ids.append(self.engine.add_request(prompt, p).request_id)
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, list[RequestOutput]] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:
                 for out in self.engine.step():
                     if out.finished:
-                        results[out.request_id] = out
+                        results.setdefault(out.request_id, []).append(out)
+                    if out.ends_request:
                         bar.update(1)
-        return [results[i] for i in ids]
+        return [_with_outputs(results[i]) for i in ids]
+
+
+def _with_outputs(finals: list[RequestOutput]) -> RequestOutput:
+    """Sequence 0's output, listing every sequence's in `outputs`."""
+    finals.sort(key=lambda o: o.index)
+    return dataclasses.replace(finals[0], outputs=finals)

@@ -25,6 +25,8 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # repetition_penalty: logits are divided by it, so a tiny one overflows them to inf (1e-156
 # did, found by the schema fuzzer); a huge one makes a seen token's logit 0.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Most sequences one request may ask for (`n`, `best_of`): OpenAI's limit on `n`.
+MAX_SEQUENCES = 128
 
 
 class InvalidRequestError(ValueError):
@@ -103,6 +105,10 @@ class SamplingParams:
     # Derived: whether any of the fields above but min_p is used, so that a batch where none
     # is skips their work after one check per request.
     uses_logits_fields: bool = field(default=False, init=False, repr=False, compare=False)
+    # Several sequences over one prompt (fastserve.engine.group): `n` are returned, out of
+    # `best_of` generated (None: n), the n with the highest cumulative log-probability.
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -141,6 +147,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids (integers >= 0), got {bad[:5]}", "stop_token_ids")
         self._check_logits_fields()
+        self._check_sequences()
 
     def _check_logits_fields(self) -> None:
         """The log-probability, penalty, bias and min_p fields (ranges as OpenAI / vLLM)."""
@@ -181,6 +188,21 @@ class SamplingParams:
         """Whether the executor needs the request's prompt and output tokens: penalties count
         them, and prompt log-probabilities score prompt tokens past the chunk fed."""
         return self.has_penalties or self.prompt_logprobs is not None
+
+    def _check_sequences(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SEQUENCES:
+            raise InvalidRequestError(
+                f"n must be an integer in [1, {MAX_SEQUENCES}], got {self.n!r}", "n")
+        if self.best_of is not None and (not _is_int(self.best_of)
+                                         or not self.n <= self.best_of <= MAX_SEQUENCES):
+            raise InvalidRequestError(
+                f"best_of must be an integer in [n={self.n}, {MAX_SEQUENCES}], got "
+                f"{self.best_of!r}", "best_of")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences to generate: `best_of`, else `n`."""
+        return self.n if self.best_of is None else self.best_of
 
     def for_vocab(self, vocab_size: int) -> SamplingParams:
         """These parameters checked against a model's vocabulary: token ids outside it are
@@ -321,6 +343,18 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one per prompt token, None for the first (which no
     # logits predict); set once the whole prompt has been computed.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Requests with several sequences (`n`, `best_of`): which one this is (OpenAI's choice
+    # index), and whether this is the request's last output (None: one sequence, whose own
+    # `finished` says so). `finished` is this sequence's. Offline, `LLM.generate` lists the
+    # final output of every sequence in `outputs`, in index order.
+    index: int = 0
+    request_finished: bool | None = None
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def ends_request(self) -> bool:
+        """The request's last output: no more come for any of its sequences."""
+        return self.finished if self.request_finished is None else self.request_finished
 
     @property
     def ttft_s(self) -> float | None:

@@ -292,6 +292,15 @@ class KVCacheManager:
         host = self.host_cache.recent_hashes(room) if room > 0 else []
         total = self.device.num_cached + self.host_cache.num_cached
         return frozenset(device).union(host), len(device) + len(host) < total
+    def hold_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """A reference, owned by no request, to the device-cached blocks of the leading run
+        of `hashes`: nothing evicts them until `release_prefix`. A request's later sequences
+        share its prompt this way (`fastserve.engine.group`)."""
+        return self.device.share(hashes[: self.device.lookup(hashes, len(hashes))])
+
+    def release_prefix(self, block_ids: Sequence[int]) -> None:
+        """Drop the references `hold_prefix` took (the blocks stay cached, evictable)."""
+        self.device.free(block_ids)
 
     def take_cache_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The prefix cache's copies since the last call, for this iteration's plan: (device,

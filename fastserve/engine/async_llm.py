@@ -109,7 +109,9 @@ class AsyncLLM:
         oracle_output_len: int | None = None,
         coalesce: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as tokens come; the last has `finished=True`.
+        """Yield the request's outputs as tokens come; the last has `finished=True`. With
+        `n` or `best_of` > 1 the sequences' outputs interleave, each with its `index` and its
+        own `finished`; the request's last output has `ends_request`.
 
         With `coalesce`, outputs that queued up while the caller was busy come as one output
         carrying all their new tokens and text (what a saturated server wants: one chunk and
@@ -139,13 +141,13 @@ class AsyncLLM:
                     if stream.queue.empty():
                         break
                     nxt = stream.queue.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        held = nxt
+                    if isinstance(nxt, BaseException) or nxt.index != item.index:
+                        held = nxt  # NOTE: another sequence's output (`n` > 1) is not merged
                         break
                     item = _merged(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = item.ends_request
                 yield item
                 if finished:
                     return
@@ -232,8 +234,9 @@ class AsyncLLM:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
         for out in outs:
             stream = self._streams.get(out.request_id)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
+            if out.finished:  # a sequence: the metrics count each one's tokens
+                if out.ends_request:
+                    self._streams.pop(out.request_id, None)
                 for cb in self.on_finish:
                     cb(out)
             if stream is not None:

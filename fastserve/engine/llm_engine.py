@@ -15,6 +15,7 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.engine.core import build_engine_core
+from fastserve.engine.group import RequestGroups
 from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.executor.distributed.executor import DistributedExecutor
@@ -114,6 +115,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._aborted: list[Request] = []
+        self.groups = RequestGroups(self.kv, self._add_sequence)  # requests with n, best_of > 1
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
         # each also scored against the cost model (`cost_check`, shown in /metrics), which
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
@@ -159,7 +161,9 @@ class LLMEngine:
                     "parallelism yet", name)
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.scheduler.requests:
+        num_seqs = params.num_sequences
+        seq_ids = self.groups.sequence_ids(request_id, num_seqs)
+        if any(sid in self.scheduler.requests or self.groups.is_reserved(sid) for sid in seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(
             request_id=request_id,
@@ -169,9 +173,32 @@ class LLMEngine:
             oracle_output_len=oracle_output_len,
             max_model_len=self.max_model_len,
         )
+        text = prompt if isinstance(prompt, str) else None
+        if num_seqs == 1:
+            return self._queue(req, text)
+        if num_seqs > params.n and isinstance(self.runner, DistributedExecutor):
+            raise InvalidRequestError(
+                "best_of > n ranks sequences by log-probabilities taken in the sampling "
+                "process: not with tensor or pipeline parallelism", "best_of")
+        return self.groups.add(request_id, params, text, add_leader=lambda p: self._queue(
+            dataclasses.replace(req, params=p), text))
+
+    def _queue(self, req: Request, prompt: str | None) -> Request:
         self.scheduler.add_request(req, self.clock.now())  # refuses a job larger than the cache
-        self.outputs.add(req, prompt if isinstance(prompt, str) else None)
+        self.outputs.add(req, prompt)
         return req
+
+    def _add_sequence(self, request_id: str, params: SamplingParams, first: Request,
+                      prompt: str | None) -> Request:
+        """A later sequence of `first`'s request: the same prompt (and its block hashes, so
+        it finds the cached blocks), arrival and limits."""
+        req = Request(request_id=request_id, prompt_token_ids=first.prompt_token_ids,
+                      params=params, arrival_s=first.arrival_s,
+                      oracle_output_len=first.oracle_output_len,
+                      max_model_len=first.max_model_len, cache_salt=first.cache_salt,
+                      block_hashes=list(first.block_hashes[: first.num_prompt_tokens
+                                                            // self.kv.block_size]))
+        return self._queue(req, prompt)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -196,10 +223,14 @@ class LLMEngine:
         return token_ids
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks; its final output comes from `step()`."""
-        req = self.scheduler.abort(request_id, self.clock.now())
-        if req is not None:
-            self._aborted.append(req)
+        """Stop a request now and free its KV blocks; its final output comes from `step()`.
+        A request with several sequences stops them all."""
+        seq_ids = (self.groups.abort(request_id) if self.groups.is_group(request_id)
+                   else [request_id])
+        for sid in seq_ids:
+            req = self.scheduler.abort(sid, self.clock.now())
+            if req is not None:
+                self._aborted.append(req)
 
     def check_health(self) -> None:
         """Raise `ExecutorDeadError` once the executor can run no more (a distributed rank
@@ -214,7 +245,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._aborted)
+        return self.scheduler.has_unfinished or bool(self._aborted) or self.groups.has_pending
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -227,7 +258,8 @@ class LLMEngine:
             self._detokenize(req)
         touched += self._aborted
         self._aborted = []
-        outputs = [self._output(r) for r in touched]
+        self.groups.after_step(touched)
+        outputs = self.groups.outputs([self._output(r) for r in touched])
         self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
 

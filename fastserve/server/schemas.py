@@ -43,6 +43,7 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 from fastserve.request import (
     LOGIT_BIAS_RANGE,
     MAX_LOGPROBS,
+    MAX_SEQUENCES,
     REPETITION_PENALTY_RANGE,
     InvalidRequestError,
     SamplingParams,
@@ -152,6 +153,9 @@ def _integral(value: Any) -> Any:
 # stay in the JSON schema (placed after, pydantic writes them as unknown keywords).
 Count = Annotated[StrictInt, annotated_types.Ge(0), BeforeValidator(_integral)]
 PositiveInt = Annotated[StrictInt, annotated_types.Ge(1), BeforeValidator(_integral)]
+# `n` and `best_of`: how many sequences one request may run.
+NumSequences = Annotated[StrictInt, annotated_types.Ge(1), annotated_types.Le(MAX_SEQUENCES),
+                         BeforeValidator(_integral)]
 Seed = Annotated[StrictInt, annotated_types.Ge(-(2**63)), annotated_types.Lt(2**64),
                  BeforeValidator(_integral)]
 _NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
@@ -237,9 +241,10 @@ class _GenerationRequest(BaseModel):
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
     # OpenAI fields accepted only at the values that mean "not used".
-    n: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
     service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
         None, description="Accepted for compatibility; ignored.")
+    n: NumSequences | None = Field(
+        None, description="Choices to return, each a sequence of its own sampled from the prompt.")
     # vLLM's extensions, implemented.
     top_k: Count | None = Field(
         None, description="Extension: 0 disables top-k; beyond the vocabulary means none.")
@@ -297,6 +302,7 @@ class _GenerationRequest(BaseModel):
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             **self._logits_params(),
+            **self._sequences(),
         )
 
     def _logits_params(self) -> dict[str, Any]:
@@ -308,6 +314,10 @@ class _GenerationRequest(BaseModel):
             "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
             "min_p": self.min_p or 0.0,
         }
+
+    def _sequences(self) -> dict[str, Any]:
+        """`n` and `best_of` for SamplingParams (completions have `best_of`)."""
+        return {"n": self.n or 1}
 
 
 def _check_prompt(value: Any) -> str | list[int]:
@@ -347,7 +357,9 @@ class CompletionRequest(_GenerationRequest):
         ..., description="A string, a list of token ids, or a list holding one of either."
     )
     max_tokens: Count | None = Field(None, description="Default 16; 0 only with echo (the prompt alone).")
-    best_of: Annotated[Any, Only((1,))] = Field(None, description="Only 1 is supported.")
+    best_of: NumSequences | None = Field(
+        None, description="Sequences generated, at least n; the n with the highest cumulative "
+        "log-probability are returned. Not with stream unless equal to n.")
     suffix: Annotated[Any, Only(("",))] = Field(None, description="Not supported.")
     add_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
     # Log-probabilities and echo (issue 27).
@@ -360,6 +372,9 @@ class CompletionRequest(_GenerationRequest):
     def _logits_params(self) -> dict[str, Any]:
         return {**super()._logits_params(), "logprobs": self.logprobs,
                 "prompt_logprobs": self.logprobs if self.echo else None}
+
+    def _sequences(self) -> dict[str, Any]:
+        return {"n": self.n or 1, "best_of": self.best_of}
 
 
 class TextPart(BaseModel):

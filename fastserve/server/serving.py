@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -94,7 +94,7 @@ class OpenAIServing:
                 schemas.CompletionResponse, lambda final: self._completion_choice(job, final))
         return await self._respond(
             job, request, "prompt", self._completion_events, schemas.CompletionResponse,
-            lambda final: schemas.CompletionChoice(text=final.text,
+            lambda final: schemas.CompletionChoice(index=final.index, text=final.text,
                                                    finish_reason=_finish_reason(final)),
         )
 
@@ -118,7 +118,7 @@ class OpenAIServing:
         return await self._respond(
             job, request, "messages", self._chat_events, schemas.ChatCompletionResponse,
             lambda final: schemas.ChatChoice(
-                message=schemas.ChatResponseMessage(content=final.text),
+                index=final.index, message=schemas.ChatResponseMessage(content=final.text),
                 logprobs=self._chat_logprobs(final, len(final.token_ids)),
                 finish_reason=_finish_reason(final),
             ),
@@ -182,6 +182,11 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens)
         except ValueError as exc:
             raise bad_input(exc, "prompt") from exc
+        if body.stream and params.num_sequences > params.n:  # OpenAI refuses it too
+            raise schemas.APIError(
+                400, f"best_of: streaming needs best_of equal to n ({params.n}): the best "
+                f"sequences are known only once all {params.num_sequences} have finished",
+                param="best_of")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         return _Job(
             request_id=request_id,
@@ -207,13 +212,13 @@ class OpenAIServing:
         choice: Callable[[RequestOutput], BaseModel],
     ) -> Response:
         """Run the job: its event stream (`events`) when it streams, else one `response`
-        body whose single choice `choice` builds from the last output."""
+        body whose choices `choice` builds from each sequence's last output."""
         first, outputs = await self._start(job, request, prompt_param)
         if job.stream:
             return streaming.EventStream(events(job, first, outputs))
-        final = await streaming.race_disconnect(request, streaming.last_output(first, outputs))
+        finals = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         body = response(id=job.response_id, created=job.created, model=self.model_name,
-                        choices=[choice(final)], usage=_usage(job, final))
+                        choices=[choice(f) for f in finals], usage=_usage(job, finals))
         return JSONResponse(body.model_dump())
 
     async def _start(
@@ -252,27 +257,31 @@ class OpenAIServing:
     ) -> AsyncGenerator[str, None]:
         exclude = None if job.include_usage else {"usage"}
 
-        def chunk(text: str | None, finish: schemas.FinishReason | None = None, usage: schemas.Usage | None = None) -> str:
-            choices = [] if text is None else [schemas.CompletionChoice(text=text, finish_reason=finish)]
+        def chunk(text: str | None, finish: schemas.FinishReason | None = None,
+                  usage: schemas.Usage | None = None, index: int = 0) -> str:
+            choices = [] if text is None else [
+                schemas.CompletionChoice(index=index, text=text, finish_reason=finish)]
             resp = schemas.CompletionResponse(
                 id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
-        text_chunk = streaming.TextChunk(chunk(streaming.TEXT_SLOT))
+        text_chunks = _TextChunks(lambda i: chunk(streaming.TEXT_SLOT, index=i))
+        latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):
                 yield streaming.sse_data(out.response_body())
                 break
-            so_far = _usage(job, out) if job.continuous_usage else None
+            latest[out.index] = out
+            so_far = _usage(job, latest.values()) if job.continuous_usage else None
             if out.finished:
-                yield chunk(out.new_text, _finish_reason(out), so_far)
-                if job.include_usage:
-                    yield chunk(None, usage=_usage(job, out))
-            elif so_far is not None:
-                yield chunk(out.new_text, usage=so_far)  # a chunk per output, text or not
+                yield chunk(out.new_text, _finish_reason(out), so_far, out.index)
+                if job.include_usage and out.ends_request:
+                    yield chunk(None, usage=_usage(job, latest.values()))
+            elif so_far is not None:  # a chunk per output, text or not
+                yield chunk(out.new_text, usage=so_far, index=out.index)
             elif out.new_text:
-                yield text_chunk(out.new_text)
+                yield text_chunks(out.index, out.new_text)
         yield "data: [DONE]\n\n"
 
     async def _chat_events(
@@ -281,36 +290,42 @@ class OpenAIServing:
         exclude = None if job.include_usage else {"usage"}
 
         def chunk(
-            delta: schemas.ChatDelta | None, finish: schemas.FinishReason | None = None, usage: schemas.Usage | None = None,
+            delta: schemas.ChatDelta | None, finish: schemas.FinishReason | None = None,
+            usage: schemas.Usage | None = None, index: int = 0,
             logprobs: schemas.ChatLogprobs | None = None,
         ) -> str:
-            choices = [] if delta is None else [
-                schemas.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)]
+            choices = [] if delta is None else [schemas.ChatChunkChoice(
+                index=index, delta=delta, logprobs=logprobs, finish_reason=finish)]
             resp = schemas.ChatCompletionChunk(
                 id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
-        text_chunk = streaming.TextChunk(chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT)))
-        yield chunk(schemas.ChatDelta(role="assistant", content=""),
-                    usage=_usage(job, None) if job.continuous_usage else None)
+        text_chunks = _TextChunks(
+            lambda i: chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT), index=i))
+        for i in range(job.params.n):  # each choice's role first, as OpenAI sends it
+            yield chunk(schemas.ChatDelta(role="assistant", content=""),
+                        usage=_usage(job, ()) if job.continuous_usage else None, index=i)
+        latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):
                 yield streaming.sse_data(out.response_body())
                 break
-            so_far = _usage(job, out) if job.continuous_usage else None
+            latest[out.index] = out
+            so_far = _usage(job, latest.values()) if job.continuous_usage else None
             new_lps = self._chat_logprobs(out, len(out.new_token_ids))
             if new_lps is not None and (out.new_text or out.new_token_ids):
                 # Each chunk carries its tokens' log-probabilities (text may lag behind them).
-                yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far, logprobs=new_lps)
+                yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far,
+                            index=out.index, logprobs=new_lps)
             elif so_far is not None and (out.new_text or not out.finished):
-                yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far)
+                yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far, index=out.index)
             elif out.new_text:
-                yield text_chunk(out.new_text)
+                yield text_chunks(out.index, out.new_text)
             if out.finished:
-                yield chunk(schemas.ChatDelta(), _finish_reason(out), so_far)
-                if job.include_usage:
-                    yield chunk(None, usage=_usage(job, out))
+                yield chunk(schemas.ChatDelta(), _finish_reason(out), so_far, out.index)
+                if job.include_usage and out.ends_request:
+                    yield chunk(None, usage=_usage(job, latest.values()))
         yield "data: [DONE]\n\n"
 
 
@@ -342,14 +357,15 @@ class OpenAIServing:
     def _completion_choice(self, job: _Job, final: RequestOutput) -> schemas.CompletionChoice:
         echo = job.echo_text is not None
         logprobs, _ = self._completion_logprobs(job, final, len(final.token_ids), echo, 0)
-        return schemas.CompletionChoice(text=(job.echo_text or "") + final.text, logprobs=logprobs,
-                                        finish_reason=_finish_reason(final))
+        return schemas.CompletionChoice(index=final.index, text=(job.echo_text or "") + final.text,
+                                        logprobs=logprobs, finish_reason=_finish_reason(final))
 
     async def _completion_logprob_events(
         self, job: _Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
     ) -> AsyncGenerator[str, None]:
-        """Completions' stream with echo or log-probabilities: the first chunk carries the
-        prompt (and its log-probabilities), then a chunk per output with new tokens."""
+        """Completions' stream with echo or log-probabilities: each choice's first chunk
+        carries the prompt (and its log-probabilities), then a chunk per output with new
+        tokens."""
         exclude = None if job.include_usage else {"usage"}
 
         def chunk(choice: schemas.CompletionChoice | None, usage: schemas.Usage | None = None) -> str:
@@ -358,23 +374,24 @@ class OpenAIServing:
                                               choices=[] if choice is None else [choice], usage=usage)
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
-        offset = 0
-        echo_pending = job.echo_text is not None
+        offsets: dict[int, int] = {}  # each choice's text offset so far
+        latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):
                 yield streaming.sse_data(out.response_body())
                 break
+            echo_pending = job.echo_text is not None and out.index not in offsets
             text = (job.echo_text or "") + out.new_text if echo_pending else out.new_text
-            logprobs, offset = self._completion_logprobs(job, out, len(out.new_token_ids),
-                                                         echo_pending, offset)
-            echo_pending = False
-            so_far = _usage(job, out) if job.continuous_usage else None
+            logprobs, offsets[out.index] = self._completion_logprobs(
+                job, out, len(out.new_token_ids), echo_pending, offsets.get(out.index, 0))
+            latest[out.index] = out
+            so_far = _usage(job, latest.values()) if job.continuous_usage else None
             if text or out.new_token_ids or out.finished or so_far is not None:
                 yield chunk(schemas.CompletionChoice(
-                    text=text, logprobs=logprobs,
+                    index=out.index, text=text, logprobs=logprobs,
                     finish_reason=_finish_reason(out) if out.finished else None), so_far)
-            if out.finished and job.include_usage:
-                yield chunk(None, usage=_usage(job, out))
+            if out.ends_request and job.include_usage:
+                yield chunk(None, usage=_usage(job, latest.values()))
         yield "data: [DONE]\n\n"
 
 
@@ -391,11 +408,28 @@ async def _off_loop(work: Callable[[], T], num_chars: int) -> T:
     return await asyncio.to_thread(work)
 
 
-def _usage(job: _Job, out: RequestOutput | None) -> schemas.Usage:
-    """The request's token counts; `out` None: before any output."""
+class _TextChunks:
+    """A stream's text chunks (`streaming.TextChunk`), one template per choice index."""
+
+    def __init__(self, render: Callable[[int], str]) -> None:
+        self._render = render
+        self._chunks: dict[int, streaming.TextChunk] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        chunk = self._chunks.get(index)
+        if chunk is None:
+            chunk = self._chunks[index] = streaming.TextChunk(self._render(index))
+        return chunk(text)
+
+
+def _usage(job: _Job, outs: Iterable[RequestOutput]) -> schemas.Usage:
+    """The request's token counts from each sequence's latest output (none: before any): the
+    prompt once, every sequence's tokens; cached tokens are those the request found cached
+    (the fewest of any sequence: the later ones share the first one's prompt blocks)."""
     num_prompt = len(job.prompt_token_ids)
-    num_out = 0 if out is None else len(out.token_ids)
-    cached = 0 if out is None else out.num_cached_tokens
+    outs = list(outs)
+    num_out = sum(len(out.token_ids) for out in outs)
+    cached = min((out.num_cached_tokens for out in outs), default=0)
     return schemas.Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
                  prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached))
 

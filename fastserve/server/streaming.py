@@ -60,7 +60,7 @@ async def stream_outputs(
                 yield engine_failure(out)
                 return
             yield out
-            if out.finished:
+            if out.ends_request:
                 return
             try:
                 out = await anext(rest)
@@ -74,15 +74,19 @@ async def stream_outputs(
         await rest.aclose()  # type: ignore[attr-defined]
 
 
-async def last_output(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The final output (non-streaming). Raises APIError if the engine failed the request."""
+async def final_outputs(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    """The final output of each of the request's sequences, by index (non-streaming). Raises
+    APIError if the engine failed the request."""
     events = stream_outputs(first, rest)
+    finals: list[RequestOutput] = []
     try:
         async for out in events:
             if isinstance(out, APIError):
                 raise out
             if out.finished:
-                return out
+                finals.append(out)
+            if out.ends_request:
+                return sorted(finals, key=lambda o: o.index)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     raise engine_failure(first)  # unreachable: stream_outputs ends with a finished output or error

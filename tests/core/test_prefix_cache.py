@@ -95,3 +95,21 @@ def test_skip_join_places_a_job_by_the_prefill_of_its_uncached_part() -> None:
     sched.add_request(follow_up, 0.0)
     # 200 of its 201 tokens are cached: a 1 ms prefill, which Q1's 2 ms quantum covers.
     assert sched.level_of("follow-up") == 0
+
+
+def test_a_held_prefix_outlives_its_request_until_released() -> None:
+    """`n` > 1: a request's later sequences share its prompt's blocks; the group holds them
+    from the first sequence's first token until all have started (fastserve.engine.group)."""
+    kv = KVCacheManager(num_device_blocks=4, block_size=4, enable_prefix_caching=True)
+    assert kv.allocate("a", 9) is not None
+    kv.cache_blocks("a", [1, 2], 2)
+    held = kv.hold_prefix([1, 2, 3])  # the run that is cached: two blocks
+    assert held == kv.block_table("a")[:2]
+    kv.free("a")  # the first sequence finished at once
+    assert kv.num_free_blocks == 2
+    assert kv.allocate("other", 12) is None  # would evict them: refused
+    assert kv.allocate("b", 9, prefix_hashes=[1, 2]) is not None  # the later sequence shares
+    assert kv.block_table("b")[:2] == held
+    kv.release_prefix(held)
+    kv.free("b")
+    assert kv.num_free_blocks == 4 and kv.num_cached_blocks == 2
