@@ -64,7 +64,8 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineShutdownError(EngineDeadError):
-    """The engine was shut down while the request ran: its grace period ran out."""
+    """The engine is shutting down: it refuses new requests while running ones drain, and
+    ends those still running when the grace period runs out."""
 
 
 @dataclass
@@ -97,6 +98,11 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()
+
+    @property
+    def is_draining(self) -> bool:
+        """True once `shutdown` has begun: no new requests, running ones may finish."""
+        return self._stopping
 
     def stats(self) -> dict[str, Any]:
         """A snapshot taken by the engine thread after its latest iteration (up to 50 ms old)."""
@@ -194,8 +200,10 @@ class AsyncLLM:
         return await asyncio.wrap_future(self._submit_checked(fn))
 
     def _submit_checked(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        if self._stopping or not self.is_healthy:
+        if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")
+        if self._stopping:
+            raise EngineShutdownError("the server is shutting down: it takes no new requests")
         return self._submit(fn)
 
     def _abort_added(self, added: concurrent.futures.Future[Any]) -> None:
@@ -259,6 +267,9 @@ class AsyncLLM:
             logger.exception("engine loop died")
             self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
             self._fail_all(EngineDeadError(self.dead_reason))
+        if self._streams:  # added as a shutdown ended the others: end them too
+            reason = self.dead_reason or "the engine has stopped"
+            self._fail_all(EngineShutdownError(reason) if self._stopping else EngineDeadError(reason))
         self._close()
 
     def _stats_now(self) -> dict[str, Any]:

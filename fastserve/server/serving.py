@@ -243,10 +243,18 @@ class OpenAIServing:
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
         text_chunk = streaming.TextChunk(chunk(streaming.TEXT_SLOT))
+        last = first
         async for out in streaming.stream_outputs(first, outputs):
-            if isinstance(out, schemas.APIError):
+            if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
+                # NOTE: the finish and usage chunks come before the error event, at which the
+                # openai SDK stops reading (it raises); usage counts the tokens sent.
+                so_far = _usage(job, last) if job.continuous_usage else None
+                yield chunk("", "abort", so_far)
+                if job.include_usage:
+                    yield chunk(None, usage=_usage(job, last))
                 yield streaming.sse_data(out.response_body())
                 break
+            last = out
             so_far = _usage(job, out) if job.continuous_usage else None
             if out.finished:
                 yield chunk(out.new_text, _finish_reason(out), so_far)
@@ -275,10 +283,16 @@ class OpenAIServing:
         text_chunk = streaming.TextChunk(chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT)))
         yield chunk(schemas.ChatDelta(role="assistant", content=""),
                     usage=_usage(job, None) if job.continuous_usage else None)
+        last = first
         async for out in streaming.stream_outputs(first, outputs):
-            if isinstance(out, schemas.APIError):
+            if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
+                so_far = _usage(job, last) if job.continuous_usage else None
+                yield chunk(schemas.ChatDelta(), "abort", so_far)
+                if job.include_usage:
+                    yield chunk(None, usage=_usage(job, last))
                 yield streaming.sse_data(out.response_body())
                 break
+            last = out
             so_far = _usage(job, out) if job.continuous_usage else None
             if so_far is not None and (out.new_text or not out.finished):
                 yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far)

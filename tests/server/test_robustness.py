@@ -1,6 +1,6 @@
 """One bad request fails alone, on a real server: hostile-but-valid payloads next to running
 streams, text that is not Unicode on a keep-alive connection, clients that hang up at random
-moments."""
+moments, streams the shutdown ends."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import string
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -168,26 +169,46 @@ def test_guidellm_streaming_body_gets_usage_in_every_chunk(server: ServerProcess
     assert chunks[-1]["choices"] == []  # the final usage chunk, as with include_usage alone
 
 
-def test_grace_expiry_ends_open_streams_with_an_error_event_and_done(
+def test_grace_expiry_ends_open_streams_with_finish_usage_error_and_done(
     server_tmp: Path, tiny_model_ready: Path
 ) -> None:
     server = start_server(server_tmp, "--no-warmup", "--grace-period-s", "1")
     try:
-        body = {"model": MODEL, "prompt": "An endless story", "max_tokens": 2000, "ignore_eos": True,
-                "stream": True}
-        lines: list[str] = []
-        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=60) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                    if len(lines) == 2:
-                        server.proc.send_signal(signal.SIGTERM)
-        assert lines[-1] == "data: [DONE]"
-        error = json.loads(lines[-2].removeprefix("data: "))
-        validate(error, "ErrorResponse")
-        assert error["error"]["code"] == "shutdown"
-        assert "grace period" in error["error"]["message"]
-        assert 2 < len(lines) < 2000  # cut short, not finished
+        bodies = [
+            ("/completions", {"prompt": "An endless story"}),
+            ("/chat/completions", {"messages": [{"role": "user", "content": "An endless story"}]}),
+        ]
+        streams: list[list[str]] = [[] for _ in bodies]
+        two_chunks = threading.Barrier(len(bodies) + 1)
+
+        def read(i: int) -> None:
+            path, fields = bodies[i]
+            body = {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}, **fields}
+            with httpx.stream("POST", server.v1 + path, json=body, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        streams[i].append(line)
+                        if len(streams[i]) == 2:
+                            two_chunks.wait(60)
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            readers = [pool.submit(read, i) for i in range(len(bodies))]
+            two_chunks.wait(60)
+            server.proc.send_signal(signal.SIGTERM)
+            for reader in readers:
+                reader.result()
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]"
+            *chunks, error = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            validate(error, "ErrorResponse")
+            assert error["error"]["code"] == "shutdown"
+            assert "grace period" in error["error"]["message"]
+            # Before the error event (where the openai SDK stops reading): the finish, the usage.
+            *_, finish, usage = chunks
+            assert [c["finish_reason"] for c in finish["choices"]] == ["abort"]
+            assert usage["choices"] == [] and 0 < usage["usage"]["completion_tokens"] < 2000
+            assert 2 < len(lines) < 2000  # cut short, not finished
         assert server.proc.wait(60) == 0, server.log()[-3000:]
     finally:
         if server.proc.poll() is None:
