@@ -3,6 +3,10 @@
 The engine is not thread-safe, so every mutation (add, abort) is a command the engine thread
 runs between iterations; callers await a future for its result. Outputs travel back through a
 per-request asyncio queue filled with `call_soon_threadsafe`.
+
+NOTE: a caller may be cancelled at any await (a client that hangs up). A command whose caller
+has gone is skipped, a request added for a caller that has gone is aborted, and nothing one
+command or one request raises may stop the engine loop: it fails that command or request only.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +64,8 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineShutdownError(EngineDeadError):
-    """The engine was shut down while the request ran: its grace period ran out."""
+    """The engine is shutting down: it refuses new requests while running ones drain, and
+    ends those still running when the grace period runs out."""
 
 
 @dataclass
@@ -73,7 +79,7 @@ class AsyncLLM:
         self.config = config
         self.engine = engine or LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
-        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -92,6 +98,11 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()
+
+    @property
+    def is_draining(self) -> bool:
+        """True once `shutdown` has begun: no new requests, running ones may finish."""
+        return self._stopping
 
     def stats(self) -> dict[str, Any]:
         """A snapshot taken by the engine thread after its latest iteration (up to 50 ms old)."""
@@ -131,7 +142,14 @@ class AsyncLLM:
             self._streams[req.request_id] = stream
             return req.request_id
 
-        rid = await self._call(add)
+        added = self._submit_checked(add)
+        try:
+            rid = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:
+            # The caller went away. Not yet run, `add` is skipped; already running, the request
+            # it adds has nobody to read it: abort it once `add` returns.
+            added.add_done_callback(self._abort_added)
+            raise
         finished = False
         held: RequestOutput | BaseException | None = None  # read while coalescing, not merged
         try:
@@ -180,9 +198,20 @@ class AsyncLLM:
     # -- engine thread ------------------------------------------------------------------------
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
-        if self._stopping or not self.is_healthy:
+        """`fn()` run on the engine thread; cancelling the caller before it runs skips it."""
+        return await asyncio.wrap_future(self._submit_checked(fn))
+
+    def _submit_checked(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")
-        return await asyncio.wrap_future(self._submit(fn))
+        if self._stopping:
+            raise EngineShutdownError("the server is shutting down: it takes no new requests")
+        return self._submit(fn)
+
+    def _abort_added(self, added: concurrent.futures.Future[Any]) -> None:
+        """Abort the request an `add` command made (runs on whichever thread settles it)."""
+        if not added.cancelled() and added.exception() is None:
+            self.abort(added.result())
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -195,13 +224,33 @@ class AsyncLLM:
         return fut
 
     def _run_commands(self) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, []
-        for fn, fut in commands:
+        """Run the queued commands in order, one at a time: those left if the loop dies are
+        answered by `_close`, not lost."""
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                fn, fut = self._commands.popleft()
+            # NOTE: False once the caller has cancelled; from here on it cannot, so the
+            # result below always finds the future open.
+            if not fut.set_running_or_notify_cancel():
+                continue
             try:
-                fut.set_result(fn())
+                result = fn()
             except Exception as exc:  # reported to the caller that sent it
                 fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def _close(self) -> None:
+        """Take no more commands, and answer those still queued (not run: the loop has ended)."""
+        with self._lock:
+            self._closed = True
+            left, self._commands = self._commands, deque()
+        error = EngineDeadError(self.dead_reason or "the engine is shutting down")
+        for _, fut in left:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
 
     def _run(self) -> None:
         try:
@@ -220,9 +269,10 @@ class AsyncLLM:
             logger.exception("engine loop died")
             self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
             self._fail_all(EngineDeadError(self.dead_reason))
-        with self._lock:
-            self._closed = True
-        self._run_commands()  # resolve commands sent before the close
+        if self._streams:  # added as a shutdown ended the others: end them too
+            reason = self.dead_reason or "the engine has stopped"
+            self._fail_all(EngineShutdownError(reason) if self._stopping else EngineDeadError(reason))
+        self._close()
 
     def _stats_now(self) -> dict[str, Any]:
         self._stats = self.engine.stats()
@@ -238,7 +288,10 @@ class AsyncLLM:
                 if out.ends_request:
                     self._streams.pop(out.request_id, None)
                 for cb in self.on_finish:
-                    cb(out)
+                    try:
+                        cb(out)
+                    except Exception:  # NOTE: metrics failing one request must not stop the loop
+                        logger.exception("on_finish callback failed for %s", out.request_id)
             if stream is not None:
                 batches.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in batches.items():

@@ -62,9 +62,13 @@ def build_app(
 
     @app.get("/health", responses={503: _ERROR_RESPONSES[503]})
     async def health() -> dict[str, str]:
-        """200 while the engine runs, 503 once it has died or shut down."""
+        """200 while the engine runs; 503 once it has died, and from the start of a shutdown
+        (code `shutdown`: running requests drain, new ones are refused; route elsewhere)."""
         if not llm.is_healthy:
             raise schemas.APIError(503, f"engine is not running: {llm.dead_reason}", "server_error", code="engine_dead")
+        if llm.is_draining:
+            raise schemas.APIError(503, "the server is shutting down: running requests are draining",
+                                   "server_error", code="shutdown")
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=Response)

@@ -1,8 +1,10 @@
 """`fastserve serve [MODEL]`: start-up, the uvicorn main loop, and a graceful shutdown.
 
 Start-up binds the address (so a taken port fails at once), loads the model, then listens and
-prints the URL. SIGTERM or Ctrl-C stops accepting connections, lets running requests finish
-within `--grace-period-s`, stops the engine and exits 0.
+prints the URL. SIGTERM or Ctrl-C starts a drain: the listener stays open, `/health` and new
+requests get 503 (code `shutdown`, so a load balancer routes elsewhere), running requests
+finish within `--grace-period-s` (then the engine ends them); then the server closes its
+connections, stops the engine and exits 0. A second signal stops listening at once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastser
 DEFAULT_HOST = "127.0.0.1"  # NOTE: never all interfaces unless asked (`--host 0.0.0.0`)
 DEFAULT_PORT = 8000
 API_KEY_ENV = "FASTSERVE_API_KEY"
-# How long uvicorn waits past the grace period for the streams the engine has just ended.
+# How long uvicorn waits, after the drain, for the streams the engine has just ended.
 _CLOSE_MARGIN_S = 5.0
 
 
@@ -134,22 +136,24 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str, opts: ServeOptions) -> int:
     import uvicorn
 
-    server = uvicorn.Server(
+    drain = _Drain()
+    server = _draining_server(
         uvicorn.Config(
             app,
             log_level=opts.log_level,
             access_log=opts.access_log,
             lifespan="off",
             # NOTE: a float works (it feeds asyncio.wait_for); None would mean "wait forever".
-            # A backstop only: at grace_period_s the engine ends the open streams itself,
-            # each with an error event and [DONE], and uvicorn sees them close.
-            timeout_graceful_shutdown=opts.grace_period_s + _CLOSE_MARGIN_S,  # type: ignore[arg-type]
-        )
+            # A backstop only: uvicorn stops after the drain, when the engine has ended the
+            # open streams itself (each with an error event and [DONE]).
+            timeout_graceful_shutdown=_CLOSE_MARGIN_S,  # type: ignore[arg-type]
+        ),
+        drain,
     )
     # uvicorn handles SIGTERM/SIGINT while serving and re-raises the signal afterwards so the
     # previous handler runs; make that handler a no-op so a graceful shutdown exits 0.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
-    draining = asyncio.create_task(_shutdown_on_exit(server, llm, opts.grace_period_s))
+    draining = asyncio.create_task(_shutdown_on_exit(server, drain, llm, opts.grace_period_s))
     try:
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
@@ -171,12 +175,35 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
     return 0 if server.started else 1
 
 
-async def _shutdown_on_exit(server: uvicorn.Server, llm: AsyncLLM, grace_s: float) -> None:
-    """Once a signal stops the server: let running requests finish within `grace_s`, then
-    end the rest (each stream gets an error event with code `shutdown` and `[DONE]`)."""
-    while not server.should_exit:
+@dataclass
+class _Drain:
+    requested: bool = False  # set by the first SIGTERM/SIGINT (a signal handler sets a flag only)
+
+
+def _draining_server(config: uvicorn.Config, drain: _Drain) -> uvicorn.Server:
+    """A uvicorn server whose first SIGTERM/SIGINT requests a drain instead of closing the
+    listener: `_shutdown_on_exit` stops it once running requests are done."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if drain.requested:  # a second signal: stop listening now, as uvicorn does
+                super().handle_exit(sig, frame)
+            drain.requested = True
+
+    return DrainingServer(config)
+
+
+async def _shutdown_on_exit(server: uvicorn.Server, drain: _Drain, llm: AsyncLLM, grace_s: float) -> None:
+    """Once a signal comes: drain (the listener stays open; `/health` and new requests get
+    503), let running requests finish within `grace_s`, end the rest (each stream gets its
+    finish and usage chunks, an error event with code `shutdown` and `[DONE]`), then stop
+    the server."""
+    while not (drain.requested or server.should_exit):
         await asyncio.sleep(0.05)
+    print(f"fastserve: draining (up to {grace_s:g} s); /health answers 503", flush=True)
     await llm.shutdown(grace_s=grace_s)
+    server.should_exit = True
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# A body declared larger than this gets its 413 on a closing connection. Below it the 413 keeps
+# the connection, and the server reads and drops the rest of the body: a client that writes its
+# whole body before reading (httpx.AsyncClient, openai.AsyncOpenAI) then gets the 413; closed
+# with unread data, the connection would be reset under it.
+MAX_DISCARD_BYTES = 64 << 20
 
 
 class ClientDisconnected(Exception):
@@ -57,6 +62,9 @@ class RequestGate:
     compared in constant time). Bodies over `max_body_bytes` get 413: the declared
     Content-Length is checked, then what actually arrives is counted (chunked uploads, a lying
     header), buffering at most `max_body_bytes` and replaying it to the app.
+
+    NOTE: the 413 goes out before the body has been read; uvicorn drops the rest of the body
+    once the response is complete and keeps the connection (below `MAX_DISCARD_BYTES`).
     """
 
     def __init__(
@@ -83,7 +91,8 @@ class RequestGate:
                 return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await self._reject(send, self._too_large())
+            close = not declared.isdigit() or int(declared) > MAX_DISCARD_BYTES
+            await self._reject(send, self._too_large(close))
             return
         buffered: list[Message] = []
         size = 0
@@ -115,12 +124,12 @@ class RequestGate:
             return APIError(401, "incorrect API key provided", code="invalid_api_key", headers=challenge)
         return None
 
-    def _too_large(self) -> APIError:
+    def _too_large(self, close: bool = False) -> APIError:
         return APIError(
             413,
             f"the request body is larger than the limit of {self.max_body_bytes} bytes",
             code="request_too_large",
-            headers={"Connection": "close"},
+            headers={"Connection": "close"} if close else None,
         )
 
     async def _reject(self, send: Send, err: APIError) -> None:

@@ -487,7 +487,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # -- responses ------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
+# "abort": a stream the server ended before the model did (shutdown, engine error; vLLM's
+# value); its error event follows.
+FinishReason = Literal["stop", "length", "abort"]
 
 
 def now_s() -> int:

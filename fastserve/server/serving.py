@@ -268,12 +268,22 @@ class OpenAIServing:
 
         text_chunks = _TextChunks(lambda i: chunk(streaming.TEXT_SLOT, index=i))
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
+        done: set[int] = set()  # the choices that have sent their finish_reason
         async for out in streaming.stream_outputs(first, outputs):
-            if isinstance(out, schemas.APIError):
+            if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
+                # NOTE: the finish and usage chunks come before the error event, at which the
+                # openai SDK stops reading (it raises); usage counts the tokens sent.
+                so_far = _usage(job, latest.values()) if job.continuous_usage else None
+                for i in _unfinished(job, done):
+                    yield chunk("", "abort", so_far, i)
+                if job.include_usage:
+                    yield chunk(None, usage=_usage(job, latest.values()))
                 yield streaming.sse_data(out.response_body())
                 break
             latest[out.index] = out
             so_far = _usage(job, latest.values()) if job.continuous_usage else None
+            if out.finished:
+                done.add(out.index)
             if out.finished:
                 yield chunk(out.new_text, _finish_reason(out), so_far, out.index)
                 if job.include_usage and out.ends_request:
@@ -307,12 +317,20 @@ class OpenAIServing:
             yield chunk(schemas.ChatDelta(role="assistant", content=""),
                         usage=_usage(job, ()) if job.continuous_usage else None, index=i)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
+        done: set[int] = set()  # the choices that have sent their finish_reason
         async for out in streaming.stream_outputs(first, outputs):
-            if isinstance(out, schemas.APIError):
+            if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
+                so_far = _usage(job, latest.values()) if job.continuous_usage else None
+                for i in _unfinished(job, done):
+                    yield chunk(schemas.ChatDelta(), "abort", so_far, i)
+                if job.include_usage:
+                    yield chunk(None, usage=_usage(job, latest.values()))
                 yield streaming.sse_data(out.response_body())
                 break
             latest[out.index] = out
             so_far = _usage(job, latest.values()) if job.continuous_usage else None
+            if out.finished:
+                done.add(out.index)
             new_lps = self._chat_logprobs(out, len(out.new_token_ids))
             if new_lps is not None and (out.new_text or out.new_token_ids):
                 # Each chunk carries its tokens' log-probabilities (text may lag behind them).
@@ -376,10 +394,19 @@ class OpenAIServing:
 
         offsets: dict[int, int] = {}  # each choice's text offset so far
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
+        done: set[int] = set()  # the choices that have sent their finish_reason
         async for out in streaming.stream_outputs(first, outputs):
-            if isinstance(out, schemas.APIError):
+            if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
+                so_far = _usage(job, latest.values()) if job.continuous_usage else None
+                for i in _unfinished(job, done):
+                    yield chunk(schemas.CompletionChoice(index=i, text="", finish_reason="abort"),
+                                so_far)
+                if job.include_usage:
+                    yield chunk(None, usage=_usage(job, latest.values()))
                 yield streaming.sse_data(out.response_body())
                 break
+            if out.finished:
+                done.add(out.index)
             echo_pending = job.echo_text is not None and out.index not in offsets
             text = (job.echo_text or "") + out.new_text if echo_pending else out.new_text
             logprobs, offsets[out.index] = self._completion_logprobs(
@@ -432,6 +459,11 @@ def _usage(job: _Job, outs: Iterable[RequestOutput]) -> schemas.Usage:
     cached = min((out.num_cached_tokens for out in outs), default=0)
     return schemas.Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
                  prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached))
+
+
+def _unfinished(job: _Job, done: set[int]) -> list[int]:
+    """The choices of a stream cut short that have not sent their finish_reason."""
+    return [i for i in range(job.params.n) if i not in done]
 
 
 def _finish_reason(out: RequestOutput) -> schemas.FinishReason:

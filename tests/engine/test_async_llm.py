@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -122,3 +125,173 @@ def test_a_slow_reader_gets_queued_tokens_merged_only_when_asked(llm: AsyncLLM, 
         assert len(outs) < 40 and len(outs[1].new_token_ids) > 1
     else:
         assert [len(o.new_token_ids) for o in outs] == [1] * 40
+
+
+# -- a caller cancelled at each point where it can be --------------------------------------------
+
+
+class _Hold:
+    """Wraps a real engine call; once armed, its next call holds the engine thread until
+    released, so that a test's cancellation lands at a known point."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.armed = False
+        self.entered = threading.Event()
+        self.released = threading.Event()
+
+    def arm(self) -> None:
+        self.entered.clear()
+        self.released.clear()
+        self.armed = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.released.wait(30)
+        return self.inner(*args, **kwargs)
+
+
+@dataclass
+class _Held:
+    llm: AsyncLLM
+    execute: _Hold  # the executor's forward pass (inside an iteration: a prefill, a decode)
+    add: _Hold  # LLMEngine.add_request, run by the engine thread for `generate`
+    finished: dict[str, RequestOutput]  # every final output, by request id (on_finish)
+
+
+@pytest.fixture(scope="module")
+def held() -> _Held:
+    llm = AsyncLLM(engine_config(dtype="float32", max_batch_size=4, warmup=False))
+    executor = llm.engine.core.executor
+    execute, add = _Hold(executor.execute), _Hold(llm.engine.add_request)
+    executor.execute = execute  # type: ignore[method-assign]
+    llm.engine.add_request = add  # type: ignore[method-assign]
+    finished: dict[str, RequestOutput] = {}
+    llm.on_finish.append(lambda out: finished.__setitem__(out.request_id, out))
+    return _Held(llm, execute, add, finished)
+
+
+LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)  # never ends by itself here
+
+
+async def _settled(llm: AsyncLLM) -> dict[str, Any]:
+    """The engine's counts once nothing runs or waits (an abort is a command behind others)."""
+    for _ in range(500):
+        stats = await llm.current_stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    return stats
+
+
+async def _still_serves(h: _Held) -> None:
+    assert h.llm.is_healthy, h.llm.dead_reason
+    outs = await _collect(h.llm, [7, 8, 9], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert outs[-1].finished and len(outs[-1].token_ids) == 4
+    stats = await _settled(h.llm)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+async def _read(llm: AsyncLLM, request_id: str, num_outputs: int | None = None) -> list[RequestOutput]:
+    outs = []
+    async for out in llm.generate([5, 6, 7, 8], LONG, request_id=request_id):
+        outs.append(out)
+        if len(outs) == num_outputs:
+            await asyncio.sleep(30)  # the caller stops reading; cancelled here
+    return outs
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_caller_cancelled_while_its_add_is_queued(held: _Held) -> None:
+    """The engine thread is inside an iteration; the add waits behind it and is skipped."""
+
+    async def run() -> None:
+        busy = asyncio.create_task(_collect(held.llm, list(range(3, 200)), SamplingParams(max_tokens=3)))
+        held.execute.arm()
+        await asyncio.to_thread(held.execute.entered.wait, 30)  # in the busy request's prefill
+        victim = asyncio.create_task(_read(held.llm, "queued-victim"))
+        await asyncio.sleep(0.05)  # its add is queued for the engine thread
+        await _cancel(victim)
+        held.execute.released.set()
+        outs = await busy
+        assert outs[-1].finished and len(outs[-1].token_ids) == 3  # queued behind: still answered
+        await _still_serves(held)
+
+    asyncio.run(run())
+    assert "queued-victim" not in held.finished  # never added
+
+
+def test_caller_cancelled_while_its_add_runs(held: _Held) -> None:
+    """The add runs as the caller goes: the request it makes is aborted, its blocks freed."""
+
+    async def run() -> None:
+        held.add.arm()
+        victim = asyncio.create_task(_read(held.llm, "adding-victim"))
+        await asyncio.to_thread(held.add.entered.wait, 30)
+        await _cancel(victim)
+        held.add.released.set()
+        await _still_serves(held)
+
+    asyncio.run(run())
+    assert held.finished["adding-victim"].finish_reason == "abort"
+
+
+def test_caller_cancelled_during_its_prefill(held: _Held) -> None:
+    async def run() -> None:
+        held.execute.arm()
+        victim = asyncio.create_task(_read(held.llm, "prefill-victim"))
+        await asyncio.to_thread(held.execute.entered.wait, 30)  # the engine runs its prefill
+        await _cancel(victim)
+        held.execute.released.set()
+        await _still_serves(held)
+
+    asyncio.run(run())
+    assert held.finished["prefill-victim"].finish_reason == "abort"
+
+
+def test_caller_cancelled_mid_stream(held: _Held) -> None:
+    async def run() -> None:
+        victim = asyncio.create_task(_read(held.llm, "stream-victim", num_outputs=3))
+        while not held.llm.stats()["num_running"]:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await _cancel(victim)
+        await _still_serves(held)
+
+    asyncio.run(run())
+    out = held.finished["stream-victim"]
+    assert out.finish_reason == "abort" and 3 <= len(out.token_ids) < 2000
+
+
+def test_stats_caller_cancelled_while_queued(held: _Held) -> None:
+    async def run() -> None:
+        busy = asyncio.create_task(_collect(held.llm, [3, 4, 5], SamplingParams(max_tokens=3)))
+        held.execute.arm()
+        await asyncio.to_thread(held.execute.entered.wait, 30)
+        stats = asyncio.create_task(held.llm.current_stats())
+        await asyncio.sleep(0.05)
+        await _cancel(stats)
+        held.execute.released.set()
+        assert len((await busy)[-1].token_ids) == 3
+        await _still_serves(held)
+
+    asyncio.run(run())
+
+
+def test_a_failing_finish_callback_fails_no_request(held: _Held) -> None:
+    def broken(out: RequestOutput) -> None:
+        raise RuntimeError("metrics broke")
+
+    held.llm.on_finish.insert(0, broken)
+    try:
+        asyncio.run(_still_serves(held))
+    finally:
+        held.llm.on_finish.remove(broken)

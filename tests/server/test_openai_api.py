@@ -391,6 +391,28 @@ def test_huge_body_413(server: ServerProcess, client: openai.OpenAI) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_huge_body_413_reaches_async_clients(server: ServerProcess) -> None:
+    """Asynchronous clients write the whole body before they read: the 413 must wait for them
+    (a connection closed with the body unread resets, and they would see no response)."""
+    body = {"model": MODEL, "prompt": "x" * (2 << 20), "max_tokens": 1}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.v1, headers=AUTH, timeout=60) as http:
+            for _ in range(3):
+                resp = await http.post(CMPL, json=body)
+                assert resp.status_code == 413 and error_of(resp)["code"] == "request_too_large"
+            ok = await http.post(CMPL, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert ok.status_code == 200  # the connection is still good for the next request
+        client = openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=60)
+        for _ in range(3):
+            with pytest.raises(openai.APIStatusError) as exc_info:
+                await client.completions.create(model=MODEL, prompt="x" * (2 << 20), max_tokens=1)
+            assert exc_info.value.status_code == 413
+        await client.close()
+
+    asyncio.run(run())
+
+
 # -- disconnects, concurrency, metrics ----------------------------------------------------------
 
 

@@ -87,45 +87,57 @@ def test_client_leaving_the_queue_frees_its_place(small_server: ServerProcess) -
             httpx.post(small_server.v1 + "/completions", json=short, timeout=0.5)
 
 
-def test_sigterm_lets_running_request_finish_and_exits_0(server_tmp: Path, tiny_model_ready: Path) -> None:
-    server = start_server(server_tmp, "--no-warmup", "--grace-period-s", "30")
+def test_sigterm_drains_with_503_while_running_requests_finish(server_tmp: Path, tiny_model_ready: Path) -> None:
+    """During the drain the listener stays open: /health and new requests get 503 (a load
+    balancer routes elsewhere) while the running requests finish; then the server exits 0."""
+    server = start_server(server_tmp, "--no-warmup", "--grace-period-s", "60")
     try:
         body = {"model": MODEL, "prompt": "Long story", "max_tokens": 60, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
+        held = {**body, "max_tokens": 1800}  # keeps the drain open until this client leaves
         chunks: list[dict[str, object]] = []
         done = False
-        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=60) as resp:
-            for line in resp.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunks.append(json.loads(line[6:]))
-                    if len(chunks) == 2:
-                        server.proc.send_signal(signal.SIGTERM)
-                        assert _refuses_connections(server.url, within_s=10)
-        assert done
-        assert chunks[-1]["usage"]["completion_tokens"] == 60  # type: ignore[index]
+        with httpx.Client(base_url=server.v1, timeout=60) as http, \
+                http.stream("POST", "/completions", json=held) as held_resp:
+            held_lines = held_resp.iter_lines()
+            assert next(line for line in held_lines if line.startswith("data: "))
+            with http.stream("POST", "/completions", json=body) as resp:
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunks.append(json.loads(line[6:]))
+                        if len(chunks) == 2:
+                            server.proc.send_signal(signal.SIGTERM)
+                            health = _health_once_draining(server.url, within_s=10)
+                            assert health.json()["error"]["code"] == "shutdown"
+                            refused = httpx.post(server.v1 + "/chat/completions", timeout=10, json={
+                                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+                            assert refused.status_code == 503, refused.text
+                            validate(refused.json(), "ErrorResponse")
+                            assert refused.json()["error"]["code"] == "shutdown"
+            assert done
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+            assert chunks[-1]["usage"]["completion_tokens"] == 60  # type: ignore[index]
+            assert server.proc.poll() is None  # still draining: the held stream runs
+        # Leaving the held stream aborts it: the drain is over.
         assert server.proc.wait(60) == 0, server.log()[-3000:]
-        assert "shut down" in server.log()
+        assert "draining" in server.log() and "shut down" in server.log()
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
 
 
-def _refuses_connections(url: str, within_s: float) -> bool:
-    """True once a new connection is refused (the server stopped accepting).
-
-    A connection that reached the listen backlog just before the socket closed is
-    dropped without a response (RemoteProtocolError); the next one must be refused.
-    """
+def _health_once_draining(url: str, within_s: float) -> httpx.Response:
+    """/health once it answers 503 (the signal reaches the server a moment after it is sent);
+    every answer before is 200: the listener never closes."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url + "/health", timeout=5)
-        except httpx.ConnectError:
-            return True
-        except httpx.RemoteProtocolError:
-            pass
-        time.sleep(0.05)
-    return False
+    while True:
+        resp = httpx.get(url + "/health", timeout=5)
+        if resp.status_code == 503 or time.monotonic() > deadline:
+            assert resp.status_code == 503, resp.text
+            validate(resp.json(), "ErrorResponse")
+            return resp
+        assert resp.status_code == 200
+        time.sleep(0.02)

@@ -1,17 +1,21 @@
 """One bad request fails alone, on a real server: hostile-but-valid payloads next to running
-streams, text that is not Unicode on a keep-alive connection."""
+streams, text that is not Unicode on a keep-alive connection, clients that hang up at random
+moments, streams the shutdown ends."""
 
 from __future__ import annotations
 
 import asyncio
 import http.client
 import json
+import os
 import random
 import signal
 import string
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,26 +169,46 @@ def test_guidellm_streaming_body_gets_usage_in_every_chunk(server: ServerProcess
     assert chunks[-1]["choices"] == []  # the final usage chunk, as with include_usage alone
 
 
-def test_grace_expiry_ends_open_streams_with_an_error_event_and_done(
+def test_grace_expiry_ends_open_streams_with_finish_usage_error_and_done(
     server_tmp: Path, tiny_model_ready: Path
 ) -> None:
     server = start_server(server_tmp, "--no-warmup", "--grace-period-s", "1")
     try:
-        body = {"model": MODEL, "prompt": "An endless story", "max_tokens": 2000, "ignore_eos": True,
-                "stream": True}
-        lines: list[str] = []
-        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=60) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                    if len(lines) == 2:
-                        server.proc.send_signal(signal.SIGTERM)
-        assert lines[-1] == "data: [DONE]"
-        error = json.loads(lines[-2].removeprefix("data: "))
-        validate(error, "ErrorResponse")
-        assert error["error"]["code"] == "shutdown"
-        assert "grace period" in error["error"]["message"]
-        assert 2 < len(lines) < 2000  # cut short, not finished
+        bodies = [
+            ("/completions", {"prompt": "An endless story"}),
+            ("/chat/completions", {"messages": [{"role": "user", "content": "An endless story"}]}),
+        ]
+        streams: list[list[str]] = [[] for _ in bodies]
+        two_chunks = threading.Barrier(len(bodies) + 1)
+
+        def read(i: int) -> None:
+            path, fields = bodies[i]
+            body = {"model": MODEL, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}, **fields}
+            with httpx.stream("POST", server.v1 + path, json=body, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        streams[i].append(line)
+                        if len(streams[i]) == 2:
+                            two_chunks.wait(60)
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            readers = [pool.submit(read, i) for i in range(len(bodies))]
+            two_chunks.wait(60)
+            server.proc.send_signal(signal.SIGTERM)
+            for reader in readers:
+                reader.result()
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]"
+            *chunks, error = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            validate(error, "ErrorResponse")
+            assert error["error"]["code"] == "shutdown"
+            assert "grace period" in error["error"]["message"]
+            # Before the error event (where the openai SDK stops reading): the finish, the usage.
+            *_, finish, usage = chunks
+            assert [c["finish_reason"] for c in finish["choices"]] == ["abort"]
+            assert usage["choices"] == [] and 0 < usage["usage"]["completion_tokens"] < 2000
+            assert 2 < len(lines) < 2000  # cut short, not finished
         assert server.proc.wait(60) == 0, server.log()[-3000:]
     finally:
         if server.proc.poll() is None:
@@ -219,3 +243,132 @@ def test_health_answers_while_a_1mib_prompt_is_tokenized(server: ServerProcess) 
     # Tokenized on the event loop, one /health would wait for all of it (NOTE: a max bound
     # in ms would fail on a loaded machine for reasons of its own).
     assert max_s < big_s / 4
+
+
+# -- clients that hang up at random moments ----------------------------------------------------
+#
+# Each run sends a burst of requests in both API forms (completions and chat, streaming and
+# not) and cancels most of them at a random moment: before the first byte (while the request
+# is still queued for the engine thread), while the engine is inside a long prefill, or
+# mid-stream. The rest must be served in full; afterwards `/health` is 200, nothing is left
+# running, waiting or holding KV blocks, and new requests complete.
+# `FASTSERVE_CANCEL_RUNS=20` runs it 20 times (the suite runs it 3 times).
+
+NUM_RUNS = int(os.environ.get("FASTSERVE_CANCEL_RUNS", "3"))
+NUM_VICTIMS = 8
+SURVIVOR_TOKENS = 24
+
+
+@dataclass(frozen=True)
+class Victim:
+    path: str  # /completions or /chat/completions
+    stream: bool
+    prompt_len: int  # in words (~3.4 tokens each); long prompts keep the engine in a prefill
+    cancel_after_s: float | None  # cancel this long after sending
+    cancel_after_chunks: int | None  # or after reading this many stream chunks (mid-stream)
+
+
+def _victims(rng: random.Random) -> list[Victim]:
+    out = []
+    for _ in range(NUM_VICTIMS):
+        path = rng.choice(["/completions", "/chat/completions"])
+        moment = rng.choice(["before_first_byte", "in_prefill", "mid_stream"])
+        if moment == "before_first_byte":
+            out.append(Victim(path, rng.random() < 0.5, rng.randint(4, 40), rng.uniform(0, 0.05), None))
+        elif moment == "in_prefill":
+            out.append(Victim(path, rng.random() < 0.5, rng.randint(80, 250), rng.uniform(0.02, 0.3), None))
+        else:
+            out.append(Victim(path, True, rng.randint(4, 200), None, rng.randint(1, 8)))
+    return out
+
+
+def _body(path: str, rng: random.Random, prompt_len: int, max_tokens: int, stream: bool) -> dict[str, Any]:
+    words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(prompt_len))
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if path == "/completions":
+        body["prompt"] = words
+    else:
+        body["messages"] = [{"role": "user", "content": words}]
+    return body
+
+
+async def _send(http: httpx.AsyncClient, path: str, body: dict[str, Any],
+                stop_after_chunks: int | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """The status and, for a stream, its JSON events (stopping early after some chunks)."""
+    if not body["stream"]:
+        resp = await http.post(path, json=body)
+        return resp.status_code, [resp.json()]
+    events: list[dict[str, Any]] = []
+    async with http.stream("POST", path, json=body) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                if stop_after_chunks is not None and len(events) >= stop_after_chunks:
+                    return resp.status_code, events  # leaving the block closes the connection
+    return resp.status_code, events
+
+
+async def _victim(http: httpx.AsyncClient, v: Victim, rng: random.Random) -> None:
+    body = _body(v.path, rng, v.prompt_len, 300, v.stream)
+    task = asyncio.create_task(_send(http, v.path, body, v.cancel_after_chunks))
+    if v.cancel_after_s is not None:
+        await asyncio.sleep(v.cancel_after_s)
+        task.cancel()  # the client hangs up
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def _completion_tokens(status: int, events: list[dict[str, Any]]) -> int:
+    assert status == 200, events
+    assert not any("error" in e for e in events), events
+    return int(events[-1]["usage"]["completion_tokens"])
+
+
+async def _storm(url: str, seed: int) -> None:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)  # a connection each
+    async with httpx.AsyncClient(base_url=url + "/v1", timeout=120, limits=limits) as http:
+        survivors = [
+            asyncio.create_task(_send(http, path, _body(path, rng, 30, SURVIVOR_TOKENS, stream)))
+            for path, stream in (("/completions", True), ("/chat/completions", False))
+        ]
+        victims = [_victim(http, v, rng) for v in _victims(rng)]
+        await asyncio.gather(*victims)
+        for task in survivors:  # in flight through the storm: served in full
+            assert _completion_tokens(*await task) == SURVIVOR_TOKENS
+
+
+def _idle_metrics(server: ServerProcess) -> dict[str, float]:
+    """/metrics once the engine has caught up with the aborts (its snapshot lags a little)."""
+    deadline = time.monotonic() + 20
+    while True:
+        m = server.metrics()
+        busy = (m["fastserve_requests_running"], m["fastserve_requests_waiting"],
+                m['fastserve_kv_blocks_used{tier="device"}'], m['fastserve_kv_blocks_used{tier="host"}'])
+        if not any(busy) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("seed", range(NUM_RUNS))
+def test_random_cancellations_leave_the_server_serving(server: ServerProcess, seed: int) -> None:
+    start = time.perf_counter()
+    asyncio.run(_storm(server.url, seed))
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    m = _idle_metrics(server)
+    assert m["fastserve_engine_healthy"] == 1
+    assert m["fastserve_requests_running"] == 0 and m["fastserve_requests_waiting"] == 0
+    assert m['fastserve_kv_blocks_used{tier="device"}'] == 0
+    assert m['fastserve_kv_blocks_used{tier="host"}'] == 0
+
+    async def after() -> None:
+        async with httpx.AsyncClient(base_url=server.url + "/v1", timeout=120) as http:
+            rng = random.Random(seed)
+            for path in ("/completions", "/chat/completions"):
+                for stream in (False, True):
+                    status, events = await _send(http, path, _body(path, rng, 8, 6, stream))
+                    assert _completion_tokens(status, events) == 6
+
+    asyncio.run(after())
+    print(f"run {seed}: {time.perf_counter() - start:.1f} s")
