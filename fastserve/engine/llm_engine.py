@@ -19,6 +19,7 @@ from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
+from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.make_model import cache_dir, resolve_model_path
@@ -86,6 +87,10 @@ class LLMEngine:
             self.runner = start_executor(config, path, self.eos_token_ids)
         else:
             self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
+        # Structured output: grammars compile as requests are added; the sampler masks with them.
+        self.grammars = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        if isinstance(self.runner, ModelRunner):
+            self.runner.sampler.grammars = self.grammars
         if config.model.warmup:
             self._warmup()
         cost, profile_path = self._cost_model()
@@ -151,6 +156,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 "logits_processors run in the sampling process: not with tensor or pipeline "
                 "parallelism", "logits_processors")
+        structured = params.structured_output
+        if structured is not None and isinstance(self.runner, DistributedExecutor):
+            raise InvalidRequestError(
+                "structured output masks logits in the sampling process: not with tensor or "
+                "pipeline parallelism", structured.param)
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
@@ -163,7 +173,13 @@ class LLMEngine:
             oracle_output_len=oracle_output_len,
             max_model_len=self.max_model_len,
         )
-        self.scheduler.add_request(req, self.clock.now())  # refuses a job larger than the cache
+        if structured is not None:
+            self.grammars.add(request_id, structured)  # a 400 for a bad spec; compiles meanwhile
+        try:
+            self.scheduler.add_request(req, self.clock.now())  # refuses a job larger than the cache
+        except Exception:
+            self.grammars.drop(request_id)
+            raise
         self.outputs.add(req, prompt if isinstance(prompt, str) else None)
         return req
 
@@ -216,12 +232,28 @@ class LLMEngine:
         start_s = self.recorder.begin()
         touched = self.core.step()
         for req in touched:
+            self._advance_grammar(req)
             self._detokenize(req)
         touched += self._aborted
         self._aborted = []
         outputs = [self._output(r) for r in touched]
+        if len(self.grammars):
+            for req in touched:
+                if req.is_finished:
+                    self.grammars.drop(req.request_id)
         self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
+
+    def _advance_grammar(self, req: Request) -> None:
+        """Feed a structured request's new token to its grammar; it stops once that ends."""
+        if req.params.structured_output is None or req.request_id not in self.grammars:
+            return
+        try:
+            if self.grammars.advance(req) and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+        except Exception as exc:
+            logger.exception("the grammar of request %s failed; failing it", req.request_id)
+            self._fail(req, f"structured output failed: {type(exc).__name__}: {exc}")
 
     def _detokenize(self, req: Request) -> None:
         """Take the request's new tokens into its text and check its stop strings.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from fastserve.core.plan import NO_TOKEN, ScheduledRequest
+from fastserve.executor.grammar import StructuredOutputs
 
 # The token of a row whose sampling failed: the engine fails that request alone.
 FAILED_TOKEN = -2  # NOTE: not NO_TOKEN (-1), a prefill chunk's
@@ -37,6 +38,8 @@ class Sampler:
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # Structured output: the requests' grammars, which mask their rows (set by the engine).
+        self.grammars: StructuredOutputs | None = None
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -49,6 +52,8 @@ class Sampler:
         errors: dict[str, str] = {}
         out = [NO_TOKEN if not r.samples else FAILED_TOKEN for r in reqs]
         rows = [i for i, r in enumerate(reqs) if r.samples and self._prepare_row(logits, i, r, errors)]
+        if self.grammars is not None and len(self.grammars):
+            rows = self.grammars.mask(logits, reqs, rows, errors)  # drops rows whose grammar failed
         if len(rows) < len(reqs):
             logits, reqs = logits[rows], [reqs[i] for i in rows]
         try:
