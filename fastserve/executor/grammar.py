@@ -252,6 +252,15 @@ class StructuredOutputs:
                 errors[reqs[i].request_id] = f"{m.param}: the grammar failed: {_message(exc)}"
                 failed.add(i)
         if masked:
+            # A grammar with no way on (an empty language) fails its request, not the draw.
+            is_stuck = (bitmask[masked] == 0).all(dim=-1).tolist()  # [len(masked)], on the host
+            for i, stuck in zip(list(masked), is_stuck):
+                if stuck:
+                    m = self._matchers[reqs[i].request_id]
+                    errors[reqs[i].request_id] = f"{m.param}: the grammar allows no token here"
+                    failed.add(i)
+                    masked.remove(i)
+        if masked:
             self._apply(logits, bitmask, masked)
             # Other masks may have emptied a row the grammar left only EOS in (min_tokens);
             # the grammar wins: its end is the only valid output.

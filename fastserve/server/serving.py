@@ -19,6 +19,7 @@ from fastserve.engine.async_llm import (
     EngineDeadError,
     QueueFullError,
 )
+from fastserve.executor import grammar
 from fastserve.model.tokenizer import check_encodable
 from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams
 from fastserve.server import schemas, streaming
@@ -165,6 +166,10 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens)
         except ValueError as exc:
             raise bad_input(exc, "prompt") from exc
+        if params.structured_output is not None and not grammar.is_available():
+            raise schemas.APIError(501, grammar.INSTALL_HINT, "not_implemented_error",
+                                   param=params.structured_output.param,
+                                   code="structured_output_unavailable")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         return _Job(
             request_id=request_id,
