@@ -143,10 +143,10 @@ def no_control_mask(info: Any, vocab_size: int) -> torch.Tensor:
     forbids. Compact JSON never needs one, so JSON rows are ANDed with this mask.
     """
     words = -(-vocab_size // 32)
-    allowed = torch.zeros(words * 32, dtype=torch.int64)
-    decoded = info.decoded_vocab
-    for idx in range(min(vocab_size, len(decoded))):
-        allowed[idx] = _CONTROL_BYTES.search(decoded[idx]) is None
+    decoded = info.decoded_vocab[:vocab_size]
+    flags = [_CONTROL_BYTES.search(tok) is None for tok in decoded]
+    flags += [False] * (words * 32 - len(flags))
+    allowed = torch.tensor(flags, dtype=torch.int64)
     packed = (allowed.view(words, 32) << torch.arange(32)).sum(dim=-1)  # [words] in [0, 2**32)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # as int32's bits
     return packed.to(torch.int32)
@@ -237,6 +237,7 @@ class StructuredOutputs:
         reason is in `errors`)."""
         # logits: [num_reqs, vocab]
         masked: list[int] = []
+        json_rows: list[int] = []
         failed: set[int] = set()
         bitmask = self._bitmask_for(len(reqs))
         for i in rows:
@@ -245,12 +246,14 @@ class StructuredOutputs:
                 continue
             try:
                 self._matcher(m).fill_next_token_bitmask(bitmask, i)
-                if m.is_json and self._no_control is not None:
-                    bitmask[i] &= self._no_control
                 masked.append(i)
+                if m.is_json:
+                    json_rows.append(i)
             except Exception as exc:  # NOTE: a grammar that failed to compile fails its request
                 errors[reqs[i].request_id] = f"{m.param}: the grammar failed: {_message(exc)}"
                 failed.add(i)
+        if json_rows and self._no_control is not None:
+            bitmask[json_rows] &= self._no_control
         if masked:
             # A grammar with no way on (an empty language) fails its request, not the draw.
             is_stuck = (bitmask[masked] == 0).all(dim=-1).tolist()  # [len(masked)], on the host
@@ -269,6 +272,8 @@ class StructuredOutputs:
         return [i for i in rows if i not in failed]
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """-inf where the rows' bits are 0 (xgrammar's kernels: on the CPU 0.7 ms for 16 rows
+        of 4096 tokens, where unpacking the bits with torch ops took longer)."""
         xgr = _xgr()
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
