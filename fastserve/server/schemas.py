@@ -8,7 +8,8 @@ integer), as in the OpenAI API.
 Extensions: vLLM's names, as the load tools that benchmark servers send them (guidellm, aiperf,
 `vllm bench serve`). Implemented: `top_k`, `min_tokens`, `ignore_eos` (generate exactly
 `max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
-`request_id`, `chat_template_kwargs` and `stream_options.continuous_usage_stats`. The others
+`request_id`, `chat_template_kwargs`, `stream_options.continuous_usage_stats` and structured
+output's `guided_json`, `guided_regex`, `guided_choice` (beside OpenAI's `response_format`). The others
 (`repetition_penalty`, `min_p`, ...) are accepted only at the values that mean "not used".
 """
 
