@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 # threads sleep instead. Set OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from fastserve.request import RequestOutput, SamplingParams
+from fastserve.request import RequestOutput, SamplingParams, StructuredOutputParams
 
 if TYPE_CHECKING:
     from fastserve.llm import LLM
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputParams"]
 __version__ = "0.1.0"
 
 

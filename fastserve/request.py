@@ -64,6 +64,45 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed this request
 
 
+# What a structured output's `spec` holds, by kind (see `StructuredOutputParams`).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """A grammar the output must match: the sampler masks every token that would leave it and
+    the request stops once it is complete (xgrammar: `fastserve.executor.grammar`).
+
+    NOTE: pure text, so that equal grammars share one compilation (the cache key is
+    `(kind, spec)`), and the scheduler and simulator can carry it without the library.
+    """
+
+    # "json": a JSON schema; "json_object": any JSON object; "regex"; "choice": one of strings.
+    kind: str
+    # The JSON schema's text (json), the regex (regex), the strings (choice); "" (json_object).
+    spec: str | tuple[str, ...] = ""
+    # The request field it came from: a 400 for an invalid grammar names it.
+    param: str = "structured_output"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {self.kind!r}", self.param)
+        if self.kind == "choice":
+            if isinstance(self.spec, str) or not self.spec or not all(
+                    isinstance(c, str) and c for c in self.spec):
+                raise InvalidRequestError("must be a non-empty list of non-empty strings", self.param)
+            object.__setattr__(self, "spec", tuple(self.spec))
+        elif not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
+            raise InvalidRequestError(f"{self.kind} must be a non-empty string", self.param)
+
+    @property
+    def key(self) -> tuple[str, str | tuple[str, ...]]:
+        """What identifies the compiled grammar (the param does not change it)."""
+        return self.kind, self.spec
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction."""
@@ -109,6 +148,8 @@ class SamplingParams:
     # `best_of` generated (None: n), the n with the highest cumulative log-probability.
     n: int = 1
     best_of: int | None = None
+    # Structured output: the grammar the text must match (None: free text).
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -148,6 +189,7 @@ class SamplingParams:
                 f"stop_token_ids must be token ids (integers >= 0), got {bad[:5]}", "stop_token_ids")
         self._check_logits_fields()
         self._check_sequences()
+        self._check_structured_output()
 
     def _check_logits_fields(self) -> None:
         """The log-probability, penalty, bias and min_p fields (ranges as OpenAI / vLLM)."""
@@ -203,6 +245,12 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """Sequences to generate: `best_of`, else `n`."""
         return self.n if self.best_of is None else self.best_of
+
+    def _check_structured_output(self) -> None:
+        if self.structured_output is not None and not isinstance(self.structured_output,
+                                                                 StructuredOutputParams):
+            raise InvalidRequestError("structured_output must be a StructuredOutputParams",
+                                      "structured_output")
 
     def for_vocab(self, vocab_size: int) -> SamplingParams:
         """These parameters checked against a model's vocabulary: token ids outside it are

@@ -20,6 +20,7 @@ from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
+from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.make_model import cache_dir, resolve_model_path
@@ -88,6 +89,10 @@ class LLMEngine:
             self.runner = start_executor(config, path, self.eos_token_ids)
         else:
             self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
+        # Structured output: grammars compile as requests are added; the sampler masks with them.
+        self.grammars = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        if isinstance(self.runner, ModelRunner):
+            self.runner.sampler.grammars = self.grammars
         if config.model.warmup:
             self._warmup()
         cost, profile_path = self._cost_model()
@@ -159,6 +164,11 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"{name}: log-probabilities are not returned with tensor or pipeline "
                     "parallelism yet", name)
+        structured = params.structured_output
+        if structured is not None and isinstance(self.runner, DistributedExecutor):
+            raise InvalidRequestError(
+                "structured output masks logits in the sampling process: not with tensor or "
+                "pipeline parallelism", structured.param)
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         num_seqs = params.num_sequences
@@ -184,7 +194,16 @@ class LLMEngine:
             dataclasses.replace(req, params=p), text))
 
     def _queue(self, req: Request, prompt: str | None) -> Request:
-        self.scheduler.add_request(req, self.clock.now())  # refuses a job larger than the cache
+        """Queue one sequence: its own grammar matcher (a 400 for a bad spec; it compiles
+        while the prompt prefills), its place in the scheduler, its detokenizer."""
+        structured = req.params.structured_output
+        if structured is not None:
+            self.grammars.add(req.request_id, structured)
+        try:
+            self.scheduler.add_request(req, self.clock.now())  # refuses a job larger than the cache
+        except Exception:
+            self.grammars.drop(req.request_id)
+            raise
         self.outputs.add(req, prompt)
         return req
 
@@ -255,13 +274,29 @@ class LLMEngine:
         if self.core.last_output is not None:
             self.outputs.take_logprobs(touched, self.core.last_output)
         for req in touched:
+            self._advance_grammar(req)
             self._detokenize(req)
         touched += self._aborted
         self._aborted = []
         self.groups.after_step(touched)
         outputs = self.groups.outputs([self._output(r) for r in touched])
+        if len(self.grammars):
+            for req in touched:
+                if req.is_finished:
+                    self.grammars.drop(req.request_id)
         self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
+
+    def _advance_grammar(self, req: Request) -> None:
+        """Feed a structured request's new token to its grammar; it stops once that ends."""
+        if req.params.structured_output is None or req.request_id not in self.grammars:
+            return
+        try:
+            if self.grammars.advance(req) and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+        except Exception as exc:
+            logger.exception("the grammar of request %s failed; failing it", req.request_id)
+            self._fail(req, f"structured output failed: {type(exc).__name__}: {exc}")
 
     def _detokenize(self, req: Request) -> None:
         """Take the request's new tokens into its text and check its stop strings.

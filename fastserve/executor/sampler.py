@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastserve.core.plan import NO_TOKEN, ScheduledRequest
+from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
 from fastserve.executor.logprobs import gather_sampled, logprob_rows, raw_logprobs
 from fastserve.request import TokenLogprobs
@@ -44,6 +45,8 @@ class Sampler:
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # Structured output: the requests' grammars, which mask their rows (set by the engine).
+        self.grammars: StructuredOutputs | None = None
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -63,6 +66,12 @@ class Sampler:
         if len(rows) < len(reqs):
             logits, reqs = logits[rows], [reqs[i] for i in rows]
         apply_logits_processing(logits, reqs, self.eos_token_ids, uses_fields)
+        if self.grammars is not None and len(self.grammars):
+            # NOTE: after the other masks: where min_tokens bars the only token a grammar
+            # allows (its end), the grammar wins.
+            kept = self.grammars.mask(logits, reqs, list(range(len(reqs))), errors)
+            if len(kept) < len(reqs):  # rows whose grammar failed
+                logits, reqs, rows = logits[kept], [reqs[i] for i in kept], [rows[i] for i in kept]
         try:
             tokens = self._draw(logits, reqs, errors)
         except Exception:  # a backstop: draw row by row to find the culprits

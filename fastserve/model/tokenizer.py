@@ -143,6 +143,23 @@ class Tokenizer:
         """A streaming decoder for tokens generated after `prompt_ids`."""
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
+    def encoded_vocab(self) -> list[str]:
+        """Every id's token as the tokenizer stores it ("Ġhello" in byte-level BPE), special
+        tokens as "" (structured output: a grammar may never match them, since the text
+        drops them), ids the vocabulary skips as "" too."""
+        vocab = [""] * self.vocab_size
+        for token, idx in self._tok.get_vocab(with_added_tokens=True).items():
+            if idx < len(vocab):
+                vocab[idx] = token
+        for idx, added in self._tok.get_added_tokens_decoder().items():
+            if added.special and idx < len(vocab):
+                vocab[idx] = ""
+        return vocab
+
+    def backend_json(self) -> str:
+        """tokenizer.json's text: how tokens map to bytes (its decoder and normalizer)."""
+        return str(self._tok.to_str())
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

@@ -9,8 +9,9 @@ Extensions: vLLM's names, as the load tools that benchmark servers send them (gu
 `vllm bench serve`). Implemented: `top_k`, `min_tokens`, `ignore_eos` (generate exactly
 `max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
 `request_id`, `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
-`repetition_penalty` and `min_p`. The others are accepted only at the values that mean
-"not used".
+`repetition_penalty`, `min_p` and structured output's `guided_json`, `guided_regex`,
+`guided_choice` (beside OpenAI's `response_format`). The others are accepted only at the
+values that mean "not used".
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pydantic import (
     StrictStr,
     WithJsonSchema,
     model_serializer,
+    model_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
@@ -47,6 +49,7 @@ from fastserve.request import (
     REPETITION_PENALTY_RANGE,
     InvalidRequestError,
     SamplingParams,
+    StructuredOutputParams,
 )
 
 # -- errors ---------------------------------------------------------------------------------
@@ -226,6 +229,47 @@ class StreamOptions(BaseModel):
     include_obfuscation: StrictBool | None = None  # no-op: nothing is obfuscated here
 
 
+# -- structured output ---------------------------------------------------------------------
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    # The JSON schema the output must match; absent: any JSON object.
+    # NOTE: `schema` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[Text, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = Field(
+        None, description="Accepted; the output always follows the schema exactly.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: `text`, `json_object` (any JSON object) or `json_schema`
+    (JSON matching `json_schema.schema`).
+
+    NOTE: one model rather than a tagged union, so that an error's `param` reads
+    `response_format.json_schema.name` (a union would put its tag in the path).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="Only with type json_schema.")
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "json_schema is given exactly when type is "
+                                                     "json_schema")
+        return self
+
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -277,6 +321,40 @@ class _GenerationRequest(BaseModel):
                                 "the output is divided by it (multiplied when negative); 1 is off.")
     min_p: StrictFloat | None = Field(
         None, ge=0, le=1, description="Extension: drop tokens less likely than min_p times the most likely.")
+    # Structured output: OpenAI's response_format and vLLM's guided_* (at most one of them).
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema (JSON matching "
+                          "json_schema.schema).")
+    guided_json: dict[Text, Any] | Text | None = Field(
+        None, description="Extension: the output is JSON matching this JSON schema (an object "
+                          "or its text).")
+    guided_regex: Text | None = Field(
+        None, min_length=1, description="Extension: the output matches this regex.")
+    guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="Extension: the output is exactly one of these strings.")
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The grammar asked for, if any; raises InvalidRequestError naming the field when
+        more than one is given."""
+        fmt = self.response_format
+        given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None
+                 and (f != "response_format" or fmt is None or fmt.type != "text")]
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"{given[1]}: only one of {', '.join(given)} may be given", given[1])
+        if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+            return StructuredOutputParams("json", json.dumps(fmt.json_schema.schema_),
+                                          "response_format.json_schema.schema")
+        if fmt is not None and fmt.type != "text":
+            return StructuredOutputParams("json_object", "", "response_format")
+        if self.guided_json is not None:
+            spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            return StructuredOutputParams("json", spec, "guided_json")
+        if self.guided_regex is not None:
+            return StructuredOutputParams("regex", self.guided_regex, "guided_regex")
+        if self.guided_choice is not None:
+            return StructuredOutputParams("choice", tuple(self.guided_choice), "guided_choice")
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -303,6 +381,7 @@ class _GenerationRequest(BaseModel):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             **self._logits_params(),
             **self._sequences(),
+            structured_output=self.structured_output(),
         )
 
     def _logits_params(self) -> dict[str, Any]:
@@ -457,8 +536,6 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="Accepted; no tools are called.")
     functions: Annotated[Any, Only(([],))] = Field(None, description="Not supported.")
     function_call: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
-    response_format: Annotated[Any, Only(({"type": "text"},))] = Field(
-        None, description="Only {'type': 'text'} is supported.")
     modalities: Annotated[Any, Only((["text"],))] = Field(None, description="Only ['text'] is supported.")
     store: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
     # vLLM's extensions.

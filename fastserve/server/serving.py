@@ -20,6 +20,7 @@ from fastserve.engine.async_llm import (
     EngineDeadError,
     QueueFullError,
 )
+from fastserve.executor import grammar
 from fastserve.model.tokenizer import check_encodable
 from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from fastserve.server import schemas, streaming
@@ -187,6 +188,10 @@ class OpenAIServing:
                 400, f"best_of: streaming needs best_of equal to n ({params.n}): the best "
                 f"sequences are known only once all {params.num_sequences} have finished",
                 param="best_of")
+        if params.structured_output is not None and not grammar.is_available():
+            raise schemas.APIError(501, grammar.INSTALL_HINT, "not_implemented_error",
+                                   param=params.structured_output.param,
+                                   code="structured_output_unavailable")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         return _Job(
             request_id=request_id,

@@ -288,7 +288,7 @@ CMPL = "/completions"
         (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens"),
         (CHAT, {"n": 200}, "n"),
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"suffix": "x"}, "suffix"),
     ],

@@ -1,0 +1,141 @@
+"""Structured output over HTTP: OpenAI's `response_format` (json_object, json_schema) and
+vLLM's `guided_json` / `guided_regex` / `guided_choice`, against a real server driven by the
+`openai` client, its `parse` helper with a pydantic model included."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.server.helpers import ServerProcess, managed, start_server
+
+pytest.importorskip("xgrammar")
+
+MODEL = "tiny"
+MESSAGES: list[Any] = [{"role": "user", "content": "Describe a user as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerProcess]:
+    yield from managed(start_server(server_tmp, "--no-warmup", "--no-startup-profile"))
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0, timeout=120)
+
+
+def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.v1 + path, json={"model": MODEL, **body}, timeout=120)
+
+
+USER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "role": {"enum": ["admin", "guest"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+    },
+    "required": ["name", "role", "age", "tags"],
+}
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    for seed in range(4):
+        resp = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_completion_tokens=150, seed=seed,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "user", "schema": USER_SCHEMA, "strict": True}})
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), USER_SCHEMA)
+
+
+def test_response_format_json_object_streams(server: ServerProcess) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "stream": True,
+            "response_format": {"type": "json_object"}}
+    text = ""
+    with httpx.stream("POST", server.v1 + "/chat/completions", json={"model": MODEL, **body},
+                      timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["delta"].get("content") or ""
+    assert text.startswith("{")  # a random model may still be inside the object at max_tokens
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    kind: Literal["cat", "dog", "fish"]
+    legs: int = pydantic.Field(ge=0, le=8)
+
+
+def test_openai_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    parses = [client.chat.completions.parse]
+    if hasattr(client, "beta") and hasattr(client.beta, "chat"):
+        parses.append(client.beta.chat.completions.parse)
+    for seed, parse in enumerate(parses):
+        resp = parse(model=MODEL, messages=MESSAGES, response_format=Pet, seed=seed,
+                     max_completion_tokens=100)
+        pet = resp.choices[0].message.parsed
+        assert isinstance(pet, Pet) and 0 <= pet.legs <= 8 and len(pet.name) <= 6
+
+
+def test_guided_fields(client: openai.OpenAI) -> None:
+    regex = r"\d{3}-[A-Z]{2}"
+    resp = client.completions.create(model=MODEL, prompt="code:", max_tokens=20, seed=1,
+                                     extra_body={"guided_regex": regex})
+    assert re.fullmatch(regex, resp.choices[0].text) and resp.choices[0].finish_reason == "stop"
+    choices = ["positive", "negative", "neutral"]
+    resp2 = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                           extra_body={"guided_choice": choices})
+    assert resp2.choices[0].message.content in choices
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for guided in (schema, json.dumps(schema)):  # an object or its text
+        resp3 = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                               extra_body={"guided_json": guided})
+        assert isinstance(json.loads(resp3.choices[0].message.content or "")["ok"], bool)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": 5}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "no spaces"}}},
+     "response_format.json_schema.name"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_invalid_grammar_is_400_naming_the_field(server: ServerProcess, fields: dict[str, Any],
+                                                 param: str) -> None:
+    resp = post(server, "/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **fields})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    # ... and the server goes on serving.
+    ok = post(server, "/completions", {"prompt": "a", "max_tokens": 3, "guided_choice": ["z"]})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "z"
+
+
+def test_openapi_types_the_fields(server: ServerProcess) -> None:
+    doc = httpx.get(server.url + "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = schemas[name]["properties"]
+        assert {"response_format", "guided_json", "guided_regex", "guided_choice"} <= set(props)
+    assert "schema" in schemas["JsonSchemaFormat"]["properties"]

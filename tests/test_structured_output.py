@@ -1,0 +1,166 @@
+"""Structured output through the engine (xgrammar): the text a user gets matches the JSON
+schema, regex or choice, even from the random-weight tiny model; a bad grammar fails alone."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+import jsonschema  # noqa: E402
+
+from fastserve import LLM, SamplingParams  # noqa: E402
+from fastserve.executor.grammar import StructuredOutputs  # noqa: E402
+from fastserve.model.tokenizer import Tokenizer  # noqa: E402
+from fastserve.request import InvalidRequestError, StructuredOutputParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # One wave for the 100 requests: fewer iterations than batches of 16.
+    return LLM(dtype="float32", max_batch_size=100, warmup=False, startup_profile=False)
+
+
+PROMPT = "Answer in JSON:"
+NAME = {"type": "string", "maxLength": 8}
+
+# Ten schemas: nested objects, enums, arrays, numbers with bounds. Strings are bounded and
+# arrays have maxItems, so that even a random model reaches the end of each.
+SCHEMAS: list[dict] = [
+    {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "ok": {"type": "boolean"}}, "required": ["color", "ok"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                               "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
+    {"type": "object", "properties": {"point": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                         "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+        "required": ["x", "y"]}}, "required": ["point"]},
+    {"type": "object", "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 5},
+                                      "level": {"enum": ["low", "mid", "high"]}},
+     "required": ["score", "level"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2,
+     "maxItems": 4},
+    {"type": "object", "properties": {"user": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                                         "role": {"enum": ["admin", "guest"]},
+                                         "nick": NAME},
+        "required": ["id", "role", "nick"]}, "active": {"type": "boolean"}},
+     "required": ["user", "active"]},
+    {"enum": ["yes", "no", 1, None]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"sku": {"type": "string", "maxLength": 4},
+                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["sku", "qty"]}}}, "required": ["items"]},
+    {"type": "object", "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1},
+                                      "label": {"type": "string", "minLength": 1, "maxLength": 6}},
+     "required": ["ratio", "label"]},
+]
+
+
+def _structured(kind: str, spec: str | tuple[str, ...], param: str = "guided_json") -> StructuredOutputParams:
+    return StructuredOutputParams(kind, spec, param)
+
+
+def test_hundred_requests_across_ten_schemas_validate(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=160, temperature=1.0, seed=i,
+                             structured_output=_structured("json", json.dumps(SCHEMAS[i % 10])))
+              for i in range(100)]
+    outs = llm.generate([PROMPT] * 100, params, use_tqdm=False)
+    num_stop = 0
+    for i, out in enumerate(outs):
+        assert out.error is None
+        if out.finish_reason == "stop":
+            num_stop += 1
+            jsonschema.validate(json.loads(out.text), SCHEMAS[i % 10])
+    print(f"{num_stop}/100 finished with stop")
+    assert num_stop >= 95  # bounded schemas: a random model still reaches their end
+    # Each schema was compiled once.
+    assert llm.engine.grammars.cache.num_compiles <= 10 + 1  # (+1: an earlier test's)
+    assert len(llm.engine.grammars) == 0  # finished requests keep no matcher
+
+
+def test_regex_and_choice(llm: LLM) -> None:
+    regex = r"[a-z]{2,5}-\d{2}"
+    choices = ("yes", "no", "maybe so", 'with "quotes"')
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                             structured_output=_structured("regex", regex, "guided_regex"))
+              for i in range(6)]
+    params += [SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                              structured_output=_structured("choice", choices, "guided_choice"))
+               for i in range(6)]
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for out in outs[:6]:
+        assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), out.text
+    for out in outs[6:]:
+        assert out.finish_reason == "stop" and out.text in choices, out.text
+
+
+def test_json_object_and_grammar_over_min_tokens(llm: LLM) -> None:
+    # min_tokens would forbid EOS; once the choice is complete only EOS is left: the grammar
+    # wins, the request ends with a valid choice.
+    choice = SamplingParams(max_tokens=30, min_tokens=20, temperature=1.0, seed=3,
+                            structured_output=_structured("choice", ("ab", "cd"), "guided_choice"))
+    obj = SamplingParams(max_tokens=200, temperature=0.0,
+                         structured_output=_structured("json_object", "", "response_format"))
+    out_choice, out_obj = llm.generate([PROMPT, PROMPT], [choice, obj], use_tqdm=False)
+    assert out_choice.text in ("ab", "cd")
+    assert out_obj.text.startswith("{")
+    if out_obj.finish_reason == "stop":
+        assert isinstance(json.loads(out_obj.text), dict)
+
+
+@pytest.mark.parametrize(("kind", "spec"), [
+    ("json", '{"type": "integer", "minimum": 5, "maximum": 2}'),
+    ("json", '{"type": '),
+    ("json", '{"type": "object", "properties": 5}'),
+    ("regex", "(abc"),
+])
+def test_invalid_grammar_is_refused_naming_the_field(llm: LLM, kind: str, spec: str) -> None:
+    param = "guided_regex" if kind == "regex" else "response_format.json_schema.schema"
+    with pytest.raises(InvalidRequestError) as info:
+        llm.engine.add_request(PROMPT, SamplingParams(structured_output=_structured(kind, spec, param)))
+    assert info.value.param == param and param in str(info.value)
+    assert not llm.engine.has_unfinished
+
+
+def test_a_grammar_that_fails_fails_alone(llm: LLM) -> None:
+    # A regex of no string at all: the grammar allows no token. Its request fails; the batch's
+    # others (structured or not) get their outputs.
+    empty = SamplingParams(max_tokens=8, structured_output=_structured("regex", r"[^\x00-\U0010FFFF]",
+                                                                       "guided_regex"))
+    ok_choice = SamplingParams(max_tokens=8, temperature=0.0,
+                               structured_output=_structured("choice", ("x", "y"), "guided_choice"))
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out_empty, out_choice, out_free = llm.generate([PROMPT] * 3, [empty, ok_choice, free], use_tqdm=False)
+    assert out_empty.finish_reason == "error" and "guided_regex" in (out_empty.error or "")
+    assert out_choice.finish_reason == "stop" and out_choice.text in ("x", "y")
+    assert out_free.finish_reason == "length" and len(out_free.token_ids) == 8
+    # ... and the engine goes on serving.
+    again = llm.generate([PROMPT], [ok_choice], use_tqdm=False)[0]
+    assert again.text == out_choice.text
+
+
+def test_mask_covers_a_padded_vocabulary(tiny_model_path) -> None:
+    """A model whose logits are wider than the tokenizer's vocabulary: ids past it (a padded
+    lm_head) are never allowed, however likely."""
+    tok = Tokenizer(tiny_model_path)
+    width = tok.vocab_size + 40
+    grammars = StructuredOutputs(tok, width, tok.eos_token_ids)
+    grammars.add("r", _structured("choice", ("hello",), "guided_choice"))
+
+    from fastserve.core.plan import ScheduledRequest
+
+    sched = ScheduledRequest("r", [1], 0, [0], SamplingParams(), 1)
+    logits = torch.zeros(1, width)
+    logits[0, tok.vocab_size:] = 100.0  # the padding would win
+    errors: dict[str, str] = {}
+    rows = grammars.mask(logits, [sched], [0], errors)
+    assert rows == [0] and not errors
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed and max(allowed) < tok.vocab_size
+    assert all("hello".startswith(tok.decode([t])) for t in allowed)
