@@ -20,7 +20,6 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
-    ReplicaResult,
     RequestRouter,
     RunningReplica,
 )
@@ -29,6 +28,7 @@ from fastserve.core.replica_stats import ReplicaStats
 from fastserve.fleet.policies import make_router
 from fastserve.fleet.router import Router, RouteRequest
 
+_NO_PROMPT = RouteRequest("no-prompt", 1)  # /health, /v1/models: any replica will do
 RAY_POW2 = "pow2"  # Ray Serve's default router; the other names are fastserve.fleet's policies
 ROUTER_NAMES = ("fastserve", "prefix-affinity", "round-robin", RAY_POW2)
 
@@ -115,18 +115,16 @@ class FleetRequestRouter(RequestRouter):
         for rid, replica in by_id.items():
             self._refresh(rid, replica)
         route = route_of(pending_request)
-        request = route or RouteRequest("no-prompt", 1)  # /health, /v1/models: any replica
-        ranked = self.policy.rank(request, time.time(), by_id)
-        rest = [rid for rid in by_id if rid not in ranked]  # a policy may rank only a sample
-        # One rank per replica: Ray tries the first and falls back when it refuses.
-        return [[by_id[rid]] for rid in ranked] + ([[by_id[rid] for rid in rest]] if rest else [])
-
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
-    ) -> None:
-        route = route_of(pending_request)
+        now = time.time()
+        ranked = self.policy.rank(route or _NO_PROMPT, now, by_id)
         if route is not None:
-            self.policy.note_sent(route, replica_id.unique_id, time.time())
+            # NOTE: booked here, not in `on_request_routed`: Ray calls that only under strict
+            # max_ongoing_requests. The replicas never refuse (their max_ongoing_requests is
+            # far above any engine queue: the engine answers 429 itself), so Ray sends every
+            # request to the first rank's replica.
+            self.policy.note_sent(route, ranked[0], now)
+        rest = [rid for rid in by_id if rid not in ranked]  # a policy may rank only a sample
+        return [[by_id[rid]] for rid in ranked] + ([[by_id[rid] for rid in rest]] if rest else [])
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
