@@ -149,6 +149,7 @@ class _Exchange:
         self.send = send
         self.call: Any = None  # the current replica call (a DeploymentResponseGenerator)
         self.gone = False
+        self.started = False  # the response's start has gone to the client
 
     async def run(self) -> int:
         watcher = asyncio.create_task(self._watch_disconnect())
@@ -156,6 +157,15 @@ class _Exchange:
             return await self._run()
         except RequestCancelledError:
             return 499  # the client went away; nobody is left to answer
+        except Exception as exc:  # a replica's failure that is not its death (a bug): a 500
+            if self.started:
+                raise
+            logger.exception("the replica call failed")
+            err = APIError(500, f"the fleet failed this request: {type(exc).__name__}: {exc}",
+                           "server_error", code="replica_error")
+            await _send_whole(self.send, 500, json.dumps(err.response_body()).encode(),
+                              "application/json")
+            return 500
         finally:
             watcher.cancel()
 
@@ -171,6 +181,7 @@ class _Exchange:
                               "application/json", {"retry-after": "1"})
             return 503
         m.first_byte.observe(time.perf_counter() - t0)
+        self.started = True
         await self.send({"type": "http.response.start", "status": start.status,
                          "headers": list(start.headers)})
         await self._body(start.body, start.more_body)
