@@ -7,15 +7,17 @@ the same profile, and prints:
 - greedy outputs: the same prompts to both, texts compared;
 - added latency at low load: one streamed request at a time, alternating server and fleet;
   TTFT (to the first token's chunk) medians and the median of the paired differences;
-- throughput: a closed loop of `--concurrency` clients (non-streamed requests, fixed prompt
-  and output lengths, `ignore_eos`), output tokens per second, each side alone in turn
-  (`--reps` alternations; medians), and the fleet's ratio to the server;
+- capacity: output tokens per second with every replica's batch full: a closed loop of
+  `--concurrency` clients per replica (default 16, the engine's max_batch_size; the server 16,
+  the fleet 32) sending non-streamed requests of fixed prompt and output lengths
+  (`ignore_eos`), each side alone in turn (`--reps` alternations; medians), and the fleet's
+  ratio to the server;
 - with `--kill`: one replica's process killed under load: what its requests got, how long
   until a new request was answered, and until Ray had restarted the replica.
 
 The machine is shared: the load average is printed before and after.
 
-    .venv/bin/python benchmarks/fleet_real.py [--reps 3] [--concurrency 16] [--kill]
+    .venv/bin/python benchmarks/fleet_real.py [--reps 3] [--concurrency 16] [--router NAME] [--kill]
 """
 
 from __future__ import annotations
@@ -216,8 +218,8 @@ async def kill_one(fleet: Server, concurrency: int, max_tokens: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16, help="clients per replica")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests per replica")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--latency-requests", type=int, default=40)
     ap.add_argument("--router", default="fastserve")
@@ -238,12 +240,13 @@ def main() -> None:
         rates: dict[str, list[float]] = {"server": [], "fleet": []}
         for rep in range(args.reps):
             for server in (single, fleet) if rep % 2 == 0 else (fleet, single):
-                rate = asyncio.run(throughput(server, args.concurrency, args.num_requests,
-                                              args.max_tokens))
+                k = 2 if server is fleet else 1  # replicas: the same load per replica
+                rate = asyncio.run(throughput(server, k * args.concurrency,
+                                              k * args.num_requests, args.max_tokens))
                 rates[server.name].append(rate)
                 print(f"  rep {rep}: {server.name:6s} {rate:7.1f} output tok/s")
         s, f = statistics.median(rates["server"]), statistics.median(rates["fleet"])
-        print(f"throughput (median of {args.reps}, concurrency {args.concurrency}, "
+        print(f"capacity (median of {args.reps}; {args.concurrency} clients per replica, "
               f"{args.max_tokens} tokens each): server {s:.1f} tok/s, fleet of 2 {f:.1f} tok/s, "
               f"ratio {f / s:.2f}x")
         if args.kill:

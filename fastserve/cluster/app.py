@@ -24,11 +24,12 @@ from typing import Any
 import ray
 import uvicorn
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from fastserve.args import engine_config_from_args
 from fastserve.cluster.ingress import FleetIngress, RouteHints
 from fastserve.cluster.metrics import FleetMetrics, samples_of
-from fastserve.cluster.replica import ReplicaSpec, deployment
+from fastserve.cluster.replica import REPLICA_DEPLOYMENT, ReplicaSpec, deployment
 from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, RouterBoard
 from fastserve.model.make_model import resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
@@ -87,6 +88,8 @@ class Fleet:
                 # Ray runs its workers at niceness 15 unless told otherwise: on a busy
                 # machine the replicas would yield to everything else, the ingress included.
                 os.environ.setdefault("RAY_worker_niceness", "0")
+                # Nor start idle task workers up front: the fleet runs actors only.
+                os.environ.setdefault("RAY_enable_worker_prestart", "0")
             ray.init(
                 address=opts.ray_address, namespace="fastserve", include_dashboard=False,
                 # A local cluster gets room for every replica, whatever the core count.
@@ -101,15 +104,22 @@ class Fleet:
                            grace_period_s=opts.grace_period_s)
         app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
                          opts.stats_period_s)
-        handle = serve.run(app, name=opts.app_name, route_prefix=None,
-                           logging_config=_QUIET_SERVE_LOGS)
-        hints = None
+        serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)
+        self.hints = None
         if opts.router in _PROMPT_ROUTERS:
-            hints = RouteHints(Tokenizer(resolve_model_path(config.model.model)),
-                               config.cache.block_size)
+            self.hints = RouteHints(Tokenizer(resolve_model_path(config.model.model)),
+                                    config.cache.block_size)
         self.metrics = FleetMetrics(self._replica_samples)
-        self.ingress = FleetIngress(handle, self.metrics, hints, opts.max_body_bytes,
-                                    max_attempts=opts.num_replicas + 3)
+        self.handle: DeploymentHandle | None = None
+
+    def ingress(self) -> FleetIngress:
+        """The ingress app; called on the event loop that serves it, whose handle's router
+        then runs on that loop too (Ray's default, a router loop on its own thread, costs two
+        more thread hops per request and per streamed chunk)."""
+        self.handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, self.opts.app_name)
+        self.handle._init(_run_router_in_separate_loop=False)
+        return FleetIngress(self.handle, self.metrics, self.hints, self.opts.max_body_bytes,
+                            max_attempts=self.opts.num_replicas + 3)
 
     def _replica_samples(self) -> dict[str, Any]:
         return {rid: samples_of(stats, METRICS_KEY)
@@ -121,8 +131,7 @@ class Fleet:
         try:
             serve.delete(self.opts.app_name)
         finally:
-            if self.started_ray:
-                serve.shutdown()
+            if self.started_ray:  # (Serve's controller goes with the cluster)
                 ray.shutdown()
 
 
@@ -147,7 +156,7 @@ def serve_fleet(opts: FleetOptions, engine_args: argparse.Namespace) -> int:
 async def _main_loop(fleet: Fleet, sock: socket.socket) -> int:
     opts = fleet.opts
     server = uvicorn.Server(uvicorn.Config(
-        fleet.ingress, log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
+        fleet.ingress(), log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
         timeout_graceful_shutdown=opts.grace_period_s + 5.0))  # type: ignore[arg-type]
     # As `fastserve serve`: uvicorn re-raises the signal after serving; a no-op handler then
     # makes a graceful stop exit 0.
@@ -165,6 +174,8 @@ async def _main_loop(fleet: Fleet, sock: socket.socket) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if fleet.handle is not None:  # its router lives on this loop: stop it here
+            await fleet.handle.shutdown_async()
     return 0 if server.started else 1
 
 

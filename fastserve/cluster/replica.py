@@ -31,6 +31,8 @@ from fastserve.server.app import build_app
 
 logger = logging.getLogger(__name__)
 
+REPLICA_DEPLOYMENT = "engine"  # the deployment's name in the fleet's Ray Serve application
+
 
 @dataclass(frozen=True)
 class ReplicaSpec:
@@ -105,7 +107,7 @@ def deployment(spec: ReplicaSpec, num_replicas: int, router: str, num_cpus: floa
     router_config = RequestRouterConfig(**settings)
     make: Any = serve.deployment  # (its overloads confuse mypy)
     replica = make(EngineReplica).options(
-        name="engine",
+        name=REPLICA_DEPLOYMENT,
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": num_cpus},
         # The engine queues and refuses (429) by itself; Ray must not cap it lower.
