@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from fastserve.args import add_engine_args, engine_config_from_args
+from fastserve.bench.fleet import fleet_workload, run_fleet
 from fastserve.bench.report import (
     format_sweep_table,
     format_table,
@@ -19,6 +20,8 @@ from fastserve.bench.runner import EXECUTORS, WorkloadSpec, parse_value, run_pol
 from fastserve.bench.workloads import WorkItem, offered_load
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
+from fastserve.fleet import ROUTERS
+from fastserve.sim.fleet import DEFAULT_STATS_PERIOD_S
 
 # Workload flags: (flag, type, help). Each maps onto the WorkloadSpec field of the same name.
 _WORKLOAD_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -61,6 +64,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     p.add_argument("--sweep", default=None,
                    help=f"PARAM=V1,V2,...: rerun every policy per value; PARAM is one of "
                         f"{', '.join(_SWEEPABLE)}")
+    fleet = p.add_argument_group("fleet (sim): replicas behind a router")
+    fleet.add_argument("--replicas", type=int, default=1,
+                       help="replicas of the engine, each with its own scheduler and KV pool; "
+                            "--load is then per replica (default 1: no router)")
+    fleet.add_argument("--router", default=None,
+                       help=f"comma-separated routers, one fleet run each: {', '.join(ROUTERS)}; "
+                            "options as name:key=value (default with --replicas > 1: fastserve)")
+    fleet.add_argument("--stats-period-s", type=float, default=DEFAULT_STATS_PERIOD_S,
+                       help="how often each replica reports its stats to the router "
+                            f"(default {DEFAULT_STATS_PERIOD_S})")
+    fleet.add_argument("--record-trace", default=None,
+                       help="write the first router's recorded trace (JSON) here")
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--plot", default=None, help="PNG: average JCT per policy (vs the sweep)")
     add_engine_args(p)  # includes --seed, which also seeds the workload
@@ -77,6 +92,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if not policies:
         raise ValueError("--policies must name at least one policy")
     spec = _workload_spec(args)
+    if args.replicas > 1 or args.router:
+        return _run_fleet_bench(args, config, cost, policies, spec)
     # NOTE: without a sweep there is one run, keyed "" in `sweep` below.
     param, values = _parse_sweep(args.sweep) if args.sweep else (None, list[str | None]([None]))
     progress = sys.stderr.isatty()
@@ -110,6 +127,34 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.plot:
             plot_sweep(args.plot, param, sweep, title=f"{args.workload}, {args.executor}")
     print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+def _run_fleet_bench(args: argparse.Namespace, config: EngineConfig, cost: CostModel | None,
+                     policies: list[str], spec: WorkloadSpec) -> int:
+    """`--replicas N --router R`: each router in front of a fresh simulated fleet."""
+    if args.executor != "sim" or cost is None:
+        raise ValueError("--replicas and --router need --executor sim")
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.sweep:
+        raise ValueError("--sweep is not supported with --replicas / --router")
+    routers = [r.strip() for r in (args.router or "fastserve").split(",") if r.strip()]
+    batch = config.scheduler.max_batch_size
+    workload = dataclasses.replace(spec, load=None).build(cost, batch)
+    if spec.load is not None:
+        workload = fleet_workload(workload, spec.load, args.replicas, cost, batch)
+    load = _offered_load(workload, cost, batch)
+    print(_describe(workload, None if load is None else load / args.replicas)
+          + f" per replica, {args.replicas} replicas")
+    results = run_fleet(workload, policies, routers, config, cost, args.replicas,
+                        config.cache.num_device_blocks, spec.seed, args.stats_period_s,
+                        sys.stderr.isatty(), args.record_trace)
+    print(format_table(results))
+    meta = _config_json(args, config, cost, spec, policies, None, [None], {"": load})
+    meta.update(replicas=args.replicas, routers=routers, stats_period_s=args.stats_period_s)
+    write_json(args.out, {"config": meta, "results": results})
+    print(f"wrote {args.out}" + (f" and {args.record_trace}" if args.record_trace else ""))
     return 0
 
 

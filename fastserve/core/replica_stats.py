@@ -75,6 +75,10 @@ class ReplicaStats:
     # Whether `prefix_hashes` was cut to the bound (the cache holds more than it says).
     is_prefix_truncated: bool = False
     extra: dict[str, float] = field(default_factory=dict)  # additive, for reports only
+    # Per level j in use: the share of the replica's recently finished jobs that ended in
+    # level j or below (so reached it): how likely a new job is to meet the work queued down
+    # there. Empty before any job finished (a router then counts its join level's work only).
+    level_reach: tuple[float, ...] = ()
 
     @property
     def num_levels(self) -> int:
@@ -83,6 +87,7 @@ class ReplicaStats:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["queued_work_s"] = list(self.queued_work_s)
+        d["level_reach"] = list(self.level_reach)
         d["prefix_hashes"] = sorted(self.prefix_hashes)
         d["model"] = self.model.to_json()
         d["extra"] = dict(self.extra)
@@ -92,6 +97,7 @@ class ReplicaStats:
     def from_json(cls, data: dict[str, Any]) -> ReplicaStats:
         d = dict(data)
         d["queued_work_s"] = tuple(float(w) for w in d["queued_work_s"])
+        d["level_reach"] = tuple(float(x) for x in d.get("level_reach", ()))
         d["prefix_hashes"] = frozenset(int(h) for h in d["prefix_hashes"])
         d["model"] = ReplicaModel.from_json(d["model"])
         return cls(**d)

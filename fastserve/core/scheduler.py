@@ -125,14 +125,17 @@ class Scheduler(ABC):
     def replica_stats(self, replica_id: str, now: float,
                       max_prefix_hashes: int = 8192) -> ReplicaStats:
         """This replica's snapshot for a fleet router (`fastserve.fleet`): O(jobs + cached
-        hashes), changes nothing. The simulator's replicas and the real engine both call it."""
+        hashes), changes nothing. The simulator's replicas and the real engine both call it.
+        NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
+        steps the engine, not from another thread while one runs."""
         hashes, cut = (self.kv.cached_hashes(max_prefix_hashes) if self.kv.is_caching
                        else (frozenset(), False))
         return ReplicaStats(
             replica_id=replica_id, time_s=now, num_requests=len(self.requests),
             queued_work_s=tuple(self.queued_work_s()),
             num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_total_blocks,
-            prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut)
+            prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut,
+            level_reach=tuple(self.level_reach()))
 
     def replica_model(self) -> ReplicaModel:
         """The static part of `replica_stats`, built once (again after `recalibrate`)."""
@@ -148,6 +151,10 @@ class Scheduler(ABC):
     def _routing_levels(self) -> tuple[tuple[float, ...], str]:
         """(quanta per level, charge mode) for `ReplicaModel`: one unbounded level by default."""
         return (math.inf,), "own"
+
+    def level_reach(self) -> list[float]:
+        """`ReplicaStats.level_reach`: one level, which every job reaches."""
+        return [1.0]
 
     def queued_work_s(self) -> list[float]:
         """`ReplicaStats.queued_work_s`: by default one level, every job's rest of its prefill

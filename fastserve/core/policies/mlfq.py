@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -34,6 +34,8 @@ from fastserve.core.policies.keyed_order import Key, KeyedOrder
 from fastserve.core.policies.mlfq_settings import ChargeModel, MLFQSettings, TailEstimate
 from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request, RequestStatus
+
+FINAL_LEVELS_WINDOW = 1024  # finished jobs whose final level `level_reach` counts
 
 
 @dataclass(slots=True)
@@ -83,6 +85,8 @@ class MLFQBase(Scheduler):
         # for starving jobs stops at the first one that is not.
         self._waiting: OrderedDict[str, _Job] = OrderedDict()
         self._num_added = 0
+        # Levels the latest finished jobs ended in (`level_reach`, for a fleet router).
+        self._final_levels: deque[int] = deque(maxlen=FINAL_LEVELS_WINDOW)
         self.num_demotions = 0
         self.num_promotions = 0
 
@@ -112,11 +116,26 @@ class MLFQBase(Scheduler):
     def _routing_levels(self) -> tuple[tuple[float, ...], str]:
         return self._quanta_s, self.charge.mode
 
+    def level_reach(self) -> list[float]:
+        num_levels = self._lowest + 1
+        n = len(self._final_levels)
+        if n == 0:
+            return []
+        ended = [0] * num_levels
+        for level in self._final_levels:
+            ended[min(level, self._lowest)] += 1
+        out, below = [], n
+        for j in range(num_levels):
+            out.append(below / n)  # ended in level j or deeper
+            below -= ended[j]
+        return out
+
     def queued_work_s(self) -> list[float]:
         """Per level j in use: the service the jobs at levels <= j would get before a job
         joining j now has its turn, as `estimate_next_run_s` counts it (the rest of each
         one's quantum, then the quanta of the levels between; the lowest level's quantum
-        stands in for its unbounded one). O(jobs + levels^2)."""
+        stands in for its unbounded one, as it does for the router's own count of the jobs
+        it sent since). O(jobs + levels^2)."""
         quanta = self._quanta_s
         num_levels = self._lowest + 1
         left = [0.0] * num_levels  # rest of the current quantum, summed per level
@@ -190,6 +209,8 @@ class MLFQBase(Scheduler):
         job = self._jobs.pop(req.request_id, None)
         if job is not None:
             self._level_counts[job.level] -= 1
+            if finished_length(req) is not None:
+                self._final_levels.append(job.level)
         self._queue.remove(req.request_id)
         self._waiting.pop(req.request_id, None)
         length = finished_length(req)
