@@ -13,6 +13,7 @@ keeps the latest per-replica metrics (`RouterBoard`) for the ingress's `/metrics
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -27,6 +28,8 @@ from ray.serve.request_router import (
 from fastserve.core.replica_stats import ReplicaStats
 from fastserve.fleet.policies import make_router
 from fastserve.fleet.router import Router, RouteRequest
+
+logger = logging.getLogger(__name__)
 
 _NO_PROMPT = RouteRequest("no-prompt", 1)  # /health, /v1/models: any replica will do
 RAY_POW2 = "pow2"  # Ray Serve's default router; the other names are fastserve.fleet's policies
@@ -136,8 +139,13 @@ class FleetRequestRouter(RequestRouter):
         raw = (replica.routing_stats or {}).get(STATS_KEY)
         if not raw or raw.get("time_s", 0.0) <= self._stats_time.get(rid, -1.0):
             return
-        stats = ReplicaStats.from_json(raw)
-        if stats.replica_id != rid:  # the replica names itself as Ray does; be sure
-            stats = ReplicaStats.from_json({**raw, "replica_id": rid})
+        try:
+            stats = ReplicaStats.from_json({**raw, "replica_id": rid})  # named as Ray names it
+        except (TypeError, ValueError, KeyError) as exc:
+            # NOTE: a replica of another fastserve version (a rolling update) must not stop
+            # the routing: the policy goes on with what it knew of that replica.
+            logger.warning("replica %s: unreadable routing stats (%s); ignored", rid, exc)
+            self._stats_time[rid] = raw.get("time_s", 0.0)
+            return
         self.policy.update(stats)
         self._stats_time[rid] = stats.time_s
