@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -111,13 +112,20 @@ def _complete(url: str, prompt: str, max_tokens: int, **extra: Any) -> httpx.Res
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
 
 
-def _stream(url: str, prompt: str, max_tokens: int) -> list[str]:
-    """The `data:` payloads of one streamed completion, in order."""
+def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event | None = None) -> list[str]:
+    """The `data:` payloads of one streamed completion, in order; `started` is set once the
+    first arrived."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
+    events = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as resp:
         assert resp.status_code == 200, resp.read()
-        return [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None:
+                    started.set()
+    return events
 
 
 def test_answers_as_one_server(fleet: Fleet, tiny_model_path: Path) -> None:
@@ -167,8 +175,10 @@ def test_killed_replica_loses_nothing_silently(fleet: Fleet) -> None:
     assert len(pids) == 2, pids
     with ThreadPoolExecutor(8) as pool:
         # Long streams on both replicas (the router spreads them), then one replica dies.
-        streams = [pool.submit(_stream, fleet.url, f"story number {i}", 250) for i in range(6)]
-        time.sleep(3.0)
+        started = [threading.Event() for _ in range(6)]
+        streams = [pool.submit(_stream, fleet.url, f"story number {i}", 600, started[i])
+                   for i in range(6)]
+        assert all(s.wait(120) for s in started)  # every stream under way: now one replica dies
         os.kill(pids[0], signal.SIGKILL)
         # Requests that arrive now go to the live replica (or wait for the restarted one).
         after = [pool.submit(_complete, fleet.url, f"after {i}", 8) for i in range(4)]
