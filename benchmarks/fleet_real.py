@@ -11,7 +11,9 @@ the same profile, and prints:
   `--concurrency` clients per replica (default 16, the engine's max_batch_size; the server 16,
   the fleet 32) sending non-streamed requests of fixed prompt and output lengths
   (`ignore_eos`), each side alone in turn (`--reps` alternations; medians), and the fleet's
-  ratio to the server;
+  ratio to the server; and the cores each side used meanwhile (CPU time of its whole process
+  tree, Ray's processes included), as tokens per core used: on a machine whose cores are
+  taken by other work, what a fleet would make of idle ones;
 - with `--kill`: one replica's process killed under load: what its requests got, how long
   until a new request was answered, and until Ray had restarted the replica.
 
@@ -152,6 +154,29 @@ async def throughput(server: Server, concurrency: int, num_requests: int, max_to
         return tokens / (time.perf_counter() - t0)
 
 
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by `root` and the processes under it (Ray's included)."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return sum(c for p, c in cpu.items() if under(p))
+
+
 def replica_pids(root: int) -> list[int]:
     """Ray Serve replica processes in `root`'s process tree."""
     parent: dict[int, int] = {}
@@ -178,22 +203,31 @@ async def kill_one(fleet: Server, concurrency: int, max_tokens: int) -> None:
     pids = replica_pids(fleet.proc.pid)
     outcomes: dict[str, int] = {}
 
+    started = [asyncio.Event() for _ in range(concurrency)]
+
     async def stream(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": "tiny", "prompt": prompt(i), "max_tokens": max_tokens, "stream": True,
                 "ignore_eos": True, "temperature": 0}
         try:
             async with client.stream("POST", fleet.url + "/v1/completions", json=body) as resp:
-                lines = [ln async for ln in resp.aiter_lines() if ln.startswith("data: ")]
+                lines = []
+                async for ln in resp.aiter_lines():
+                    if ln.startswith("data: "):
+                        lines.append(ln)
+                        started[i].set()
             last = json.loads(lines[-2][6:]) if len(lines) >= 2 else {}
             kind = ("error event + [DONE]" if "error" in last else "finished") \
                 if lines and lines[-1] == "data: [DONE]" else f"HTTP {resp.status_code}, no [DONE]"
         except httpx.HTTPError as exc:
             kind = f"connection error {type(exc).__name__}"
+        finally:
+            started[i].set()  # (one that failed before its first token started too)
         outcomes[kind] = outcomes.get(kind, 0) + 1
 
     async with httpx.AsyncClient(timeout=600) as client:
         tasks = [asyncio.create_task(stream(client, i)) for i in range(concurrency)]
-        await asyncio.sleep(3.0)
+        for event in started:  # every stream under way
+            await event.wait()
         t_kill = time.perf_counter()
         os.kill(pids[0], signal.SIGKILL)
         await complete(client, fleet.url, prompt(7), 4)
@@ -207,7 +241,8 @@ async def kill_one(fleet: Server, concurrency: int, max_tokens: int) -> None:
                 restored_s = time.perf_counter() - t_kill
                 break
             await asyncio.sleep(0.5)
-    print(f"kill: {concurrency} streams of {max_tokens} tokens, one replica SIGKILLed after 3 s")
+    print(f"kill: {concurrency} streams of {max_tokens} tokens, one replica SIGKILLed once all "
+          "had their first token")
     for kind, count in sorted(outcomes.items()):
         print(f"  {count:3d} streams: {kind}")
     print(f"  a new request answered {serving_s:.2f} s after the kill")
@@ -238,20 +273,28 @@ def main() -> None:
               f"fleet {b * 1e3:.1f} ms; added by the fleet (median paired difference) "
               f"{d * 1e3:.1f} ms")
         rates: dict[str, list[float]] = {"server": [], "fleet": []}
+        per_core: dict[str, list[float]] = {"server": [], "fleet": []}
         for rep in range(args.reps):
             for server in (single, fleet) if rep % 2 == 0 else (fleet, single):
                 k = 2 if server is fleet else 1  # replicas: the same load per replica
+                cpu0, t0 = tree_cpu_s(server.proc.pid), time.perf_counter()
                 rate = asyncio.run(throughput(server, k * args.concurrency,
                                               k * args.num_requests, args.max_tokens))
+                cores = (tree_cpu_s(server.proc.pid) - cpu0) / (time.perf_counter() - t0)
                 rates[server.name].append(rate)
-                print(f"  rep {rep}: {server.name:6s} {rate:7.1f} output tok/s")
+                per_core[server.name].append(rate / cores)
+                print(f"  rep {rep}: {server.name:6s} {rate:7.1f} output tok/s, using "
+                      f"{cores:.2f} cores ({rate / cores:.0f} tok/s per core)")
         s, f = statistics.median(rates["server"]), statistics.median(rates["fleet"])
         print(f"capacity (median of {args.reps}; {args.concurrency} clients per replica, "
               f"{args.max_tokens} tokens each): server {s:.1f} tok/s, fleet of 2 {f:.1f} tok/s, "
               f"ratio {f / s:.2f}x")
+        pc_s, pc_f = statistics.median(per_core["server"]), statistics.median(per_core["fleet"])
+        print(f"per core used (server and Ray processes included): server {pc_s:.0f} tok/s, "
+              f"fleet {pc_f:.0f} tok/s, ratio {pc_f / pc_s:.2f}x")
         if args.kill:
             stop(single)
-            asyncio.run(kill_one(fleet, args.concurrency, 200))
+            asyncio.run(kill_one(fleet, args.concurrency, 600))
     finally:
         stop(single)
         if fleet is not None:
