@@ -12,7 +12,7 @@ PORT ?= 8000
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,cluster]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from fastserve.args import add_engine_args, engine_config_from_args
 from fastserve.bench.cli import add_bench_parser
 from fastserve.bench.profile_cli import add_profile_parser
+from fastserve.cluster.cli import add_fleet_args
 from fastserve.executor.distributed.env import is_torchrun_worker
 from fastserve.request import SamplingParams
 from fastserve.server.cli import add_serve_parser
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands that live with their feature.
     add_serve_parser(sub)
+    add_fleet_args(sub.choices["serve"])  # --replicas N: the fleet on Ray Serve
     add_bench_parser(sub)
     add_profile_parser(sub)
     return parser

@@ -1,0 +1,75 @@
+"""The replica side of the fleet's forwarding (`fastserve.cluster.asgi`), without Ray: a request
+run through a real FastAPI app in-process comes back as its status, headers and body; a
+caller that stops reading is a client that went away, as the app sees it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fastserve.cluster.asgi import ForwardedRequest, ResponseStart, run_app
+
+
+def _app(events: list[str]) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> JSONResponse:
+        body = await request.json()
+        return JSONResponse({"got": body, "q": request.url.query}, status_code=201,
+                            headers={"x-seen": "yes"})
+
+    @app.get("/stream")
+    async def stream(request: Request) -> StreamingResponse:
+        async def gen() -> AsyncIterator[bytes]:
+            try:
+                for i in range(1000):
+                    yield f"data: {i}\n\n".encode()
+                    await asyncio.sleep(0.01)
+                    if await request.is_disconnected():
+                        events.append("disconnected")
+                        return
+            finally:
+                events.append("closed")
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+def _req(method: str, path: str, body: bytes = b"", query: bytes = b"") -> ForwardedRequest:
+    headers = ((b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()))
+    return ForwardedRequest(method, path, query, headers, body, ("127.0.0.1", 5000))
+
+
+def test_a_request_comes_back_whole() -> None:
+    async def run() -> list[ResponseStart | bytes]:
+        return [item async for item in run_app(_app([]), _req("POST", "/echo", b'{"a": 1}', b"x=2"))]
+
+    items = asyncio.run(run())
+    start = items[0]
+    assert isinstance(start, ResponseStart) and start.status == 201
+    assert (b"x-seen", b"yes") in start.headers
+    body = start.body + b"".join(i for i in items[1:] if isinstance(i, bytes))
+    assert body == b'{"got":{"a":1},"q":"x=2"}'
+
+
+def test_stopping_to_read_is_a_disconnect() -> None:
+    events: list[str] = []
+
+    async def run() -> list[bytes]:
+        got = []
+        items = run_app(_app(events), _req("GET", "/stream"))
+        async for item in items:
+            got.append(item.body if isinstance(item, ResponseStart) else item)
+            if len(got) == 3:
+                break
+        await items.aclose()  # what Ray does when the ingress cancels the call
+        return got
+
+    got = asyncio.run(run())
+    assert got[0].startswith(b"data: 0")
+    assert events and events[-1] == "closed"  # the app's generator ended, not left running
