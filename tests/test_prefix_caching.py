@@ -9,12 +9,13 @@ import torch
 from fastserve import SamplingParams
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
+from tests.conftest import TEST_DTYPE
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def _engine(**kw: object) -> LLMEngine:
-    opts: dict[str, object] = dict(dtype="float32", max_batch_size=4, block_size=4,
+    opts: dict[str, object] = dict(dtype=TEST_DTYPE, max_batch_size=4, block_size=4,
                                    num_device_blocks=400, num_host_blocks=400, warmup=False,
                                    startup_profile=False)
     opts.update(kw)

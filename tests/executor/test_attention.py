@@ -51,7 +51,8 @@ def test_cpu_decode_kernel_matches_reference(dim: int, bs: int) -> None:
 
     kernel = decode_attention_kernel()
     if kernel is None:
-        pytest.skip("no C++ compiler: the PyTorch fallback path is covered above")
+        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
+                    "path is covered above")
     torch.manual_seed(0)
     heads, kv_heads = 8, 2
     k_cache = torch.randn(kv_heads, 64 * bs, dim)
@@ -102,7 +103,8 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
 
     kernel = decode_attention_kernel()
     if kernel is None:
-        pytest.skip("no C++ compiler: the PyTorch fallback path is covered by the engine tests")
+        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
+                    "path is covered by the engine tests")
     torch.manual_seed(start * 1000 + q_len)
     ctx = start + q_len
     num_blocks = -(-ctx // bs)
@@ -126,7 +128,7 @@ def test_chunk_after_cached_prefix_reads_scattered_blocks(use_kernel: bool) -> N
     attn = PagedAttention(1, kv_heads, dim, num_blocks=16, block_size=bs,
                           dtype=torch.float32, device=torch.device("cpu"))
     if use_kernel and attn.decode_kernel is None:
-        pytest.skip("no C++ compiler")
+        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0)")
     if not use_kernel:
         attn.decode_kernel = None
     blocks = [9, 2, 14, 5]
