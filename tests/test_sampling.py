@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastserve import LLM, SamplingParams
-from tests.conftest import TEST_DTYPE
+from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,9 @@ def _gen(llm: LLM, params: SamplingParams | list[SamplingParams], n: int = 1) ->
 
 
 def test_seed_reproducible_regardless_of_batch(llm: LLM) -> None:
+    if not IS_EXACT_DTYPE:
+        pytest.skip(f"a seeded draw hangs on every bit of the logits, and {TEST_DTYPE} may round "
+                    "a batch of four differently from one request; float32 runs check this")
     p = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
     alone = _gen(llm, p)[0].token_ids
     others = [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 3
