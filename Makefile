@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install lint bench clean
+.PHONY: serve test test-variants install lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,16 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The tests that run the model, again on the other floating-point paths a machine may take, so
+# that another kind of machine is not the first place a failure shows: the plain-torch path
+# (FASTSERVE_CPU_KERNELS=0: no compiled -march=native attention kernels, no oneDNN-packed
+# weights), then the model in bfloat16 (greedy tokens compared up to near-ties: tests/greedy.py).
+# The scheduler, simulator, server and benchmark tests run no model arithmetic of their own.
+VARIANT_TESTS ?= tests/executor tests/model tests/engine tests/distributed tests/test_*.py
+test-variants: install
+	FASTSERVE_CPU_KERNELS=0 $(PY) -m pytest -q $(VARIANT_TESTS)
+	FASTSERVE_TEST_DTYPE=bfloat16 $(PY) -m pytest -q $(VARIANT_TESTS)
 
 # Style, types, and the import layers (.importlinter: who may import whom, no cycles).
 lint: install

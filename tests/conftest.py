@@ -5,11 +5,27 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
+if TYPE_CHECKING:
+    from tests.greedy import GreedyReference
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# The dtype the engine tests run the model in. float32 by default; `make test-variants` runs
+# them again in bfloat16 (FASTSERVE_TEST_DTYPE=bfloat16) and with the CPU kernels off
+# (FASTSERVE_CPU_KERNELS=0), so that another machine's floating-point path is not the first
+# place a failure shows.
+TEST_DTYPE = os.environ.get("FASTSERVE_TEST_DTYPE", "float32")
+if TEST_DTYPE not in ("float32", "bfloat16", "float16"):
+    raise ValueError(f"FASTSERVE_TEST_DTYPE must be float32, bfloat16 or float16, got {TEST_DTYPE!r}")
+# Whether greedy tokens are reproducible across batch shapes and kernels. In float32 the few
+# ulps two kernels differ by never flip an argmax of the tiny model; in a half type they can
+# (one bf16 rounding step is ~0.4% of a logit), so tests compare tokens up to near-ties there.
+IS_EXACT_DTYPE = TEST_DTYPE == "float32"
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +33,14 @@ def tiny_model_path() -> Path:
     from fastserve.model.make_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(tiny_model_path: Path) -> GreedyReference:
+    """Judges greedy outputs in a half-type run (see `tests.greedy`)."""
+    from tests.greedy import GreedyReference
+
+    return GreedyReference(tiny_model_path)
 
 
 @pytest.fixture

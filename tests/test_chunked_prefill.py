@@ -10,6 +10,8 @@ from fastserve import SamplingParams
 from fastserve.args import engine_config
 from fastserve.core.plan import SchedulerOutput
 from fastserve.engine.llm_engine import LLMEngine
+from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
+from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
@@ -17,7 +19,7 @@ PROMPT_LENS = [5, 37, 90, 150, 230]
 
 
 def _engine(budget: int, **kw: object) -> LLMEngine:
-    opts: dict[str, object] = dict(dtype="float32", max_batch_size=4, block_size=4,
+    opts: dict[str, object] = dict(dtype=TEST_DTYPE, max_batch_size=4, block_size=4,
                                    num_device_blocks=400, warmup=False, startup_profile=False,
                                    max_num_batched_tokens=budget)
     opts.update(kw)
@@ -47,14 +49,21 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
 
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_chunked_and_whole_prefills_give_the_same_tokens(policy: str,
-                                                         params: SamplingParams) -> None:
+def test_chunked_and_whole_prefills_give_the_same_tokens(
+    policy: str, params: SamplingParams, greedy_reference: GreedyReference
+) -> None:
+    if not params.is_greedy and not IS_EXACT_DTYPE:
+        pytest.skip(f"a seeded draw hangs on every bit of the logits, and {TEST_DTYPE} rounds "
+                    "chunks and whole prompts differently; float32 runs check this")
     whole = _engine(4096, policy=policy)
     prompts = _prompts(whole.arch.vocab_size)
     expected = _run(whole, prompts, params)
     plans: list[SchedulerOutput] = []
     chunked = _run(_engine(32, policy=policy), prompts, params, plans)
-    assert chunked == expected
+    ids = [str(i) for i in range(len(prompts))]
+    assert sorted(chunked) == sorted(expected) == ids
+    assert_same_greedy_tokens([chunked[i] for i in ids], [expected[i] for i in ids], prompts,
+                              greedy_reference)
     assert all(len(v) == params.max_tokens for v in chunked.values())
     # Every iteration kept to the budget, and the long prompts took several.
     assert max(sum(len(s.token_ids) for s in p.scheduled if s.is_prefill) for p in plans) <= 32

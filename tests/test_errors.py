@@ -11,16 +11,17 @@ import pytest
 from fastserve import LLM, SamplingParams
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
+from tests.conftest import TEST_DTYPE
 
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(engine_config(dtype="float32", max_batch_size=4, warmup=False))
+    return LLMEngine(engine_config(dtype=TEST_DTYPE, max_batch_size=4, warmup=False))
 
 
 def test_bad_requests_do_not_disturb_running_ones(engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    reference = LLM(dtype="float32", warmup=False).generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    reference = LLM(dtype=TEST_DTYPE, warmup=False).generate([[5, 6, 7]], params, use_tqdm=False)[0]
     engine.add_request([5, 6, 7], params, request_id="good")
     engine.step()
     bad_inputs = [
@@ -44,7 +45,7 @@ def test_bad_requests_do_not_disturb_running_ones(engine: LLMEngine) -> None:
 
 
 def test_too_many_tokens_for_the_cache_is_refused() -> None:
-    engine = LLMEngine(engine_config(dtype="float32", num_device_blocks=4, block_size=4, warmup=False))
+    engine = LLMEngine(engine_config(dtype=TEST_DTYPE, num_device_blocks=4, block_size=4, warmup=False))
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request([3] * 10, SamplingParams(max_tokens=20))
 

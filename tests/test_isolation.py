@@ -8,6 +8,7 @@ import torch
 
 from fastserve import LLM, SamplingParams
 from fastserve.request import InvalidRequestError
+from tests.conftest import TEST_DTYPE
 
 PROMPT = [1, 400, 401, 402, 403, 404]
 NUM_TOKENS = 12
@@ -15,7 +16,7 @@ NUM_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", max_batch_size=8, warmup=False)
+    return LLM(dtype=TEST_DTYPE, max_batch_size=8, warmup=False)
 
 
 def _greedy(**kwargs: object) -> SamplingParams:

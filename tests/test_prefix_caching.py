@@ -9,12 +9,14 @@ import torch
 from fastserve import SamplingParams
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
+from tests.conftest import TEST_DTYPE
+from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def _engine(**kw: object) -> LLMEngine:
-    opts: dict[str, object] = dict(dtype="float32", max_batch_size=4, block_size=4,
+    opts: dict[str, object] = dict(dtype=TEST_DTYPE, max_batch_size=4, block_size=4,
                                    num_device_blocks=400, num_host_blocks=400, warmup=False,
                                    startup_profile=False)
     opts.update(kw)
@@ -68,10 +70,15 @@ def expected() -> dict[str, list[int]]:
     dict(policy="skip-join-mlfq", num_device_blocks=30, kv_policy="recompute"),
 ], ids=["mlfq", "fcfs-chunked", "proactive-tight", "reactive-tight-chunked", "recompute-tight"])
 def test_cached_prefixes_give_the_same_tokens(config: dict[str, object],
-                                              expected: dict[str, list[int]]) -> None:
+                                              expected: dict[str, list[int]],
+                                              greedy_reference: GreedyReference) -> None:
     engine = _engine(**config)
     prompts = _prompts(engine.arch.vocab_size)
-    assert _run(engine, prompts) == expected
+    got = _run(engine, prompts)
+    ids = [str(i) for i in range(len(prompts))]
+    assert sorted(got) == sorted(expected) == ids
+    assert_same_greedy_tokens([got[i] for i in ids], [expected[i] for i in ids], prompts,
+                              greedy_reference)
     s = engine.scheduler
     assert s.num_prefix_hit_tokens >= 44  # at least the system prompt, once
     assert s.num_prefix_query_tokens >= sum(len(p) for p in prompts)

@@ -1,7 +1,8 @@
 """CPU kernels compiled on first use with torch's C++ extension tooling.
 
-Optional by design: if no C++ compiler is present (or FASTSERVE_NO_CPU_KERNELS=1), callers get
-None and fall back to plain PyTorch ops, which are correct but slower for decode.
+Optional by design: if no C++ compiler is present, or the CPU kernels are switched off
+(`cpu_kernels_enabled`), callers get None and fall back to plain PyTorch ops, which are correct
+but slower for decode.
 """
 
 from __future__ import annotations
@@ -19,11 +20,27 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 
+# "0" switches off every CPU-specific fast path: the compiled attention kernels (built with
+# -march=native) and the oneDNN-packed weights (`cpu_linear`). What is left is the plain-torch
+# path any machine runs; `make test-variants` runs the tests on it, so that a machine whose
+# kernels differ (AVX-512, no compiler) is not the first place a failure on that path shows.
+CPU_KERNELS_ENV = "FASTSERVE_CPU_KERNELS"
+
+
+def cpu_kernels_enabled() -> bool:
+    """Whether the CPU kernels and packed weights may be used (read at each model start-up).
+    FASTSERVE_NO_CPU_KERNELS=1, the older spelling, switches them off too."""
+    return (os.environ.get(CPU_KERNELS_ENV, "1") != "0"
+            and os.environ.get("FASTSERVE_NO_CPU_KERNELS") != "1")
+
+
+def decode_attention_kernel() -> ModuleType | None:
+    """The compiled CPU attention kernels, or None (switched off, or no compiler)."""
+    return _build_kernel() if cpu_kernels_enabled() else None
+
 
 @functools.cache
-def decode_attention_kernel() -> ModuleType | None:
-    if os.environ.get("FASTSERVE_NO_CPU_KERNELS") == "1":
-        return None
+def _build_kernel() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 

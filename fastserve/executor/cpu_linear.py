@@ -15,6 +15,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from fastserve.executor.cpu_kernels import cpu_kernels_enabled
 from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
 
 logger = logging.getLogger(__name__)
@@ -30,10 +31,11 @@ def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def pack_for_small_batches(model: nn.Module, max_rows: int = PACKED_MAX_ROWS) -> int:
     """Give every linear layer of a float32 CPU model a oneDNN-packed weight; returns how many.
 
-    Does nothing (returns 0) where oneDNN is unavailable or the model is not float32 on CPU.
+    Does nothing (returns 0) where oneDNN is unavailable, the model is not float32 on CPU, or
+    the CPU kernels are switched off (FASTSERVE_CPU_KERNELS=0, see `cpu_kernels`).
     """
     params = list(model.parameters())
-    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32:
+    if not cpu_kernels_enabled() or not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32:
         return 0
     if not torch.backends.mkldnn.is_available():
         return 0

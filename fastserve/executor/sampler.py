@@ -142,7 +142,9 @@ def _filter_top_k_top_p(
     if not any(top_k) and all(p >= 1.0 for p in top_p):
         return logits
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [n, vocab]
+    # NOTE: stable, so that tied logits (common in bfloat16) rank as argmax breaks the tie (the
+    # lowest id first): top_k=1 and a tiny top_p then pick the greedy token.
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)  # [n, vocab]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
     remove = ranks >= k.unsqueeze(1)

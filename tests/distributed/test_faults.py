@@ -17,13 +17,14 @@ from fastserve.args import engine_config
 from fastserve.engine.async_llm import AsyncLLM
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.server.app import build_app
+from tests.conftest import TEST_DTYPE
 
 TIMEOUT_S = 3.0  # worker_timeout_s, shortened for the test
 SLACK_S = 5.0  # scheduling noise on a loaded 2-core machine
 
 
 async def _fail_a_worker(sig: signal.Signals, tp: int, pp: int) -> None:
-    config = engine_config(dtype="float32", warmup=False, tensor_parallel_size=tp,
+    config = engine_config(dtype=TEST_DTYPE, warmup=False, tensor_parallel_size=tp,
                            pipeline_parallel_size=pp, worker_timeout_s=TIMEOUT_S, max_batch_size=4)
     llm = AsyncLLM(config)
     executor = llm.engine.runner

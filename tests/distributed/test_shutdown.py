@@ -10,13 +10,14 @@ import pytest
 
 from fastserve import LLM, SamplingParams
 from fastserve.executor.distributed.executor import DistributedExecutor
+from tests.conftest import TEST_DTYPE
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [1, 400, 401, 402]
 
 
 def _distributed() -> LLM:
-    return LLM(dtype="float32", warmup=False, tensor_parallel_size=2, kv_cache_gib=0.02,
+    return LLM(dtype=TEST_DTYPE, warmup=False, tensor_parallel_size=2, kv_cache_gib=0.02,
                worker_timeout_s=60.0)
 
 
@@ -37,7 +38,7 @@ def test_two_distributed_llms_one_after_the_other() -> None:
 
 
 def test_shutdown_frees_the_model_and_kv_cache() -> None:
-    llm = LLM(dtype="float32", warmup=False, kv_cache_gib=0.02)
+    llm = LLM(dtype=TEST_DTYPE, warmup=False, kv_cache_gib=0.02)
     llm.generate([PROMPT], GREEDY, use_tqdm=False)
     runner = weakref.ref(llm.engine.runner)
     kv = weakref.ref(llm.engine.runner.attn.kv_cache)  # type: ignore[union-attr]

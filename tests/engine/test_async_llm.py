@@ -12,11 +12,12 @@ import pytest
 from fastserve.args import engine_config
 from fastserve.engine.async_llm import AsyncLLM
 from fastserve.request import RequestOutput, SamplingParams
+from tests.conftest import TEST_DTYPE
 
 
 @pytest.fixture(scope="module")
 def llm() -> AsyncLLM:
-    return AsyncLLM(engine_config(dtype="float32", max_batch_size=4, policy="skip-join-mlfq"))
+    return AsyncLLM(engine_config(dtype=TEST_DTYPE, max_batch_size=4, policy="skip-join-mlfq"))
 
 
 async def _collect(llm: AsyncLLM, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:

@@ -140,7 +140,8 @@ def test_cpu_decode_kernel_matches_reference(dim: int, bs: int) -> None:
     mid-block and inside the last four-row group)."""
     kernel = decode_attention_kernel()
     if kernel is None:
-        pytest.skip("no C++ compiler: the PyTorch fallback path is covered above")
+        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
+                    "path is covered above")
     torch.manual_seed(0)
     heads, kv_heads = 8, 2
     k_cache = torch.randn(kv_heads, 64 * bs, dim)
@@ -189,7 +190,8 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
     start and end mid-block, one-token chunks, chunks longer than the cached part."""
     kernel = decode_attention_kernel()
     if kernel is None:
-        pytest.skip("no C++ compiler: the PyTorch fallback path is covered by the engine tests")
+        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
+                    "path is covered by the engine tests")
     torch.manual_seed(start * 1000 + q_len)
     ctx = start + q_len
     num_blocks = -(-ctx // bs)

@@ -26,7 +26,8 @@ from fastserve.executor.swap import (
 )
 from fastserve.llm import LLM
 from fastserve.request import SamplingParams
-from tests.conftest import requires_cuda
+from tests.conftest import TEST_DTYPE, requires_cuda
+from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
@@ -209,22 +210,24 @@ def workload(n: int = 200, seed: int = 0) -> tuple[list[list[int]], list[Samplin
 def unlimited_tokens(tiny_model_path: object) -> list[list[int]]:
     torch.set_num_threads(1)
     prompts, params = workload()
-    llm = LLM(kv_policy="defer", num_device_blocks=4096, max_batch_size=16, dtype="float32")
+    llm = LLM(kv_policy="defer", num_device_blocks=4096, max_batch_size=16, dtype=TEST_DTYPE)
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize(("kv_policy", "worker"),
                          [("proactive", "thread"), ("proactive", "inline"), ("reactive", "auto")])
 def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
-    kv_policy: str, worker: str, unlimited_tokens: list[list[int]]
+    kv_policy: str, worker: str, unlimited_tokens: list[list[int]],
+    greedy_reference: GreedyReference,
 ) -> None:
     torch.set_num_threads(1)
     prompts, params = workload()
     # 24 blocks of 16 tokens: a full batch of these jobs needs ~40 (200 jobs, ~1,400 blocks).
     llm = LLM(kv_policy=kv_policy, num_device_blocks=24, num_host_blocks=2000,
-              max_batch_size=16, dtype="float32", cpu_copy_worker=worker)
+              max_batch_size=16, dtype=TEST_DTYPE, cpu_copy_worker=worker)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == unlimited_tokens
+    assert_same_greedy_tokens([o.token_ids for o in outs], unlimited_tokens, prompts,
+                              greedy_reference)
     stats = llm.engine.stats()
     assert stats["swap_out_blocks"] == stats["swap_in_blocks"]
     assert int(stats["swap_out_blocks"]) > 50  # type: ignore[call-overload]  # heavy swapping
@@ -240,29 +243,72 @@ def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
     runner.swapper.close()
 
 
+# Twelve jobs of two-block prompts, each growing to five blocks: 60 blocks of KV for a device of
+# 24 and a host pool of 8. See the test for why the host must fill.
+FULL_HOST_JOBS, FULL_HOST_PROMPT, FULL_HOST_OUTPUT = 12, 32, 48
+
+
+def full_host_workload() -> tuple[list[list[int]], SamplingParams]:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(16, 4000) for _ in range(FULL_HOST_PROMPT)]
+               for _ in range(FULL_HOST_JOBS)]
+    return prompts, SamplingParams(max_tokens=FULL_HOST_OUTPUT, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def full_host_unlimited(tiny_model_path: object) -> list[list[int]]:
+    torch.set_num_threads(1)
+    prompts, params = full_host_workload()
+    llm = LLM(kv_policy="defer", num_device_blocks=256, max_batch_size=16, dtype=TEST_DTYPE,
+              profile=str(FIXED_PROFILE), warmup=False)
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("kv_policy", ["proactive", "reactive"])
 def test_a_full_host_pool_back_pressures_and_loses_nothing(
-    kv_policy: str, unlimited_tokens: list[list[int]]
+    kv_policy: str, full_host_unlimited: list[list[int]], greedy_reference: GreedyReference
 ) -> None:
+    """Host memory full: offloading fails, and a started job that cannot grow recomputes a
+    victim instead; every job still gets its own tokens.
+
+    The state is built, not hoped for: it hangs neither on the tokens generated (ignore_eos
+    fixes every length) nor on how fast this machine runs. The twelve prompts fill the
+    24-block device in the first iteration, and all twelve grow in the same iterations: one
+    batch, in FCFS order (the MLFQ's order follows measured iteration times), with a fixed
+    cost model and copies on the compute thread. At the first block boundary twelve jobs need
+    twelve blocks: offloading four of them (two blocks each) fills the 8-block host exactly
+    and makes room for the other eight. At the next boundary those eight need eight blocks,
+    the host has none, and only dropping a victim's KV makes room. Prefix caching is off: its
+    host tier takes host blocks for the evicted prefixes of the offloaded jobs, and the count
+    above is of jobs' KV alone."""
     torch.set_num_threads(1)
-    prompts, params = workload()
-    # Host memory for about two jobs' KV: offloading soon fails, new jobs wait and a started
-    # job that cannot grow recomputes a victim instead; every job still gets its own tokens.
-    # A fixed cost model (not calibrated to this machine's iterations) and copies on the compute
-    # thread: the policy's choices (offload, wait, recompute) then hang neither on how busy the
-    # machine is nor on when a copy thread finishes.
-    llm = LLM(kv_policy=kv_policy, num_device_blocks=24, num_host_blocks=8,
-              max_batch_size=16, dtype="float32", profile=str(FIXED_PROFILE),
-              cpu_copy_worker="inline", calibrate_cost_model=False)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == unlimited_tokens
-    stats = llm.engine.stats()
+    prompts, params = full_host_workload()
+    llm = LLM(kv_policy=kv_policy, policy="fcfs", num_device_blocks=24, num_host_blocks=8,
+              block_size=16, max_batch_size=16, dtype=TEST_DTYPE, profile=str(FIXED_PROFILE),
+              cpu_copy_worker="inline", calibrate_cost_model=False, warmup=False,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    outputs: dict[str, list[int]] = {}
+    host_free: list[int] = []
+    while engine.has_unfinished:
+        outputs |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        stats = engine.stats()
+        if len(host_free) == 0:  # the first iteration: every prompt in, the device full
+            assert stats["num_running"] == FULL_HOST_JOBS
+            assert stats["kv_blocks_free"] == 0
+        host_free.append(int(stats["host_kv_blocks_free"]))  # type: ignore[call-overload]
+    assert min(host_free) == 0  # the host pool was full
+    assert_same_greedy_tokens([outputs[i] for i in ids], full_host_unlimited, prompts,
+                              greedy_reference)
+    stats = engine.stats()
     assert int(stats["swap_out_blocks"]) > 0  # type: ignore[call-overload]
     assert int(stats["num_recomputes"]) > 0  # type: ignore[call-overload]  # the host was full
+    assert stats["swap_in_blocks"] == stats["swap_out_blocks"]  # all offloaded KV came back
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
     assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 8
     assert stats["num_swapped"] == 0
-    runner = llm.engine.runner
+    runner = engine.runner
     assert isinstance(runner, ModelRunner)
     runner.swapper.close()
 

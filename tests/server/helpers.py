@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import jsonschema
 
+from tests.conftest import TEST_DTYPE
+
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = json.loads((Path(__file__).with_name("openai_schemas.json")).read_text())
 _URL_RE = re.compile(r"serving .* at (http://127\.0\.0\.1:\d+)/v1")
@@ -67,9 +69,10 @@ class ServerProcess:
 
 
 def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start `python -m fastserve.cli serve --port 0 --dtype float32 ARGS` and wait for /health."""
+    """Start `python -m fastserve.cli serve --port 0 --dtype TEST_DTYPE ARGS` and wait for
+    /health."""
     log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "fastserve.cli", "serve", "--port", "0", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "fastserve.cli", "serve", "--port", "0", "--dtype", TEST_DTYPE,
            "--no-access-log", *args]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))

@@ -20,6 +20,7 @@ from fastserve.args import engine_config
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.engine.async_llm import AsyncLLM
 from fastserve.server.app import build_app
+from tests.conftest import TEST_DTYPE
 from tests.server.helpers import validate
 
 POISON = 4  # a prompt holding this token id fails on its 3rd decode step
@@ -44,7 +45,7 @@ class _FailingExecutor:
 
 @pytest.fixture(scope="module")
 def url(tiny_model_ready: Any) -> Iterator[str]:
-    llm = AsyncLLM(engine_config(dtype="float32", warmup=False))
+    llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, warmup=False))
     llm.engine.core.executor = _FailingExecutor(llm.engine.core.executor)  # type: ignore[assignment]
     server = uvicorn.Server(uvicorn.Config(build_app(llm, "tiny"), host="127.0.0.1", port=0,
                                            log_level="warning", lifespan="off"))
