@@ -33,6 +33,7 @@ from fastserve.cluster.replica import REPLICA_DEPLOYMENT, ReplicaSpec, deploymen
 from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, RouterBoard
 from fastserve.model.make_model import resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
+from fastserve.server.cli import start_serving
 
 logger = logging.getLogger(__name__)
 
@@ -162,14 +163,10 @@ async def _main_loop(fleet: Fleet, sock: socket.socket) -> int:
     # makes a graceful stop exit 0.
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            host, port = sock.getsockname()[:2]
-            host = f"[{host}]" if ":" in host else host
+        serving, url = await start_serving(server, sock)
+        if url is not None:
             print(f"fastserve: serving {fleet.name!r} with {opts.num_replicas} replicas at "
-                  f"http://{host}:{port}/v1 (health: /health, metrics: /metrics)", flush=True)
+                  f"{url}/v1 (health: /health, metrics: /metrics)", flush=True)
         await serving
     finally:
         for sig, handler in previous.items():

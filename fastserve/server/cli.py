@@ -155,12 +155,9 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
     draining = asyncio.create_task(_shutdown_on_exit(server, drain, llm, opts.grace_period_s))
     try:
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            host, port = sock.getsockname()[:2]
-            print(f"fastserve: serving {name!r} at http://{_url_host(host)}:{port}/v1 "
+        serving, url = await start_serving(server, sock)
+        if url is not None:
+            print(f"fastserve: serving {name!r} at {url}/v1 "
                   f"(health: /health, metrics: /metrics, docs: /docs)", flush=True)
         await serving  # returns once a signal has stopped the server and requests drained
     finally:
@@ -173,6 +170,19 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
         await llm.shutdown(grace_s=0)
     print("fastserve: shut down", flush=True)
     return 0 if server.started else 1
+
+
+async def start_serving(server: uvicorn.Server, sock: socket.socket
+                        ) -> tuple[asyncio.Task[None], str | None]:
+    """Start `server` on `sock`: the task serving it, and its URL ("http://host:port") once it
+    has started (None when it stopped before that)."""
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if not server.started:
+        return serving, None
+    host, port = sock.getsockname()[:2]
+    return serving, f"http://{_url_host(host)}:{port}"
 
 
 @dataclass

@@ -276,14 +276,10 @@ class OpenAIServing:
         done: set[int] = set()  # the choices that have sent their finish_reason
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
-                # NOTE: the finish and usage chunks come before the error event, at which the
-                # openai SDK stops reading (it raises); usage counts the tokens sent.
-                so_far = _usage(job, latest.values()) if job.continuous_usage else None
-                for i in _unfinished(job, done):
-                    yield chunk("", "abort", so_far, i)
-                if job.include_usage:
-                    yield chunk(None, usage=_usage(job, latest.values()))
-                yield streaming.sse_data(out.response_body())
+                for line in _cut_short(job, latest, done, out,
+                                       lambda i, u: chunk("", "abort", u, i),
+                                       lambda u: chunk(None, usage=u)):
+                    yield line
                 break
             latest[out.index] = out
             so_far = _usage(job, latest.values()) if job.continuous_usage else None
@@ -325,12 +321,10 @@ class OpenAIServing:
         done: set[int] = set()  # the choices that have sent their finish_reason
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
-                so_far = _usage(job, latest.values()) if job.continuous_usage else None
-                for i in _unfinished(job, done):
-                    yield chunk(schemas.ChatDelta(), "abort", so_far, i)
-                if job.include_usage:
-                    yield chunk(None, usage=_usage(job, latest.values()))
-                yield streaming.sse_data(out.response_body())
+                for line in _cut_short(job, latest, done, out,
+                                       lambda i, u: chunk(schemas.ChatDelta(), "abort", u, i),
+                                       lambda u: chunk(None, usage=u)):
+                    yield line
                 break
             latest[out.index] = out
             so_far = _usage(job, latest.values()) if job.continuous_usage else None
@@ -402,13 +396,10 @@ class OpenAIServing:
         done: set[int] = set()  # the choices that have sent their finish_reason
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
-                so_far = _usage(job, latest.values()) if job.continuous_usage else None
-                for i in _unfinished(job, done):
-                    yield chunk(schemas.CompletionChoice(index=i, text="", finish_reason="abort"),
-                                so_far)
-                if job.include_usage:
-                    yield chunk(None, usage=_usage(job, latest.values()))
-                yield streaming.sse_data(out.response_body())
+                for line in _cut_short(job, latest, done, out, lambda i, u: chunk(
+                        schemas.CompletionChoice(index=i, text="", finish_reason="abort"), u),
+                        lambda u: chunk(None, usage=u)):
+                    yield line
                 break
             if out.finished:
                 done.add(out.index)
@@ -466,9 +457,22 @@ def _usage(job: _Job, outs: Iterable[RequestOutput]) -> schemas.Usage:
                  prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached))
 
 
-def _unfinished(job: _Job, done: set[int]) -> list[int]:
-    """The choices of a stream cut short that have not sent their finish_reason."""
-    return [i for i in range(job.params.n) if i not in done]
+def _cut_short(
+    job: _Job, latest: dict[int, RequestOutput], done: set[int], error: schemas.APIError,
+    finish: Callable[[int, schemas.Usage | None], str], usage: Callable[[schemas.Usage], str],
+) -> list[str]:
+    """The last events of a stream the server ended (shutdown, engine error): a finish chunk
+    ("abort") for each choice that has not sent one, the usage chunk when asked for (the
+    tokens sent), then the error event.
+
+    NOTE: the finish and usage chunks come before the error event, at which the openai SDK
+    stops reading (it raises)."""
+    so_far = _usage(job, latest.values()) if job.continuous_usage else None
+    lines = [finish(i, so_far) for i in range(job.params.n) if i not in done]
+    if job.include_usage:
+        lines.append(usage(_usage(job, latest.values())))
+    lines.append(streaming.sse_data(error.response_body()))
+    return lines
 
 
 def _finish_reason(out: RequestOutput) -> schemas.FinishReason:
