@@ -30,8 +30,9 @@ test: install
 # that another kind of machine is not the first place a failure shows: the plain-torch path
 # (FASTSERVE_CPU_KERNELS=0: no compiled -march=native attention kernels, no oneDNN-packed
 # weights), then the model in bfloat16 (greedy tokens compared up to near-ties: tests/greedy.py).
-# The scheduler, simulator, server and benchmark tests run no model arithmetic of their own.
-VARIANT_TESTS ?= tests/executor tests/model tests/engine tests/distributed tests/test_*.py
+# The server tests run too (their servers take the test dtype); the scheduler, simulator, fleet
+# and benchmark tests run no model arithmetic of their own (they pass on both paths too).
+VARIANT_TESTS ?= tests/executor tests/model tests/engine tests/distributed tests/server tests/test_*.py
 test-variants: install
 	FASTSERVE_CPU_KERNELS=0 $(PY) -m pytest -q $(VARIANT_TESTS)
 	FASTSERVE_TEST_DTYPE=bfloat16 $(PY) -m pytest -q $(VARIANT_TESTS)

@@ -12,12 +12,17 @@ import openai
 import pytest
 import torch
 
+from tests.conftest import IS_EXACT_DTYPE
+from tests.greedy import NEAR_TIE
 from tests.server.helpers import ServerProcess, managed, start_server, validate
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something about foxes."}]
-ATOL = 1e-4
+# float32: HF's log_softmax within 1e-4. In a half type (FASTSERVE_TEST_DTYPE) the server's
+# logits are rounded, and two runs of one prompt may round differently (a prefix-cache hit
+# computes a chunk after cached blocks): within the near-tie bound tests/greedy.py measured.
+ATOL = 1e-4 if IS_EXACT_DTYPE else NEAR_TIE
 
 
 @pytest.fixture(scope="module")
