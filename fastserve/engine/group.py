@@ -159,10 +159,11 @@ class RequestGroups:
     def after_step(self, touched: Sequence[Request]) -> None:
         """After an iteration: take the sampled tokens' log-probabilities, add the sequences
         whose prompt is now cached, release held blocks every sequence has shared."""
-        for req in touched:
-            entry = self._group_of.get(req.request_id)
-            if entry is not None and entry[0].logprobs:
-                entry[0].logprobs[entry[1]].observe(req)
+        if self._group_of:  # NOTE: every iteration: nothing to look up without a group
+            for req in touched:
+                entry = self._group_of.get(req.request_id)
+                if entry is not None and entry[0].logprobs:
+                    entry[0].logprobs[entry[1]].observe(req)
         if not self._waiting:
             return
         still: list[RequestGroup] = []
