@@ -7,19 +7,20 @@ the same profile, and prints:
 - greedy outputs: the same prompts to both, texts compared;
 - added latency at low load: one streamed request at a time, alternating server and fleet;
   TTFT (to the first token's chunk) medians and the median of the paired differences;
-- capacity: output tokens per second with every replica's batch full: a closed loop of
-  `--concurrency` clients per replica (default 16, the engine's max_batch_size; the server 16,
-  the fleet 32) sending non-streamed requests of fixed prompt and output lengths
-  (`ignore_eos`), each side alone in turn (`--reps` alternations; medians), and the fleet's
-  ratio to the server; and the cores each side used meanwhile (CPU time of its whole process
-  tree, Ray's processes included), as tokens per core used: on a machine whose cores are
-  taken by other work, what a fleet would make of idle ones;
+- capacity: output tokens per second at saturation: a closed loop of `--concurrency` clients
+  per replica (default 32, twice the engine's max_batch_size of 16: every batch stays full
+  while a client turns its next request around, and the router's passing imbalance between
+  two replicas does not leave one short of work; the server 32, the fleet 64) sending
+  non-streamed requests of fixed prompt and output lengths (`--max-tokens`, default 128;
+  `ignore_eos`), each side alone in turn (`--reps` alternations; medians and each rep's
+  ratio), and the fleet's ratio to the server; and the cores each side used meanwhile (CPU
+  time of its whole process tree, Ray's processes included), as tokens per core used;
 - with `--kill`: one replica's process killed under load: what its requests got, how long
   until a new request was answered, and until Ray had restarted the replica.
 
 The machine is shared: the load average is printed before and after.
 
-    .venv/bin/python benchmarks/fleet_real.py [--reps 3] [--concurrency 16] [--router NAME] [--kill]
+    .venv/bin/python benchmarks/fleet_real.py [--reps 3] [--concurrency 32] [--max-tokens 128] [--router NAME] [--kill]
 """
 
 from __future__ import annotations
@@ -253,9 +254,9 @@ async def kill_one(fleet: Server, concurrency: int, max_tokens: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=16, help="clients per replica")
-    ap.add_argument("--num-requests", type=int, default=64, help="requests per replica")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32, help="clients per replica")
+    ap.add_argument("--num-requests", type=int, default=128, help="requests per replica")
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--latency-requests", type=int, default=40)
     ap.add_argument("--router", default="fastserve")
     ap.add_argument("--kill", action="store_true", help="also kill a replica under load")
@@ -285,6 +286,8 @@ def main() -> None:
                 per_core[server.name].append(rate / cores)
                 print(f"  rep {rep}: {server.name:6s} {rate:7.1f} output tok/s, using "
                       f"{cores:.2f} cores ({rate / cores:.0f} tok/s per core)")
+        pairs = ", ".join(f"{f / s:.2f}" for s, f in zip(rates["server"], rates["fleet"]))
+        print(f"fleet / server per rep: {pairs}")
         s, f = statistics.median(rates["server"]), statistics.median(rates["fleet"])
         print(f"capacity (median of {args.reps}; {args.concurrency} clients per replica, "
               f"{args.max_tokens} tokens each): server {s:.1f} tok/s, fleet of 2 {f:.1f} tok/s, "
