@@ -12,9 +12,11 @@ the same profile, and prints:
   while a client turns its next request around, and the router's passing imbalance between
   two replicas does not leave one short of work; the server 32, the fleet 64) sending
   non-streamed requests of fixed prompt and output lengths (`--max-tokens`, default 128;
-  `ignore_eos`), each side alone in turn (`--reps` alternations; medians and each rep's
-  ratio), and the fleet's ratio to the server; and the cores each side used meanwhile (CPU
+  `ignore_eos`), each side alone in turn after a warm-up round (`--reps` alternations;
+  medians and each rep's ratio), and the fleet's ratio to the server; and the cores each side used meanwhile (CPU
   time of its whole process tree, Ray's processes included), as tokens per core used;
+- with `--ceiling`: two plain servers (no Ray, no router) loaded at once against one alone,
+  the most two engines make of this machine;
 - with `--kill`: one replica's process killed under load: what its requests got, how long
   until a new request was answered, and until Ray had restarted the replica.
 
@@ -251,6 +253,32 @@ async def kill_one(fleet: Server, concurrency: int, max_tokens: int) -> None:
           + (f"{restored_s:.1f} s after the kill" if restored_s else "not within 300 s"))
 
 
+def machine_ceiling(single: Server, args: argparse.Namespace) -> None:
+    """Two plain servers loaded at once against one alone: what two engines make of this
+    machine with no Ray and no router (the fleet's ratio cannot beat it)."""
+    other = start("server-2", [])
+    try:
+        asyncio.run(throughput(other, args.concurrency, args.concurrency, args.max_tokens))
+
+        async def both() -> list[float]:
+            return list(await asyncio.gather(*(
+                throughput(s, args.concurrency, args.num_requests, args.max_tokens)
+                for s in (single, other))))
+
+        ratios = []
+        for rep in range(args.reps):
+            one = asyncio.run(throughput(single, args.concurrency, args.num_requests,
+                                         args.max_tokens))
+            two = sum(asyncio.run(both()))
+            ratios.append(two / one)
+            print(f"  ceiling rep {rep}: one server {one:7.1f} tok/s, two at once {two:7.1f} "
+                  f"tok/s ({two / one:.2f}x)")
+        print(f"ceiling (median of {args.reps}): two plain servers {statistics.median(ratios):.2f}x "
+              "one")
+    finally:
+        stop(other)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -260,6 +288,9 @@ def main() -> None:
     ap.add_argument("--latency-requests", type=int, default=40)
     ap.add_argument("--router", default="fastserve")
     ap.add_argument("--kill", action="store_true", help="also kill a replica under load")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also run two plain servers side by side (no Ray, no router): what "
+                         "this machine allows two engines")
     args = ap.parse_args()
 
     print(f"load average before: {os.getloadavg()}")
@@ -273,6 +304,10 @@ def main() -> None:
         print(f"TTFT at low load (median of {args.latency_requests}): server {a * 1e3:.1f} ms, "
               f"fleet {b * 1e3:.1f} ms; added by the fleet (median paired difference) "
               f"{d * 1e3:.1f} ms")
+        for server in (single, fleet):  # warm-up, not measured: every batch shape once
+            k = 2 if server is fleet else 1
+            asyncio.run(throughput(server, k * args.concurrency, k * args.concurrency,
+                                   args.max_tokens))
         rates: dict[str, list[float]] = {"server": [], "fleet": []}
         per_core: dict[str, list[float]] = {"server": [], "fleet": []}
         for rep in range(args.reps):
@@ -295,8 +330,14 @@ def main() -> None:
         pc_s, pc_f = statistics.median(per_core["server"]), statistics.median(per_core["fleet"])
         print(f"per core used (server and Ray processes included): server {pc_s:.0f} tok/s, "
               f"fleet {pc_f:.0f} tok/s, ratio {pc_f / pc_s:.2f}x")
+        if args.ceiling:
+            stop(fleet)
+            fleet = None
+            machine_ceiling(single, args)
         if args.kill:
             stop(single)
+            if fleet is None:
+                fleet = start("fleet", ["--replicas", "2", "--router", args.router])
             asyncio.run(kill_one(fleet, args.concurrency, 600))
     finally:
         stop(single)

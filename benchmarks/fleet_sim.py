@@ -91,6 +91,13 @@ def main() -> None:
                   f"{int(m['num_finished']):>6}")
         bound = sum(alone_s(w) for w in work) / len(work)
         print(f"{'(no-wait bound)':<18}{bound:>11.3f}   each job alone on a replica, no cache")
+        if not any(m["prefix_hit_rate"] > 0 for m in res.values()):
+            # With no prefix hit anywhere no router beats the bound, so a baseline's mean over
+            # the bound is the most any router can gain on it (on this trace, at this load).
+            for b in BASELINES:
+                if b in res:
+                    print(f"  headroom over {b}: {res[b]['jct_mean'] / bound:.2f}x "
+                          "(its mean JCT / the no-wait bound)")
         if "fastserve" in res:
             ours = res["fastserve"]
             for b in BASELINES:
