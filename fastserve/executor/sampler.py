@@ -102,7 +102,7 @@ class Sampler:
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
-        out = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = logits[rows]  # [n, vocab]
         temps = torch.tensor([reqs[i].params.temperature for i in rows], device=sub.device)
@@ -110,16 +110,22 @@ class Sampler:
         # min_p after top-k/top-p, as Hugging Face's warpers run.
         filtered = apply_min_p(filtered, [reqs[i].params.min_p for i in rows])
         probs = torch.softmax(filtered, dim=-1)
-        # NOTE: checked before any draw, so a bad row cannot fail the batch halfway through
-        # its draws (which would advance the other rows' seeded generators twice).
-        is_bad = (~torch.isfinite(probs).all(dim=-1)).tolist()  # [n]
+        # NOTE: one host sync per iteration, after every draw: a row whose probabilities are
+        # not finite draws from a uniform stand-in (a multinomial over them would fail, on
+        # CUDA with a device-side assert) and is failed once the tokens are read.
+        bad = ~torch.isfinite(probs).all(dim=-1)  # [n]
+        probs.masked_fill_(bad.unsqueeze(1), 1.0)
+        # Row by row (a seeded request's generator is its own; on a CPU, one 2-D draw
+        # measured slower than these), each a device op: nothing is read back yet.
+        drawn = [torch.multinomial(probs[j], 1, generator=self._generator(reqs[i]))
+                 for j, i in enumerate(rows)]
+        tokens[rows] = torch.cat(drawn)
+        values: list[int] = torch.cat([tokens, bad.long()]).tolist()
+        out, is_bad = values[: len(reqs)], values[len(reqs) :]
         for j, i in enumerate(rows):
             if is_bad[j]:
                 errors[reqs[i].request_id] = "sampling failed: the probabilities are not finite"
                 out[i] = FAILED_TOKEN
-                continue
-            gen = self._generator(reqs[i])
-            out[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
         return out
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator:
