@@ -206,6 +206,20 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+class ApplyRotary(nn.Module):
+    """`apply_rotary` as a layer, so that an attention backend can swap in a one-launch
+    kernel with the same roundings (`fused`, set by `AttentionBackend.prepare_model`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.fused is not None:
+            return self.fused(x, cos, sin)
+        return apply_rotary(x, cos, sin)
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [num_tokens, num_heads, head_dim] rotated by cos/sin [num_tokens, 1, head_dim // 2].
 

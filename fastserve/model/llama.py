@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from fastserve.model.arch import ArchConfig
 from fastserve.model.attention import AttentionBackend
 from fastserve.model.layers import (
+    ApplyRotary,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -29,7 +30,6 @@ from fastserve.model.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    apply_rotary,
 )
 
 
@@ -56,15 +56,14 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
+        self.rotary = ApplyRotary()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         # q and k are adjacent in the fused output: rotate both in one pass.
-        qk = apply_rotary(
-            qkv[:, :num_qk_heads], cos, sin
-        )  # [num_tokens, heads + kv_heads, head_dim]
+        qk = self.rotary(qkv[:, :num_qk_heads], cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
         q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
         k = qk[:, self.num_heads :]  # [num_tokens, num_kv_heads, head_dim]
         v = qkv[:, num_qk_heads:]  # [num_tokens, num_kv_heads, head_dim]

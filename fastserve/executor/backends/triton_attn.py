@@ -17,7 +17,7 @@ import torch
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.backends import triton_ops as ops
-from fastserve.model.layers import RMSNorm, SiluAndMul
+from fastserve.model.layers import ApplyRotary, RMSNorm, SiluAndMul
 
 
 @dataclass(frozen=True)
@@ -147,13 +147,15 @@ class TritonAttention(PagedAttention):
         return out
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Fused add+RMSNorm and SiLU-and-mul kernels (one launch each instead of four or
-        five), with the plain layers' roundings."""
+        """Fused add+RMSNorm, SiLU-and-mul and rotary kernels (one launch each instead of
+        four to a dozen), with the plain layers' roundings."""
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.fused = ops.rms_norm
             elif isinstance(m, SiluAndMul):
                 m.fused = ops.silu_and_mul
+            elif isinstance(m, ApplyRotary):
+                m.fused = ops.rotary
 
     # -- CUDA graphs ----------------------------------------------------------------------
 

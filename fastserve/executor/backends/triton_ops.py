@@ -365,3 +365,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter,
                                                                  BLOCK=block)
     return out
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct,
+                   stride_st, num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < HALF
+    src = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + cols, mask=m, other=0.0)
+    dt = x2.dtype
+    x2 = x2.to(tl.float32)
+    cos = tl.load(cos_ptr + t * stride_ct + cols, mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_st + cols, mask=m, other=0.0).to(tl.float32)
+    # Each product and each sum rounded to the model dtype, as apply_rotary's tensor ops.
+    a = (x1 * cos).to(dt).to(tl.float32)
+    b = (x2 * sin).to(dt).to(tl.float32)
+    c = (x2 * cos).to(dt).to(tl.float32)
+    d = (x1 * sin).to(dt).to(tl.float32)
+    dst = out_ptr + (t * num_heads + h) * (2 * HALF)
+    tl.store(dst + cols, (a - b).to(dt), mask=m)
+    tl.store(dst + HALF + cols, (c + d).to(dt), mask=m)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in one launch: x [num_tokens, num_heads, head_dim] (a view of the fused
+    qkv output: any token and head strides, dims contiguous) rotated by cos, sin
+    [num_tokens, 1, head_dim // 2] (in x's dtype) -> a new contiguous tensor of x's shape.
+    Same roundings as the tensor ops: no fused multiply-add (`enable_fp_fusion=False`)."""
+    num_tokens, num_heads, head_dim = x.shape
+    half = head_dim // 2
+    assert x.stride(2) == 1 and cos.stride(2) == 1 and sin.stride(2) == 1
+    assert cos.dtype == x.dtype and sin.dtype == x.dtype
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    _rotary_kernel[(num_tokens, num_heads)](
+        x, out, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
+        HALF=half, BLOCK=triton.next_power_of_2(half), enable_fp_fusion=False,
+    )
+    return out

@@ -26,7 +26,7 @@ from fastserve.executor.backends.torch_sdpa import TorchAttention  # noqa: E402
 from fastserve.executor.backends.triton_attn import TritonAttention  # noqa: E402
 from fastserve.executor.cuda_graphs import capture_sizes, graph_batch_size  # noqa: E402
 from fastserve.executor.model_runner import ModelRunner, flatten  # noqa: E402
-from fastserve.model.layers import RMSNorm, SiluAndMul  # noqa: E402
+from fastserve.model.layers import ApplyRotary, RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
 from fastserve.model.loader import load_model  # noqa: E402
 from fastserve.request import SamplingParams  # noqa: E402
 
@@ -171,6 +171,33 @@ def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
     if DEVICE.type == "cuda":
         assert torch.equal(fused[1][1], plain[1][1])
     torch.testing.assert_close(fused[2], plain[2], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_fused_rotary_matches_the_layer(dtype: torch.dtype) -> None:
+    """The backend's rotary kernel rotates q and k as `apply_rotary` does, reading them where
+    the model has them: a view of the fused qkv output (token stride wider than the heads)."""
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim, n = 4, 2, 16, 7
+    rope = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    rope.cos_sin_cache = rope.cos_sin_cache.to(dtype)  # as a model-wide .to(dtype) casts it
+    positions = torch.tensor([0, 1, 2, 9, 33, 34, 63], device=DEVICE)
+    cos, sin = rope.get_cos_sin(positions, dtype)
+    qkv = (torch.randn(n, heads + 2 * kv_heads, head_dim, device=DEVICE) * 3).to(dtype)
+    qk = qkv[:, : heads + kv_heads]  # not contiguous: v follows each token's k
+    layer = ApplyRotary()
+    plain = layer(qk, cos, sin)
+    TritonAttention(1, 1, 16, 1, 4, torch.float32, DEVICE).prepare_model(layer)
+    assert layer.fused is not None
+    fused = layer(qk, cos, sin)
+    assert fused.shape == plain.shape and fused.is_contiguous()
+    if DEVICE.type == "cuda" or dtype == torch.float32:
+        assert torch.equal(fused, plain)  # the same roundings, op for op
+    else:  # the interpreter rounds float32 to bf16 toward zero (a GPU: to nearest): one
+        # step of a product (|x| < 16: 2**-4 at most) can show in a difference near zero
+        torch.testing.assert_close(fused, plain, rtol=2e-2, atol=2**-4)
+    assert not torch.equal(fused, qk)  # (it did rotate)
 
 
 def _req(rid: str, n: int, start: int, blocks: list[int]) -> ScheduledRequest:
