@@ -19,11 +19,17 @@ imported), which is how `tests/executor/interpreted/` checks them without a GPU.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from fastserve.model.make_model import cache_dir
 
 # Whether these kernels run under Triton's interpreter (read when triton decorates them): then
 # they take CPU tensors, which is how the tests run them without a GPU.
@@ -99,17 +105,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, q_rows_ptr, block_table_ptr, ctx_lens_ptr,
-    o_part_ptr, lse_part_ptr,
-    stride_qt, stride_qh, stride_ch, stride_cs, stride_bt,
+    o_part_ptr, lse_part_ptr, out_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
     block_size, scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DOT_DT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DT: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    ctx = tl.load(ctx_lens_ptr + r)
+    # NOTE: int32 position arithmetic (a graph's lengths are int64: 64-bit division is slow).
+    ctx = tl.load(ctx_lens_ptr + r).to(tl.int32)
     # Splits are fixed in number (a CUDA graph's grid) and sized by this request's context.
     split_len = tl.cdiv(ctx, NUM_SPLITS)
     start = sp * split_len
@@ -122,7 +130,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + hs
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hm[:, None] & dm[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    q = q.to(DOT_DT)
+    q = q.to(DOT_DT) if USE_DOT else q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -134,23 +142,35 @@ def _decode_split_kernel(
         slot = blk.to(tl.int64) * block_size + pos % block_size
         kv_off = cache + slot[:, None] * stride_cs + d[None, :]
         kvm = pm[:, None] & dm[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(pm[None, :], s, float("-inf"))
+        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if USE_DOT:  # a GQA group's heads share each K/V tile: tensor cores
+            s = tl.dot(q, tl.trans(k.to(DOT_DT)), input_precision=PRECISION)
+        else:  # one head (MHA): a padded dot would waste 15 of its 16 rows
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+        s = tl.where(pm[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0)
+        if USE_DOT:
+            pv = tl.dot(p.to(DOT_DT), v.to(DOT_DT), input_precision=PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    # An empty split (context shorter than the splits) leaves l_i = 0: weight 0 in the merge.
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    part = (r * NUM_HEADS + heads) * NUM_SPLITS + sp  # [BLOCK_H]
-    tl.store(o_part_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=hm[:, None])
-    tl.store(lse_part_ptr + part, lse, mask=hm)
+    if NUM_SPLITS == 1:  # the whole context: normalise and write the output, no merge
+        o = acc / l_i[:, None]  # NOTE: l_i > 0, a context holds >= 1 token
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+    else:
+        # An empty split (context shorter than the splits) leaves l_i = 0: weight 0 in the merge.
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        part = (r * NUM_HEADS + heads) * NUM_SPLITS + sp  # [BLOCK_H]
+        tl.store(o_part_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=hm[:, None])
+        tl.store(lse_part_ptr + part, lse, mask=hm)
 
 
 @triton.jit
@@ -173,6 +193,52 @@ def _decode_merge_kernel(
              mask=d < HEAD_DIM)
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The launch shape of the decode kernel: keys per tile, warps, pipeline stages, and
+    whether a GQA group's heads go through `tl.dot` (tensor cores; rows padded to 16)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    use_dot: bool = True  # on an H200 the dot was faster for MHA too (triton_decode_sweep.py)
+
+    @staticmethod
+    def key(group: int, head_dim: int, dtype: torch.dtype) -> str:
+        return f"group{group}-d{head_dim}-{str(dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def tuned_decode_configs(device_name: str) -> dict[str, DecodeConfig]:
+    """Configs measured for this GPU model by `benchmarks/triton_decode_sweep.py` (as vLLM
+    ships fused-MoE configs per device): the package's `configs/` first, then the cache's,
+    which a sweep on this machine writes. Empty when there are none."""
+    found: dict[str, DecodeConfig] = {}
+    for folder in (Path(__file__).parent / "configs", tuned_config_dir()):
+        path = folder / tuned_config_name(device_name)
+        if path.is_file():
+            found.update({k: DecodeConfig(**v) for k, v in json.loads(path.read_text()).items()})
+    return found
+
+
+def tuned_config_dir() -> Path:
+    return cache_dir() / "triton"
+
+
+def tuned_config_name(device_name: str) -> str:
+    return "decode-" + "".join(c if c.isalnum() else "_" for c in device_name) + ".json"
+
+
+def decode_config(cache: torch.Tensor, group: int) -> DecodeConfig:
+    """The tuned config for this device, group and cache, else the default."""
+    key = DecodeConfig.key(group, cache.shape[-1], cache.dtype)
+    if cache.device.type == "cuda":
+        tuned = tuned_decode_configs(torch.cuda.get_device_name(cache.device)).get(key)
+        if tuned is not None:
+            return tuned
+    return DecodeConfig()
+
+
 def decode_splits(num_decodes: int, num_kv_heads: int, max_ctx_len: int, num_sms: int,
                   block_n: int = 32) -> int:
     """How many splits each decode's context gets: enough programs to fill the GPU's
@@ -184,35 +250,46 @@ def decode_splits(num_decodes: int, num_kv_heads: int, max_ctx_len: int, num_sms
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  q_rows: torch.Tensor, block_table: torch.Tensor, ctx_lens: torch.Tensor,
-                 block_size: int, scale: float, num_splits: int, out: torch.Tensor) -> None:
+                 block_size: int, scale: float, num_splits: int, out: torch.Tensor,
+                 config: DecodeConfig | None = None) -> None:
     """One query token per decode: q[q_rows[i]] [num_heads, head_dim] against its context of
     ctx_lens[i] (>= 1) tokens through block_table[i] (int32); written to out[q_rows[i]].
 
-    q, out: [num_tokens, num_heads, head_dim] (unit last stride); num_splits a power of 2.
+    q, out: [num_tokens, num_heads, head_dim] (unit last stride); num_splits a power of 2
+    (1: one program per (decode, KV head) writes its output directly, no merge).
     """
     num_decodes = q_rows.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
+    cfg = config or decode_config(k_cache, group)
+    use_dot = cfg.use_dot or group > 4  # a wide group's broadcast product outgrows registers
     block_d = triton.next_power_of_2(head_dim)
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
-    o_part = torch.empty((num_decodes, num_heads, num_splits, block_d), dtype=torch.float32,
-                         device=q.device)
-    lse_part = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32,
-                           device=q.device)
+    if num_splits > 1:
+        o_part = torch.empty((num_decodes, num_heads, num_splits, block_d), dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32,
+                               device=q.device)
+    else:  # unused: the kernel writes `out`
+        o_part = lse_part = out
     _decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, q_rows, block_table, ctx_lens, o_part, lse_part,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        q, k_cache, v_cache, q_rows, block_table, ctx_lens, o_part, lse_part, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), block_table.stride(0),
         block_size, scale,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=_pow2(group), BLOCK_N=32, NUM_SPLITS=num_splits,
+        BLOCK_H=_pow2(group) if use_dot else triton.next_power_of_2(group),
+        BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
         PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _decode_merge_kernel[(num_decodes, num_heads)](
-        o_part, lse_part, q_rows, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_decodes, num_heads)](
+            o_part, lse_part, q_rows, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        )
 
 
 # --------------------------------------------------------------------------- prefill

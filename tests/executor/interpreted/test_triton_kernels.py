@@ -83,9 +83,11 @@ def test_store_kv_writes_slots_and_skips_padding() -> None:
     (torch.float32, 6, 1, 8),
     (torch.bfloat16, 8, 2, 4),
     (torch.float16, 6, 1, 8),
+    (torch.bfloat16, 4, 4, 4),
 ], ids=str)
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "sum"])
 def test_paged_decode_split_kv_gqa(dtype: torch.dtype, heads: int, kv_heads: int,
-                                   splits: int) -> None:
+                                   splits: int, use_dot: bool) -> None:
     """Ragged contexts through scattered tables (ending mid-block, one of a single token,
     shorter than the number of splits), GQA groups of 4, 1 and 6, at decode rows interleaved
     with other tokens."""
@@ -100,7 +102,7 @@ def test_paged_decode_split_kv_gqa(dtype: torch.dtype, heads: int, kv_heads: int
     out = torch.zeros_like(q)
     ops.paged_decode(q, k_cache, v_cache, rows, _padded(tables),
                      torch.tensor(lens, dtype=torch.int32, device=DEVICE), bs, dim**-0.5,
-                     splits, out)
+                     splits, out, config=ops.DecodeConfig(block_n=32, use_dot=use_dot))
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
         s = _slots(table, n, bs).to(DEVICE)
         row = int(rows[i])

@@ -1,0 +1,123 @@
+"""Tune the Triton paged-decode kernel for this GPU: every launch config on the decode shapes
+that matter, timed side by side, the best written where the engine reads it.
+
+For each attention shape (Llama-2-7B: 32 heads, MHA; Llama-3-8B: GQA 32/8; head_dim 128) it
+times `paged_decode` through scattered block tables at batch 32 and 128 with 128 tokens of
+context and batch 32 with 2048, for each `DecodeConfig` (keys per tile, warps, pipeline
+stages, tensor-core dot or not), and prints the KV bytes read per second. The config with the
+least total time over the shapes is written to `$FASTSERVE_CACHE/triton/decode-<GPU>.json`,
+which the CUDA backend reads at start-up (as vLLM ships fused-MoE configs per device); copy it
+into `fastserve/executor/backends/configs/` to ship it.
+
+    python benchmarks/triton_decode_sweep.py [--dtype bfloat16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from dataclasses import asdict
+
+import torch
+
+from fastserve.executor.backends import triton_ops as ops
+
+# (batch, context): a decode step's context is the tokens before it plus its own, so these are
+# gpu_decode.py's contexts 128 and 2048.
+SHAPES = [(32, 129), (128, 129), (32, 2049)]
+ATTENTION = {"llama-2-7b": (32, 32), "llama-3-8b": (32, 8)}  # heads, KV heads
+HEAD_DIM, BLOCK_SIZE = 128, 16
+LAYERS = 4
+
+
+def _case(batch: int, ctx: int, heads: int, kv_heads: int, dtype: torch.dtype) -> dict:
+    per = -(-ctx // BLOCK_SIZE)
+    num_blocks = batch * per
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_blocks, generator=g).view(batch, per).to(torch.int32)
+    slots = (kv_heads, num_blocks * BLOCK_SIZE, HEAD_DIM)
+    return dict(
+        q=torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=dtype),
+        # Several layers' caches, read in turn: a layer's KV is never in L2 from its last read.
+        k_caches=[torch.randn(slots, device="cuda", dtype=dtype) for _ in range(LAYERS)],
+        v_caches=[torch.randn(slots, device="cuda", dtype=dtype) for _ in range(LAYERS)],
+        q_rows=torch.arange(batch, device="cuda"),
+        block_table=tables.cuda(),
+        ctx_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+        out=torch.empty(batch, heads, HEAD_DIM, device="cuda", dtype=dtype),
+        splits=ops.decode_splits(batch, kv_heads, ctx,
+                                 torch.cuda.get_device_properties(0).multi_processor_count),
+        kv_bytes=2 * batch * ctx * kv_heads * HEAD_DIM * torch.empty((), dtype=dtype).element_size(),
+    )
+
+
+def _time_ms(case: dict, cfg: ops.DecodeConfig, reps: int) -> float:
+    def call(layer: int = 0) -> None:
+        ops.paged_decode(case["q"], case["k_caches"][layer], case["v_caches"][layer], case["q_rows"],
+                         case["block_table"], case["ctx_lens"], BLOCK_SIZE, HEAD_DIM**-0.5,
+                         case["splits"], case["out"], config=cfg)
+
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(reps):
+        call(i % LAYERS)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="fewer configs")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("(no CUDA device: nothing to tune)")
+        return
+    dtype = getattr(torch, args.dtype)
+    device_name = torch.cuda.get_device_name(0)
+    block_ns, warps, stages = ((32, 64), (4,), (2, 3)) if args.quick else ((32, 64, 128), (4, 8), (2, 3))
+    t0 = time.perf_counter()
+    for model, (heads, kv_heads) in ATTENTION.items():
+        group = heads // kv_heads
+        cases = [_case(b, c, heads, kv_heads, dtype) for b, c in SHAPES]
+        print(f"\n{model} attention ({heads} heads, {kv_heads} KV heads, {args.dtype}) on "
+              f"{device_name}: KV GB/s at (batch, context) {SHAPES}")
+        results = []
+        for block_n, nw, ns, dot in itertools.product(block_ns, warps, stages, (False, True)):
+            if not dot and group > 4:
+                continue
+            cfg = ops.DecodeConfig(block_n=block_n, num_warps=nw, num_stages=ns, use_dot=dot)
+            try:
+                times = [_time_ms(c, cfg, args.reps) for c in cases]
+            except Exception as exc:  # e.g. out of shared memory for this tile: skip it
+                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
+            results.append((sum(times), cfg, times))
+            rates = "  ".join(f"{c['kv_bytes'] / t / 1e6:7.0f}" for c, t in zip(cases, times))
+            print(f"  block_n {block_n:>3} warps {nw} stages {ns} dot {int(dot)}:  {rates}",
+                  flush=True)
+        best = min(results, key=lambda r: r[0])
+        default = ops.DecodeConfig()
+        base = next((r for r in results if r[1] == default), None)
+        gain = f", {base[0] / best[0]:.2f}x the default's time" if base else ""
+        print(f"  best: {best[1]} ({' / '.join(f'{t:.3f}' for t in best[2])} ms{gain})")
+        tuned = {ops.DecodeConfig.key(group, HEAD_DIM, dtype): asdict(best[1])}
+        if not args.no_write:
+            path = ops.tuned_config_dir() / ops.tuned_config_name(device_name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            old = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps({**old, **tuned}, indent=1, sort_keys=True) + "\n")
+            print(f"  wrote {path}")
+    print(f"\nswept in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
