@@ -59,8 +59,9 @@ class DecodeGraphs:
         top = self.sizes[-1]
         dev = attn.device
         attn.init_cuda_graphs(top, max_blocks_per_seq)
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
+        # [2, top]: token ids, positions; one buffer, so one replay's inputs are one copy.
+        self.ids_positions = torch.zeros((2, top), dtype=torch.long, device=dev)
+        self.input_ids, self.positions = self.ids_positions[0], self.ids_positions[1]
         # NOTE: rewritten each replay; the previous replay's copy out of it has landed (its
         # sampled tokens were read back).
         self.host = torch.zeros((2, top), dtype=torch.long, pin_memory=True)
@@ -98,10 +99,8 @@ class DecodeGraphs:
                slots: list[int], batch_size: int) -> torch.Tensor:
         """Logits [len(reqs), vocab] of a decode batch padded to `batch_size`."""
         n = len(reqs)
-        self.host[0, :n] = torch.tensor(input_ids, dtype=torch.long)
-        self.host[1, :n] = torch.tensor(positions, dtype=torch.long)
-        self.input_ids[:n].copy_(self.host[0, :n], non_blocking=True)
-        self.positions[:n].copy_(self.host[1, :n], non_blocking=True)
+        self.host[:, :n] = torch.tensor([input_ids, positions])
+        self.ids_positions[:, :n].copy_(self.host[:, :n], non_blocking=True)
         self.attn.fill_graph_metadata(reqs, slots, batch_size)
         graph, logits = self.graphs[batch_size]
         graph.replay()

@@ -47,14 +47,15 @@ class TritonMetadata(AttentionMetadata):
 class _GraphBuffers:
     """The static inputs a captured decode graph reads; replays overwrite them in place."""
 
-    slot_mapping: torch.Tensor  # [max_batch_size] long
+    # [2, max_batch_size] long: row 0 each token's cache slot (-1: a padding row, stores
+    # nothing), row 1 each context's length (new token included). One buffer, so one replay's
+    # rows go over in one copy.
+    slots_lens: torch.Tensor
     q_rows: torch.Tensor  # [max_batch_size] long: 0..n-1 (a decode batch is all decodes)
     block_table: torch.Tensor  # [max_batch_size, max_blocks_per_seq] int32
-    ctx_lens: torch.Tensor  # [max_batch_size] int32
     # Pinned staging for one replay's inputs. NOTE: rewritten each replay without waiting for
     # the last copy out of it: every iteration reads its sampled tokens back first.
-    host_slots: torch.Tensor  # [max_batch_size] long
-    host_lens: torch.Tensor  # [max_batch_size] int32
+    host_slots_lens: torch.Tensor  # [2, max_batch_size] long
     # [max_batch_size * max_blocks_per_seq] int32: a replay's [batch_size, width] block table,
     # contiguous, so that it goes over in one DMA whatever its width.
     host_tables: torch.Tensor
@@ -161,14 +162,15 @@ class TritonAttention(PagedAttention):
 
     def init_cuda_graphs(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
         dev = self.device
+        slots_lens = torch.ones((2, max_batch_size), dtype=torch.long, device=dev)
+        slots_lens[0] = -1
         self._graph = _GraphBuffers(
-            slot_mapping=torch.full((max_batch_size,), -1, dtype=torch.long, device=dev),
+            slots_lens=slots_lens,
             q_rows=torch.arange(max_batch_size, dtype=torch.long, device=dev),
             block_table=torch.zeros((max_batch_size, max_blocks_per_seq), dtype=torch.int32,
                                     device=dev),
-            ctx_lens=torch.ones(max_batch_size, dtype=torch.int32, device=dev),
-            host_slots=torch.zeros(max_batch_size, dtype=torch.long, pin_memory=self.pin_memory),
-            host_lens=torch.zeros(max_batch_size, dtype=torch.int32, pin_memory=self.pin_memory),
+            host_slots_lens=torch.zeros((2, max_batch_size), dtype=torch.long,
+                                        pin_memory=self.pin_memory),
             host_tables=torch.zeros(max_batch_size * max_blocks_per_seq, dtype=torch.int32,
                                     pin_memory=self.pin_memory),
         )
@@ -179,8 +181,8 @@ class TritonAttention(PagedAttention):
         max_ctx = g.block_table.shape[1] * self.block_size
         splits = ops.decode_splits(batch_size, self.num_kv_heads, max_ctx, self.num_sms)
         decode = DecodeMeta(g.q_rows[:batch_size], g.block_table[:batch_size],
-                            g.ctx_lens[:batch_size], splits)
-        return TritonMetadata(slot_mapping=g.slot_mapping[:batch_size], decode=decode,
+                            g.slots_lens[1, :batch_size], splits)
+        return TritonMetadata(slot_mapping=g.slots_lens[0, :batch_size], decode=decode,
                               prefill=None)
 
     def fill_graph_metadata(
@@ -189,16 +191,17 @@ class TritonAttention(PagedAttention):
         g = self._graph
         assert g is not None, "init_cuda_graphs first"
         n = len(reqs)
-        width = max(len(r.block_ids) for r in reqs)
+        tables = [r.block_ids for r in reqs]
+        width = max(map(len, tables))
         # Padding rows: slot -1 (store nothing), a context of one token in block 0.
-        slots_h, lens_h = g.host_slots[:batch_size], g.host_lens[:batch_size]
-        slots_h.fill_(-1)
-        slots_h[:n] = torch.tensor(slots, dtype=torch.long)
-        lens_h.fill_(1)
-        lens_h[:n] = torch.tensor([r.num_context_tokens for r in reqs], dtype=torch.int32)
+        host = g.host_slots_lens[:, :batch_size]
+        host[:, :n] = torch.tensor([slots, [r.num_context_tokens for r in reqs]])
+        if n < batch_size:
+            host[0, n:] = -1
+            host[1, n:] = 1
         tables_h = g.host_tables[: batch_size * width].view(batch_size, width)
-        tables_h[:n] = torch.tensor(_table([r.block_ids for r in reqs]), dtype=torch.int32)
-        tables_h[n:] = 0
-        g.slot_mapping[:batch_size].copy_(slots_h, non_blocking=True)
-        g.ctx_lens[:batch_size].copy_(lens_h, non_blocking=True)
+        tables_h[:n] = torch.tensor(_table(tables), dtype=torch.int32)
+        if n < batch_size:
+            tables_h[n:] = 0
+        g.slots_lens[:, :batch_size].copy_(host, non_blocking=True)
         g.block_table[:batch_size, :width].copy_(tables_h, non_blocking=True)
