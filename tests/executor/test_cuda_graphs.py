@@ -102,7 +102,30 @@ def test_replayed_decodes_match_eager(tiny_model_path: Path, dtype: str) -> None
                                   for d in decodes], 4)
         eager = runners[1]._forward(runners[1]._prepare(decodes), decodes)[0]
     assert eager is not None
-    tol = 1e-4 if dtype == "float32" else 3e-2
-    torch.testing.assert_close(replayed, eager, rtol=tol, atol=tol)
-    torch.testing.assert_close(runners[0].attn.kv_cache, runners[1].attn.kv_cache,
-                               rtol=tol, atol=tol)
+    graph_cache, eager_cache = runners[0].attn.kv_cache, runners[1].attn.kv_cache
+    if dtype == "float32":
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(graph_cache, eager_cache, rtol=1e-4, atol=1e-4)
+        return
+    # In bfloat16 a padded batch (cuBLAS picks its kernels by row count) and the graph's fixed
+    # KV splits round differently from the eager run: both are held to the float32 model's
+    # logits, and the replay must be as close to them as the eager run is.
+    model32, _ = load_model(tiny_model_path, torch.float32, "cuda")
+    ref = ModelRunner(model32, arch, ModelConfig(device="cuda", dtype="float32",
+                                                 enforce_eager=True), cache, [2])
+    with torch.inference_mode():
+        ref._forward(ref._prepare(prompts), prompts)
+        exact = ref._forward(ref._prepare(decodes), decodes)[0]
+    assert exact is not None
+
+    def rms(x: torch.Tensor) -> float:
+        return float(x.float().pow(2).mean().sqrt())
+
+    assert rms(replayed - exact) <= 1.25 * rms(eager - exact) + 1e-3, (
+        rms(replayed - exact), rms(eager - exact))
+    # The padding row stored nothing: the same slots hold K/V (a single element may round to
+    # 0 in bfloat16, a whole head's vector does not), as close to float32's as eager's are.
+    assert torch.equal((graph_cache != 0).any(-1), (eager_cache != 0).any(-1))
+    ref_cache = ref.attn.kv_cache
+    assert rms(graph_cache - ref_cache) <= 1.25 * rms(eager_cache - ref_cache) + 1e-3, (
+        rms(graph_cache - ref_cache), rms(eager_cache - ref_cache))
