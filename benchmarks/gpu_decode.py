@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="device KV cache (default: 40 on CUDA, 2 on CPU)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", default="", metavar="B:CTX,...",
+                    help="after the table, the CUDA kernels of one step at these shapes, by time")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="extra LLM option, e.g. enforce_eager=True (repeatable)")
     args = ap.parse_args()
@@ -129,7 +131,30 @@ def main() -> None:
             verdict = "" if target is None else f"<= {target}x: {'met' if ratio <= target else 'MISSED'}"
             print(f"{batch:>5} {ctx:>5} {step:>9.2f} {floors[batch]:>9.2f} {ratio:>7.2f}x "
                   f"{batch / step * 1e3:>9.0f}  {verdict}", flush=True)
+    for shape in filter(None, args.profile.split(",")):
+        batch, ctx = (int(x) for x in shape.split(":"))
+        print(f"\nkernels of one step, batch {batch} ctx {ctx}:")
+        print(kernel_table(llm, batch, ctx))
     llm.shutdown()
+
+
+def kernel_table(llm: LLM, batch: int, ctx: int, top: int = 14) -> str:
+    """The device kernels of a few decode steps (CUDA graph replays included), summed by name,
+    per step: where a step's time goes beyond the weight GEMMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_step_ms(llm, batch, ctx, reps=2)  # warm: the plan's shapes compiled and captured
+    steps = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode_step_ms(llm, batch, ctx, reps=steps - 1)  # one warm-up call + reps
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in rows) / steps / 1e3
+    lines = [f"  device busy {total:.2f} ms per step"]
+    for e in rows[:top]:
+        per = e.self_device_time_total / steps / 1e3
+        lines.append(f"  {per:8.3f} ms {e.count // steps:>5}x  {e.key[:90]}")
+    return "\n".join(lines)
 
 
 def _value(text: str) -> object:
