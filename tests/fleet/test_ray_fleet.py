@@ -170,6 +170,22 @@ def test_metrics_per_replica_and_fleet(fleet: Fleet) -> None:
     assert served >= 5
 
 
+def test_a_shared_prefix_goes_to_the_replica_caching_it(fleet: Fleet) -> None:
+    """The router reads each prompt (its blocks' hashes) and sends a conversation back to the
+    replica holding its prefix: every follow-up finds its prefix cached (under a router blind
+    to prompts, each of the three would have one chance in two)."""
+    prefix = " ".join(f"turn{i % 37} said word{i}" for i in range(120))
+    first = _complete(fleet.url, prefix, 2)
+    assert first.status_code == 200, first.text
+    prompt_tokens = first.json()["usage"]["prompt_tokens"]
+    time.sleep(1.5)  # past a routing-stats period: the replicas' reports include it
+    for k in range(3):
+        follow = _complete(fleet.url, prefix + f" and then question {k}", 2)
+        assert follow.status_code == 200, follow.text
+        cached = follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= prompt_tokens - 32, (k, cached, prompt_tokens)  # all but its tail
+
+
 def test_killed_replica_loses_nothing_silently(fleet: Fleet) -> None:
     pids = _replica_pids(fleet.proc.pid)
     assert len(pids) == 2, pids
