@@ -13,10 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from fastserve import SamplingParams
-from fastserve.args import engine_config
-from fastserve.engine.llm_engine import LLMEngine
-from fastserve.request import RequestOutput
+from fastserve import LLM, SamplingParams
+from fastserve.executor.model_runner import ModelRunner
 from tests.conftest import requires_cuda
 
 transformers = pytest.importorskip("transformers")
@@ -28,25 +26,15 @@ TOP = 5  # log-probabilities asked for at each step
 PROMPT_LENS = [3, 7, 12, 16, 17, 33, 50, 64, 100]
 
 
-def _engine(dtype: str) -> LLMEngine:
-    return LLMEngine(engine_config(dtype=dtype, device="cuda", max_batch_size=16, block_size=4,
-                                   num_device_blocks=1200, warmup=False, startup_profile=False,
-                                   policy="fcfs", cuda_graph_max_batch_size=16))
+def _llm(dtype: str) -> LLM:
+    return LLM(dtype=dtype, device="cuda", max_batch_size=16, block_size=4,
+               num_device_blocks=1200, warmup=False, startup_profile=False, policy="fcfs",
+               cuda_graph_max_batch_size=16)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-    ids = [engine.add_request(p, params).request_id for p in prompts]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
 
 
 def _hf(path: Path, dtype: torch.dtype) -> Any:
@@ -66,10 +54,13 @@ def _hf_greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], torch.
 
 
 def test_float32_greedy_tokens_identical_to_hf(tiny_model_path: Path) -> None:
-    engine = _engine("float32")
+    llm = _llm("float32")
+    engine = llm.engine
+    assert isinstance(engine.runner, ModelRunner)
     assert engine.runner.attn.name == "triton" and engine.runner.graphs is not None
     prompts = _prompts(engine.arch.vocab_size)
-    outs = _run(engine, prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
     hf = _hf(engine.model_path, torch.float32)
     for prompt, out in zip(prompts, outs):
         tokens, _ = _hf_greedy(hf, prompt, 24)
@@ -78,12 +69,12 @@ def test_float32_greedy_tokens_identical_to_hf(tiny_model_path: Path) -> None:
 
 
 def test_bfloat16_logprobs_close_to_hf(tiny_model_path: Path) -> None:
-    engine = _engine("bfloat16")
-    prompts = _prompts(engine.arch.vocab_size)
+    llm = _llm("bfloat16")
+    prompts = _prompts(llm.engine.arch.vocab_size)
     n = 24
-    outs = _run(engine, prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
-                                                logprobs=TOP))
-    hf = _hf(engine.model_path, torch.bfloat16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                logprobs=TOP), use_tqdm=False)
+    hf = _hf(llm.engine.model_path, torch.bfloat16)
     diffs: list[float] = []
     for prompt, out in zip(prompts, outs):
         hf_tokens, hf_lp = _hf_greedy(hf, prompt, n)
