@@ -229,14 +229,19 @@ def tuned_config_name(device_name: str) -> str:
     return "decode-" + "".join(c if c.isalnum() else "_" for c in device_name) + ".json"
 
 
+@functools.cache
+def decode_config_for(device_index: int, group: int, head_dim: int,
+                      dtype: torch.dtype) -> DecodeConfig:
+    """The tuned config for this GPU, group, head size and dtype, else the default (cached:
+    an eager forward pass asks once per layer)."""
+    tuned = tuned_decode_configs(torch.cuda.get_device_name(device_index))
+    return tuned.get(DecodeConfig.key(group, head_dim, dtype), DecodeConfig())
+
+
 def decode_config(cache: torch.Tensor, group: int) -> DecodeConfig:
-    """The tuned config for this device, group and cache, else the default."""
-    key = DecodeConfig.key(group, cache.shape[-1], cache.dtype)
-    if cache.device.type == "cuda":
-        tuned = tuned_decode_configs(torch.cuda.get_device_name(cache.device)).get(key)
-        if tuned is not None:
-            return tuned
-    return DecodeConfig()
+    if cache.device.type != "cuda":  # Triton's interpreter (the tests)
+        return DecodeConfig()
+    return decode_config_for(cache.device.index, group, cache.shape[-1], cache.dtype)
 
 
 def decode_splits(num_decodes: int, num_kv_heads: int, max_ctx_len: int, num_sms: int,
