@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import IS_EXACT_DTYPE
 from tests.server.helpers import ServerProcess, managed, start_server, validate
 
 MODEL = "tiny"
@@ -92,7 +93,10 @@ def test_chat_n3(client: openai.OpenAI) -> None:
             if c.finish_reason is not None:
                 finishes.append(c.index)
     assert sorted(roles) == [0, 1, 2] and sorted(finishes) == [0, 1, 2]
-    assert streamed == texts
+    if IS_EXACT_DTYPE:  # a half type's seeded draws change with the batch (tests/greedy.py)
+        assert streamed == texts
+    else:
+        assert all(streamed) and len(set(streamed)) == 3
 
 
 def test_best_of(server: ServerProcess, client: openai.OpenAI) -> None:
