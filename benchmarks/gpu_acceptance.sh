@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 24's GPU checks in one time-boxed run, each step's log in one folder, for a machine lent
+# for minutes (../shared/gpu/README.md's recipe: `source .gpu/setup.sh` first on the device):
+#
+#   bash benchmarks/gpu_acceptance.sh [LOG_DIR] [STEPS]
+#
+# LOG_DIR defaults to $OUT (the device tool's return folder), else ./gpu-logs. STEPS is a
+# comma-separated subset of: sweep,decode,tests,thr32,thr128,copy,served,kv,suite (default: all
+# but suite, about 9 minutes on an H200). Each step has its own time limit, so one that hangs
+# or crashes does not cost the others; the last lines of every log are printed at the end.
+set -u
+cd "$(dirname "$0")/.."
+log=${1:-${OUT:-gpu-logs}}
+steps=${2:-sweep,decode,tests,thr32,thr128,copy,served,kv}
+mkdir -p "$log"
+export PYTHONUNBUFFERED=1
+model=(--preset llama-2-7b)
+
+step() {  # NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  case ",$steps," in *",$name,"*) ;; *) return ;; esac
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$log/$name.log" 2>&1
+  echo "$name: rc=$? in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$log/$name.log"
+}
+
+# The decode kernel's launch config for this GPU, written where the engine reads it.
+step sweep 150 python3 benchmarks/triton_decode_sweep.py
+step decode 90 python3 benchmarks/gpu_decode.py "${model[@]}" --reps 10 --profile 32:128,128:128
+step tests 150 python3 -m pytest -q -n 4 --timeout 120 -p no:cacheprovider \
+  tests/executor/test_cuda_engine.py tests/executor/test_attention.py \
+  tests/executor/test_cuda_graphs.py tests/executor/test_swap.py tests/test_llm.py \
+  tests/model/test_dummy_load.py -k "cuda or Cuda or replayed or dummy"
+step thr32 90 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 32 --reps 1 \
+  --kv-cache-gib 20
+step thr128 100 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 128 --reps 1 \
+  --kv-cache-gib 24
+step copy 40 python3 benchmarks/copy_overlap.py
+step served 180 python3 benchmarks/http_bench.py "${model[@]}" --device cuda --dtype bfloat16 \
+  --load 0.9 --theta 1.2 --cv 4 --max-output-len 512 --max-batch-size 128 --reps 1 \
+  --num-requests 150
+step kv 240 python3 benchmarks/kv_policies.py --part real --real-model llama-2-7b \
+  --real-device cuda --real-dtype bfloat16
+# Every test, the CUDA ones included (not in the default steps: several minutes).
+step suite 600 python3 -m pytest -q -n 8 --timeout 300 -p no:cacheprovider
+
+for f in "$log"/*.log; do
+  echo "==> $f"
+  tail -n 6 "$f"
+done
