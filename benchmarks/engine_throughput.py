@@ -94,6 +94,11 @@ def fs_tok_per_s(llm: LLM, prompts: list[list[int]], n_out: int, device: str) ->
     return len(prompts) * n_out / el
 
 
+def decode_blocks(llm: LLM, batch: int, ctx: int) -> int:
+    """KV blocks `decode_step_ms`'s plan takes: `batch` contexts of `ctx` tokens plus one."""
+    return batch * -(-(ctx + 1) // llm.engine.runner.block_size)
+
+
 def decode_step_ms(llm: LLM, batch: int, ctx: int, reps: int = 10) -> float:
     """One decode iteration of `batch` requests with `ctx` tokens of context each."""
     runner = llm.engine.runner
@@ -161,7 +166,7 @@ def main() -> None:
     print(f"fastserve LLM.generate: median {statistics.median(fs):.1f} output tok/s")
     print(f"HF generate ({hf_cache} cache): median {statistics.median(hfs):.1f} output tok/s")
     print(f"ratio (median of per-rep ratios): {statistics.median(ratios):.2f}x  (target >= 1.45x)")
-    if args.batch * -(-513 // llm.engine.runner.block_size) > llm.engine.runner.num_blocks:
+    if decode_blocks(llm, args.batch, 512) > llm.engine.runner.num_blocks:
         print("decode step: skipped (the KV cache cannot hold the batch at context 512)")
         return
     d128 = decode_step_ms(llm, args.batch, 128)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from engine_throughput import decode_step_ms
+from engine_throughput import decode_blocks, decode_step_ms
 
 from fastserve import LLM
 from fastserve.model.make_model import PRESETS, cache_dir, make_model
@@ -120,7 +120,7 @@ def main() -> None:
     for batch in batches:
         floors[batch] = weight_floor_ms(runner.model, batch, args.reps)
         for ctx in contexts:
-            need = batch * -(-(ctx + 1) // runner.block_size)
+            need = decode_blocks(llm, batch, ctx)
             if need > num_blocks:
                 print(f"{batch:>5} {ctx:>5}  skipped: needs {need} KV blocks, the cache has "
                       f"{num_blocks}")
