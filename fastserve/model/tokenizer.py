@@ -17,6 +17,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from fastserve.request import InvalidRequestError
 
@@ -30,7 +31,6 @@ DEFAULT_CHAT_TEMPLATE = (
 # How many prompt tokens before the first generated one give the detokenizer context
 # (SentencePiece decoders drop a leading space at the start of a decode).
 _DETOKENIZER_CONTEXT = 5
-_REPLACEMENT_CHAR = "\ufffd"
 # Texts longer than this are encoded without holding the GIL (see `Tokenizer.encode`).
 GIL_FREE_CHARS = 4096
 
@@ -167,10 +167,10 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text deltas.
 
-    Each step decodes a short window of recent ids twice (with and without the
-    new token) and emits the difference, as vLLM and TGI do. Text ending in an
-    incomplete UTF-8 sequence (decoded as U+FFFD) is held back until a later
-    token completes it; `finish()` releases whatever is still held.
+    The `tokenizers` library's `DecodeStream` does the work, in Rust: it decodes a short
+    window of recent ids with and without the new token and emits the difference (as vLLM and
+    TGI do), one call per token. Text ending in an incomplete UTF-8 sequence (U+FFFD) is held
+    back until a later token completes it; `finish()` releases whatever is still held.
 
     NOTE: without prompt ids, the deltas plus `finish()` concatenate to exactly
     `tokenizer.decode(all_ids)`.
@@ -181,33 +181,48 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_ids)
-        self._prefix_offset = max(len(self._ids) - _DETOKENIZER_CONTEXT, 0)  # window start
+        self._ids = list(prompt_ids[-_DETOKENIZER_CONTEXT:])
         self._read_offset = len(self._ids)  # ids before this are already emitted
-        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        self._stream = self._new_stream()
         self.text = ""  # everything emitted so far
 
     def add(self, token_id: int) -> str:
         """Feed one generated id; return the new text it completes (often "", never partial characters)."""
         self._ids.append(token_id)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+        try:
+            delta = self._stream.step(self._tokenizer._tok, token_id)
+        except Exception:
+            # NOTE: the stream refuses a token that rewrites text already emitted (its
+            # InvalidPrefix: some decoders' cleanup joins across tokens; the stream only
+            # checks once the text grew and ends in a whole character). That text stays as
+            # sent, the new text follows it, and a fresh stream goes on from here.
+            delta = self._delta()
+            self._read_offset = len(self._ids)
+            self._stream = self._new_stream()
+        if not delta:
             return ""
-        delta = new_text[len(self._prefix_text) :]
-        self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         self.text += delta
         return delta
 
     def finish(self) -> str:
         """Release held-back text (e.g. a trailing incomplete character) at the end of the stream."""
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        delta = new_text[len(self._prefix_text) :]
-        self._prefix_offset = self._read_offset = len(self._ids)
-        self._prefix_text = ""
+        delta = self._delta() if self._read_offset < len(self._ids) else ""
+        self._read_offset = len(self._ids)
+        self._stream = self._new_stream()
         self.text += delta
         return delta
+
+    def _delta(self) -> str:
+        """The held ids' text, decoded after a few emitted ones for context."""
+        start = max(self._read_offset - _DETOKENIZER_CONTEXT, 0)
+        before = self._decode(start, self._read_offset)
+        return self._decode(start, len(self._ids))[len(before) :]
+
+    def _new_stream(self) -> DecodeStream:
+        """A stream primed with the last few ids already read (their text is not emitted)."""
+        context = self._ids[max(self._read_offset - _DETOKENIZER_CONTEXT, 0) : self._read_offset]
+        return DecodeStream(ids=context, skip_special_tokens=self._skip_special_tokens)
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(
