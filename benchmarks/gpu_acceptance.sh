@@ -5,13 +5,14 @@
 #   bash benchmarks/gpu_acceptance.sh [LOG_DIR] [STEPS]
 #
 # LOG_DIR defaults to $OUT (the device tool's return folder), else ./gpu-logs. STEPS is a
-# comma-separated subset of: sweep,decode,tests,thr32,thr128,copy,served,kv,suite (default: all
-# but suite, about 9 minutes on an H200). Each step has its own time limit, so one that hangs
-# or crashes does not cost the others; the last lines of every log are printed at the end.
+# comma-separated subset of: sweep,decode,fp8,tests,kernels,thr32,thr128,copy,served,kv,suite
+# (default: all but suite, about 10 minutes on an H200). Each step has its own time limit, so
+# one that hangs or crashes does not cost the others; the last lines of every log are printed
+# at the end.
 set -u
 cd "$(dirname "$0")/.."
 log=${1:-${OUT:-gpu-logs}}
-steps=${2:-sweep,decode,tests,thr32,thr128,copy,served,kv}
+steps=${2:-sweep,decode,fp8,tests,kernels,thr32,thr128,copy,served,kv}
 mkdir -p "$log"
 export PYTHONUNBUFFERED=1
 model=(--preset llama-2-7b)
@@ -28,10 +29,16 @@ step() {  # NAME LIMIT_S COMMAND...
 # The decode kernel's launch config for this GPU, written where the engine reads it.
 step sweep 150 python3 benchmarks/triton_decode_sweep.py
 step decode 90 python3 benchmarks/gpu_decode.py "${model[@]}" --reps 10 --profile 32:128,128:128
+# The same with a float8 KV cache: half the bytes each decode reads (the ctx 2048 line).
+step fp8 90 python3 benchmarks/gpu_decode.py "${model[@]}" --reps 10 --batches 32,128 \
+  --contexts 128,2048 --engine-arg kv_cache_dtype=fp8
 step tests 150 python3 -m pytest -q -n 4 --timeout 120 -p no:cacheprovider \
   tests/executor/test_cuda_engine.py tests/executor/test_attention.py \
   tests/executor/test_cuda_graphs.py tests/executor/test_swap.py tests/test_llm.py \
   tests/model/test_dummy_load.py -k "cuda or Cuda or replayed or dummy"
+# The Triton kernels against torch, natively (CI runs them under Triton's interpreter).
+step kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider \
+  tests/executor/interpreted/test_triton_kernels.py
 step thr32 90 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 32 --reps 1 \
   --kv-cache-gib 20
 step thr128 100 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 128 --reps 1 \

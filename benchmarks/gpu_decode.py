@@ -15,6 +15,7 @@ context each: embedding, every layer's attention through the block table, the he
     python benchmarks/gpu_decode.py --model DIR [--load-format auto]
     python benchmarks/gpu_decode.py --preset tiny --device cpu --dtype float32 --batches 1,8 \\
         --contexts 16,64                                   # a smoke run without a GPU
+    python benchmarks/gpu_decode.py --engine-arg kv_cache_dtype=fp8   # a float8 KV cache
 
 Acceptance lines (issue 24, H100, Llama-2-7B bf16): batch 32 ctx 128 <= 1.3x the floor,
 batch 128 ctx 128 <= 1.8x, batch 32 ctx 2048 <= 2.5x.
@@ -112,8 +113,9 @@ def main() -> None:
               startup_profile=False, **extra)
     runner = llm.engine.runner
     num_blocks = runner.num_blocks
+    kv_dtype = str(runner.cache_dtype).removeprefix("torch.")
     print(f"{path.name} ({load_format} weights) {args.dtype} on {args.device}; "
-          f"KV cache {num_blocks} blocks of {runner.block_size} tokens ({gib:g} GiB)")
+          f"KV cache {num_blocks} blocks of {runner.block_size} tokens ({gib:g} GiB, {kv_dtype})")
     print(f"{'batch':>5} {'ctx':>5} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9}"
           f"  target")
     floors: dict[int, float] = {}

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
+# A KV cache may also be 8-bit float (E4M3, unit scale, as vLLM's "fp8" without calibrated
+# scales): half the bytes of a bf16 cache, so twice the tokens and half the reads.
+KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8")
 POLICIES = (
     "skip-join-mlfq",
     "orca",
@@ -104,7 +107,9 @@ class CacheConfig:
     num_host_blocks: int | None = None
     kv_policy: str = "proactive"
     # "auto": the model's dtype, except float32 on CPU for half types (CPU half-precision
-    # attention kernels cost ~7x more per decode call than float32 ones).
+    # attention kernels cost ~7x more per decode call than float32 ones); "fp8": float8 E4M3,
+    # values clamped to +-448 as stored, read back into the model's dtype (meant for GPUs: a
+    # CPU reads it through the portable backend, slowly).
     kv_cache_dtype: str = "auto"
     # K: device blocks `proactive` keeps free at least; None = 5% of the device pool
     kv_reserve_blocks: int | None = None
@@ -134,8 +139,8 @@ class CacheConfig:
             f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}",
         )
         _check(
-            self.kv_cache_dtype in ("auto", *DTYPES),
-            f"kv_cache_dtype must be 'auto' or one of {DTYPES}, got {self.kv_cache_dtype!r}",
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
         )
         _check(
             self.kv_reserve_blocks is None or self.kv_reserve_blocks >= 0,

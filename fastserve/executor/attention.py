@@ -28,6 +28,33 @@ import torch
 
 from fastserve.core.plan import ScheduledRequest
 
+# The largest float8 E4M3 value: K/V beyond it are clamped as stored (a plain cast overflows
+# to NaN), as vLLM's fp8 cache saturates.
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or for a float8 tensor the same memory as uint8: copies and indexed writes move
+    the same bytes, and some (index_copy_) have no float8 kernel."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the cache stores it: float8 saturates at +-FP8_MAX."""
+    if is_fp8(cache_dtype):
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(cache_dtype)
+
+
+def compute_dtype(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """What attention over the cache computes in: the cache's dtype (it may be wider than the
+    model's), except that a float8 cache is read back into the model's."""
+    return model_dtype if is_fp8(cache_dtype) else cache_dtype
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -135,7 +162,7 @@ class PagedAttention(ABC):
         """Write the new tokens' K/V at their slots (plain torch ops); returns the layer's
         K and V caches."""
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        cdt = k_cache.dtype  # may be wider than the model's (see CacheConfig.kv_cache_dtype)
-        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(cdt))
-        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(cdt))
+        cdt = k_cache.dtype  # may be wider or narrower than the model's (kv_cache_dtype)
+        as_bytes(k_cache).index_copy_(1, slot_mapping, as_bytes(to_cache_dtype(k.transpose(0, 1), cdt)))
+        as_bytes(v_cache).index_copy_(1, slot_mapping, as_bytes(to_cache_dtype(v.transpose(0, 1), cdt)))
         return k_cache, v_cache

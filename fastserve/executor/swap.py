@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastserve.executor.attention import PagedAttention
+from fastserve.executor.attention import PagedAttention, as_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -170,20 +170,24 @@ class KVSwapper(ABC):
                 if self._pending.get(b) is task:
                     del self._pending[b]
 
+    def _raw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device and host caches as the bytes the copies move (float8 as uint8)."""
+        return as_bytes(self.attn.kv_cache), as_bytes(self.host.blocks)
+
     def _copy_out(self, dev: int, host_dst: torch.Tensor, n: int) -> None:
         """Device blocks [dev, dev + n) into `host_dst` ([n, layers, 2, heads, bs, dim])."""
-        host_dst.copy_(self.attn.kv_cache[:, :, :, dev : dev + n].permute(_TO_HOST))
+        as_bytes(host_dst).copy_(as_bytes(self.attn.kv_cache)[:, :, :, dev : dev + n].permute(_TO_HOST))
 
     def _copy_in(self, src: torch.Tensor, dev: int, n: int) -> None:
         """`src` ([n, layers, 2, heads, bs, dim]) into device blocks [dev, dev + n)."""
-        self.attn.kv_cache[:, :, :, dev : dev + n].copy_(src.permute(_TO_DEVICE))
+        as_bytes(self.attn.kv_cache)[:, :, :, dev : dev + n].copy_(as_bytes(src).permute(_TO_DEVICE))
 
     def _copy_plan(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                    ) -> None:
         """A whole plan's copies on the CPU, swap-outs first: one gather and one scatter each
         way, every layer at once (per-run, per-layer copies of a few KiB cost ~44 us a block
         on this machine, the indexed ops ~5-8 us)."""
-        kv, host = self.attn.kv_cache, self.host.blocks
+        kv, host = self._raw()
         if swap_out:
             dev, hst = _index_pair(swap_out)
             host.index_copy_(0, hst, kv.index_select(3, dev).permute(_TO_HOST))
@@ -231,7 +235,7 @@ class CudaSwapper(KVSwapper):
     def _queue(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                ) -> list[_Task]:
         tasks = []
-        kv, host = self.attn.kv_cache, self.host.blocks
+        kv, host = self._raw()
         device = self.stream.device
         with torch.cuda.stream(self.stream):
             if swap_out:

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from fastserve.executor.attention import PagedAttention
+from fastserve.executor.attention import PagedAttention, as_bytes
 from fastserve.executor.backends.torch_sdpa import TorchAttention
 from fastserve.executor.model_runner import ModelRunner
 from fastserve.executor.swap import (
@@ -56,7 +56,7 @@ def round_trip(swapper: KVSwapper, attn: PagedAttention) -> None:
     swapper.submit(swap_out=list(zip(a + b, [0, 1, 2, 7, 8, 12, 13], strict=True)), swap_in=[])
     swapper.synchronize()
     for cache in attn.k_caches + attn.v_caches:  # the device blocks are reused meanwhile
-        cache.index_fill_(1, attn.block_slots(a + b), -1.0)
+        as_bytes(cache).index_fill_(1, attn.block_slots(a + b), 0x7F if cache.itemsize == 1 else -1.0)
     # ... and back into other device blocks, within the same plan as a further swap-out.
     a2, b2 = [12, 13, 14, 15, 16], [0, 30]
     swapper.submit(swap_out=[(31, 20)],
@@ -72,7 +72,7 @@ CPU_SWAPPERS = {"thread": ThreadSwapper, "inline": InlineSwapper}
 
 
 @pytest.mark.parametrize("worker", sorted(CPU_SWAPPERS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_cpu_round_trip_is_bit_identical(dtype: torch.dtype, worker: str) -> None:
     torch.set_num_threads(1)
     attn = random_cache("cpu", dtype)
@@ -150,7 +150,7 @@ def test_auto_takes_the_copy_thread_only_when_a_core_is_free() -> None:
 
 
 @requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_cuda_round_trip_is_bit_identical(dtype: torch.dtype) -> None:
     attn = random_cache("cuda", dtype)
     swapper = make_swapper(attn, num_host_blocks=24)

@@ -55,6 +55,8 @@ def backend_classes(name: str, device: torch.device) -> list[type[PagedAttention
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A cache may also be float8 (CacheConfig.kv_cache_dtype "fp8").
+KV_TORCH_DTYPES = {**TORCH_DTYPES, "fp8": torch.float8_e4m3fn}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -62,7 +64,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) ->
     except that a half-precision model on CPU keeps a float32 cache (what the CPU kernels
     read; CPU half-precision attention is slow)."""
     if name != "auto":
-        return TORCH_DTYPES[name]
+        return KV_TORCH_DTYPES[name]
     if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return model_dtype

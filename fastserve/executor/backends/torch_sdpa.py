@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastserve.core.block_pool import is_contiguous
 from fastserve.core.plan import ScheduledRequest
-from fastserve.executor.attention import AttentionMetadata, PagedAttention
+from fastserve.executor.attention import AttentionMetadata, PagedAttention, compute_dtype
 from fastserve.executor.cpu_linear import pack_for_small_batches
 
 
@@ -120,14 +120,14 @@ class TorchAttention(PagedAttention):
         """`q_len` new tokens after `ctx_len - q_len` cached ones: each attends to the whole
         cached prefix and causally to the new tokens (their K/V are in the cache already)."""
         # q: [q_len, num_heads, head_dim]
-        kc, vc = self._context(s, k_cache, v_cache)  # [num_kv_heads, ctx_len, head_dim]
+        kc, vc = self._context(s, k_cache, v_cache, q.dtype)  # [num_kv_heads, ctx_len, head_dim]
         start = s.ctx_len - s.q_len
         # Bottom-right causal: query i (position start + i) sees keys 0..start + i. A boolean
         # mask keeps SDPA on its fused CPU kernel (no [heads, q_len, ctx_len] scores in memory).
         keys = torch.arange(s.ctx_len, device=q.device)
         mask = keys.unsqueeze(0) <= (start + torch.arange(s.q_len, device=q.device)).unsqueeze(1)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0).to(k_cache.dtype),
+            q.transpose(0, 1).unsqueeze(0).to(kc.dtype),
             kc.unsqueeze(0),
             vc.unsqueeze(0),
             attn_mask=mask,  # [q_len, ctx_len]
@@ -137,26 +137,30 @@ class TorchAttention(PagedAttention):
 
     @staticmethod
     def _context(
-        s: SeqSlice, k_cache: torch.Tensor, v_cache: torch.Tensor
+        s: SeqSlice, k_cache: torch.Tensor, v_cache: torch.Tensor, model_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's cached K and V, [num_kv_heads, ctx_len, head_dim] each: a view when
-        its blocks run consecutively, a gather otherwise."""
+        its blocks run consecutively, a gather otherwise (a float8 cache's, in the model's
+        dtype)."""
         if s.slot_index is None:
             end = s.slot_start + s.ctx_len
-            return k_cache[:, s.slot_start : end], v_cache[:, s.slot_start : end]
-        return k_cache.index_select(1, s.slot_index), v_cache.index_select(1, s.slot_index)
+            kc, vc = k_cache[:, s.slot_start : end], v_cache[:, s.slot_start : end]
+        else:
+            kc, vc = k_cache.index_select(1, s.slot_index), v_cache.index_select(1, s.slot_index)
+        dt = compute_dtype(k_cache.dtype, model_dtype)
+        return kc.to(dt), vc.to(dt)
 
     def _decode(
         self, s: SeqSlice, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """One query token against the cached context, as a view when blocks are contiguous."""
-        kc, vc = self._context(s, k_cache, v_cache)
+        kc, vc = self._context(s, k_cache, v_cache, q.dtype)
         num_heads = q.shape[1]
         group = num_heads // self.num_kv_heads
         # The `group` query heads sharing a KV head become `group` query rows against it,
         # so GQA needs no expanded K/V.
         o = F.scaled_dot_product_attention(
-            q[s.q_start].reshape(1, self.num_kv_heads, group, self.head_dim).to(k_cache.dtype),
+            q[s.q_start].reshape(1, self.num_kv_heads, group, self.head_dim).to(kc.dtype),
             kc.unsqueeze(0),  # [1, num_kv_heads, ctx_len, head_dim]
             vc.unsqueeze(0),
         )  # [1, num_kv_heads, group, head_dim]

@@ -75,8 +75,11 @@ class TritonAttention(PagedAttention):
     @classmethod
     def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
         # On CPU only under Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
-        runs_here = device.type == "cuda" or (device.type == "cpu" and ops.INTERPRETED)
-        return runs_here and cache_dtype in (torch.float32, torch.float16, torch.bfloat16)
+        if device.type == "cpu":
+            return ops.INTERPRETED and cache_dtype in ops.CACHE_DTYPES
+        if cache_dtype == torch.float8_e4m3fn:  # Triton converts float8 E4M3 on sm89+ only
+            return torch.cuda.get_device_capability(device) >= (8, 9)
+        return device.type == "cuda" and cache_dtype in ops.CACHE_DTYPES
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:

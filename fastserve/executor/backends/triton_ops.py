@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastserve.executor.attention import FP8_MAX, compute_dtype, is_fp8
 from fastserve.model.make_model import cache_dir
 
 # Whether these kernels run under Triton's interpreter (read when triton decorates them): then
@@ -43,33 +44,53 @@ def _pow2(n: int) -> int:
     return max(_MIN_DOT, triton.next_power_of_2(n))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 caches get exact fp32 dots (tf32 would round q and k to 10-bit mantissas); for
+def _precision(cache: torch.Tensor, q: torch.Tensor) -> str:
+    # float32 dots are exact fp32 ones (tf32 would round q and k to 10-bit mantissas); for
     # half types the option is ignored.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if compute_dtype(cache.dtype, q.dtype) == torch.float32 else "tf32"
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# The caches these kernels read and write.
+CACHE_DTYPES = (*_TL_DTYPES, torch.float8_e4m3fn)
 
 
-def _dot_dtype(cache: torch.Tensor) -> tl.dtype:
-    """What `tl.dot`'s operands are cast to: the cache's dtype on a GPU. NOTE: Triton's
-    interpreter (CPU tensors) multiplies bfloat16 as the raw 16-bit integers it stores them
-    in, so there bf16 operands are widened to float32 (the products are then exact, which
-    the tests' tolerance covers either way)."""
-    if cache.device.type == "cpu" and cache.dtype == torch.bfloat16:
+def _dot_dtype(cache: torch.Tensor, q: torch.Tensor) -> tl.dtype:
+    """What `tl.dot`'s operands are cast to: the cache's dtype on a GPU (a float8 cache's
+    tiles are widened to the model's). NOTE: Triton's interpreter (CPU tensors) multiplies
+    bfloat16 as the raw 16-bit integers it stores them in, so there bf16 operands are widened
+    to float32 (the products are then exact, which the tests' tolerance covers either way)."""
+    dtype = compute_dtype(cache.dtype, q.dtype)
+    if cache.device.type == "cpu" and dtype == torch.bfloat16:
         return tl.float32
-    return _TL_DTYPES[cache.dtype]
+    return _TL_DTYPES[dtype]
 
 
 # --------------------------------------------------------------------------- KV store
 
 
 @triton.jit
+def _to_e4m3_grid(x, FP8_MAX: tl.constexpr):
+    """float32 `x` saturated and rounded (to nearest, ties to even) onto float8 E4M3's values,
+    so that the cast after it is exact. NOTE: a GPU's cast rounds the same way by itself;
+    Triton's interpreter does not (it rounds ties up and drops the carry into the exponent:
+    7.99 became 4.0), and the tests run the kernels there."""
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    # Normal values: keep 3 of float32's 23 mantissa bits, rounding on the 20 dropped ones.
+    b = x.to(tl.uint32, bitcast=True)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormal ones (below 2**-6) sit on a grid of 2**-9: float32's own rounding of a sum
+    # whose ulp is 2**-9 puts them there (the sign put back after: -0.0 stays negative).
+    tiny = (tl.abs(x) + 24576.0) - 24576.0
+    tiny = tl.where((b >> 31) != 0, -tiny, tiny)
+    return tl.where(tl.abs(x) < 0.015625, tiny, normal)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -80,6 +101,9 @@ def _store_kv_kernel(
     dm = d < HEAD_DIM
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
+    if FP8_MAX > 0:  # a float8 cache saturates (see attention.FP8_MAX)
+        k = _to_e4m3_grid(k.to(tl.float32), FP8_MAX)
+        v = _to_e4m3_grid(v.to(tl.float32), FP8_MAX)
     dst = h * stride_ch + slot * stride_cs + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dm)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dm)
@@ -96,6 +120,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=FP8_MAX if is_fp8(k_cache.dtype) else 0.0,
     )
 
 
@@ -287,7 +312,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=_pow2(group) if use_dot else triton.next_power_of_2(group),
         BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
-        PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
+        PRECISION=_precision(k_cache, q), DOT_DT=_dot_dtype(k_cache, q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -370,7 +395,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = num_heads // k_cache.shape[0]
     block_d = triton.next_power_of_2(head_dim)
     # Wider tiles for half types; float32 tiles twice the bytes (shared memory).
-    block_m = 64 if k_cache.dtype != torch.float32 and block_d <= 128 else 32
+    block_m = 64 if compute_dtype(k_cache.dtype, q.dtype) != torch.float32 and block_d <= 128 else 32
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
     grid = (num_prefills, num_heads, triton.cdiv(max_q_len, block_m))
@@ -379,7 +404,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), block_table.stride(0), block_size, scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32,
-        PRECISION=_precision(k_cache.dtype), DOT_DT=_dot_dtype(k_cache),
+        PRECISION=_precision(k_cache, q), DOT_DT=_dot_dtype(k_cache, q),
     )
 
 

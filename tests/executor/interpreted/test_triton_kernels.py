@@ -144,6 +144,69 @@ def test_paged_prefill_varlen_and_chunk_after_cached_prefix(dtype: torch.dtype) 
     assert not out[[0, 54]].any()
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def test_store_kv_into_a_float8_cache_rounds_and_saturates() -> None:
+    """A float8 cache holds each K/V value bit for bit as torch rounds it to E4M3 (to nearest,
+    ties to even, subnormals and -0.0 included), and values past its range as +-448 (a plain
+    cast would store NaN); a padding row stores nothing."""
+    torch.manual_seed(1)
+    dim = 1024  # a token's head holds 1024 of the values: few programs for the interpreter
+    x = torch.cat([torch.linspace(-20, 20, 8001), torch.linspace(-0.03, 0.03, 4001),
+                   torch.randn(2000) * 100, torch.tensor([448.0, 449.0, 500.0, -1e9, -0.0])])
+    x = torch.cat([x, torch.randn(-x.numel() % dim)]).view(-1, 1, dim)  # [tokens, 1, dim]
+    tokens = x.shape[0]
+    junk = torch.full((1, 1, dim), 3.0)  # one more row, a CUDA graph's padding: stores nothing
+    k, v = torch.cat([x, junk]).to(DEVICE), torch.cat([-x, junk]).to(DEVICE)
+    k_cache = torch.zeros(1, tokens + 1, dim, device=DEVICE, dtype=FP8)
+    v_cache = torch.zeros(1, tokens + 1, dim, device=DEVICE, dtype=FP8)
+    slots = torch.tensor([*range(tokens), -1], device=DEVICE)
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    for cache, src in ((k_cache, x), (v_cache, -x)):
+        expect = src.clamp(-448, 448).to(FP8).transpose(0, 1).view(torch.uint8)
+        assert torch.equal(cache[:, :tokens].view(torch.uint8).cpu(), expect)
+        assert not cache[:, tokens:].view(torch.uint8).any()
+    last = k_cache[0, 13, 690:694].float().tolist()  # 448, 449, 500, -1e9
+    assert last == [448.0, 448.0, 448.0, -448.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "sum"])
+def test_paged_decode_and_prefill_read_a_float8_cache(dtype: torch.dtype, use_dot: bool) -> None:
+    """With a float8 cache the kernels attend over its values widened to the model's dtype:
+    the reference is the same attention over the dequantized cache, to the model dtype's
+    tolerance (the quantization itself is what `kv_cache_dtype="fp8"` asks for)."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, bs = 8, 2, 32, 4
+    k_cache = torch.randn(kv_heads, 40 * bs, dim, device=DEVICE).to(FP8)
+    v_cache = torch.randn(kv_heads, 40 * bs, dim, device=DEVICE).to(FP8)
+    kf, vf = k_cache.float(), v_cache.float()
+    tables = [[3, 4, 5, 30], [10, 2, 39, 7, 33, 21]]
+    lens = [14, 23]
+    q = torch.randn(2, heads, dim, device=DEVICE).to(dtype)
+    out = torch.zeros_like(q)
+    rows = torch.tensor([0, 1], device=DEVICE)
+    ops.paged_decode(q, k_cache, v_cache, rows, _padded(tables),
+                     torch.tensor(lens, dtype=torch.int32, device=DEVICE), bs, dim**-0.5, 2,
+                     out, config=ops.DecodeConfig(block_n=32, use_dot=use_dot))
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        s = _slots(table, n, bs).to(DEVICE)
+        ref = _attend(q[i : i + 1], kf[:, s].transpose(0, 1), vf[:, s].transpose(0, 1), n - 1)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+    # A 9-token chunk after 14 cached tokens of request 0, through the same cache.
+    qp = torch.randn(9, heads, dim, device=DEVICE).to(dtype)
+    outp = torch.zeros_like(qp)
+    ops.paged_prefill(qp, k_cache, v_cache, torch.tensor([0], device=DEVICE),
+                      torch.tensor([9], dtype=torch.int32, device=DEVICE),
+                      torch.tensor([23], dtype=torch.int32, device=DEVICE),
+                      _padded([[3, 4, 5, 30, 31, 32]]), 9, bs, dim**-0.5, outp)
+    s = _slots([3, 4, 5, 30, 31, 32], 23, bs).to(DEVICE)
+    ref = _attend(qp, kf[:, s].transpose(0, 1), vf[:, s].transpose(0, 1), 14)
+    torch.testing.assert_close(outp.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
@@ -298,5 +361,39 @@ def test_runner_with_triton_backend_matches_torch_backend(tiny_model_path: Path)
             logits = [r._forward(r._prepare(reqs), reqs)[0] for r in runners]
         assert logits[0] is not None and logits[1] is not None
         torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    out = runners[0].execute(SchedulerOutput(scheduled=steps[-1]))
+    assert len(out.sampled_token_ids) == 2 and not out.failed
+
+
+def test_runner_with_an_fp8_cache_on_triton_tracks_the_portable_backend(
+    tiny_model_path: Path,
+) -> None:
+    """The whole model over a float8 cache, Triton backend against the portable one (both
+    store the same E4M3 values; the Triton prefill attends over them where the portable one
+    uses the fresh K/V, so the logits agree to the quantization's few percent, not 1e-4)."""
+    cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4,
+                        kv_cache_dtype="fp8")
+    runners = []
+    for name in ("triton", "torch"):
+        model, arch = load_model(tiny_model_path, torch.float32, str(DEVICE))
+        config = ModelConfig(device=str(DEVICE), attention_backend=name, enforce_eager=True)
+        runners.append(ModelRunner(model, arch, config, cache, [2]))
+    assert [r.attn.kv_cache.dtype for r in runners] == [FP8, FP8]
+    assert isinstance(runners[0].attn, TritonAttention)
+    a, b = [3, 4, 5], [9, 1, 17, 12]
+    steps = [
+        [_req("A", 19, 0, a), _req("B", 10, 0, b)],
+        [_req("A", 1, 19, a), _req("B", 16, 10, b)],
+        [_req("A", 1, 20, a), _req("B", 1, 26, b)],
+    ]
+    for reqs in steps:
+        reqs = [dataclasses.replace(r, token_ids=[(7 * i + 3) % 50 + 4 for i in
+                                                  range(len(r.token_ids))]) for r in reqs]
+        with torch.inference_mode():
+            logits = [r._forward(r._prepare(reqs), reqs)[0] for r in runners]
+        assert logits[0] is not None and logits[1] is not None
+        assert torch.isfinite(logits[0]).all()
+        spread = (logits[1] - logits[1].mean(-1, keepdim=True)).norm(dim=-1)
+        assert float(((logits[0] - logits[1]).norm(dim=-1) / spread).max()) < 0.2
     out = runners[0].execute(SchedulerOutput(scheduled=steps[-1]))
     assert len(out.sampled_token_ids) == 2 and not out.failed
