@@ -73,6 +73,8 @@ class LLM:
                 )
         ids = []
         for prompt, p in zip(prompt_list, param_list):
+            # Only the final outputs are returned: none is built per token.
+            p = p if p.final_only else dataclasses.replace(p, final_only=True)
             ids.append(self.engine.add_request(prompt, p).request_id)
         results: dict[str, list[RequestOutput]] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:

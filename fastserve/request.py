@@ -150,6 +150,11 @@ class SamplingParams:
     best_of: int | None = None
     # Structured output: the grammar the text must match (None: free text).
     structured_output: StructuredOutputParams | None = None
+    # Which outputs the caller gets (vLLM's RequestOutputKind): every iteration's (False:
+    # streaming), or only the finished one (True): then no output is built per token, and
+    # the text is decoded once at the end unless stop strings need it as it grows.
+    # `LLM.generate` and the server's non-streaming requests ask for the final one only.
+    final_only: bool = False
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -187,6 +192,9 @@ class SamplingParams:
         if bad:
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids (integers >= 0), got {bad[:5]}", "stop_token_ids")
+        if not isinstance(self.final_only, bool):
+            raise InvalidRequestError(
+                f"final_only must be a bool, got {self.final_only!r}", "final_only")
         self._check_logits_fields()
         self._check_sequences()
         self._check_structured_output()

@@ -275,11 +275,16 @@ class LLMEngine:
             self.outputs.take_logprobs(touched, self.core.last_output)
         for req in touched:
             self._advance_grammar(req)
-            self._detokenize(req)
+            if req.is_finished or not req.params.final_only or req.params.stop:
+                self._detokenize(req)
+        for req in self._aborted:
+            if req.params.final_only:  # its text was not kept up as it grew
+                self._detokenize(req)
         touched += self._aborted
         self._aborted = []
         self.groups.after_step(touched)
-        outputs = self.groups.outputs([self._output(r) for r in touched])
+        outputs = self.groups.outputs(
+            [self._output(r) for r in touched if r.is_finished or not r.params.final_only])
         if len(self.grammars):
             for req in touched:
                 if req.is_finished:

@@ -60,6 +60,12 @@ class OutputProcessor:
         """Take the request's new tokens into its text; True when a stop string was reached."""
         st = self._streams[req.request_id]
         stops = req.params.stop
+        if not stops and req.is_finished and st.num_detok_tokens == 0:
+            # All of it at once (a final-only request): one decode, the same text (see
+            # IncrementalDetokenizer's NOTE).
+            st.text = self.tokenizer.decode(req.output_token_ids)
+            st.num_detok_tokens = req.num_output_tokens
+            return False
         start = len(st.text)
         for tok in req.output_token_ids[st.num_detok_tokens :]:
             st.text += st.detok.add(tok)

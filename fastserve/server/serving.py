@@ -183,6 +183,8 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens)
         except ValueError as exc:
             raise bad_input(exc, "prompt") from exc
+        if not body.stream:  # one response body: the engine builds the final outputs only
+            params = dataclasses.replace(params, final_only=True)
         if body.stream and params.num_sequences > params.n:  # OpenAI refuses it too
             raise schemas.APIError(
                 400, f"best_of: streaming needs best_of equal to n ({params.n}): the best "
