@@ -10,6 +10,7 @@ which the CUDA backend reads at start-up (as vLLM ships fused-MoE configs per de
 into `fastserve/executor/backends/configs/` to ship it.
 
     python benchmarks/triton_decode_sweep.py [--dtype bfloat16] [--quick]
+    python benchmarks/triton_decode_sweep.py --kv-cache-dtype fp8   # a float8 E4M3 cache's configs
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import asdict
 
 import torch
 
+from fastserve.executor.backends import KV_TORCH_DTYPES
 from fastserve.executor.backends import triton_ops as ops
 
 # (batch, context): a decode step's context is the tokens before it plus its own, so these are
@@ -32,7 +34,8 @@ HEAD_DIM, BLOCK_SIZE = 128, 16
 LAYERS = 4
 
 
-def _case(batch: int, ctx: int, heads: int, kv_heads: int, dtype: torch.dtype) -> dict:
+def _case(batch: int, ctx: int, heads: int, kv_heads: int, dtype: torch.dtype,
+          cache_dtype: torch.dtype) -> dict:
     per = -(-ctx // BLOCK_SIZE)
     num_blocks = batch * per
     g = torch.Generator().manual_seed(0)
@@ -41,15 +44,15 @@ def _case(batch: int, ctx: int, heads: int, kv_heads: int, dtype: torch.dtype) -
     return dict(
         q=torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=dtype),
         # Several layers' caches, read in turn: a layer's KV is never in L2 from its last read.
-        k_caches=[torch.randn(slots, device="cuda", dtype=dtype) for _ in range(LAYERS)],
-        v_caches=[torch.randn(slots, device="cuda", dtype=dtype) for _ in range(LAYERS)],
+        k_caches=[torch.randn(slots, device="cuda").to(cache_dtype) for _ in range(LAYERS)],
+        v_caches=[torch.randn(slots, device="cuda").to(cache_dtype) for _ in range(LAYERS)],
         q_rows=torch.arange(batch, device="cuda"),
         block_table=tables.cuda(),
         ctx_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
         out=torch.empty(batch, heads, HEAD_DIM, device="cuda", dtype=dtype),
         splits=ops.decode_splits(batch, kv_heads, ctx,
                                  torch.cuda.get_device_properties(0).multi_processor_count),
-        kv_bytes=2 * batch * ctx * kv_heads * HEAD_DIM * torch.empty((), dtype=dtype).element_size(),
+        kv_bytes=2 * batch * ctx * kv_heads * HEAD_DIM * cache_dtype.itemsize,
     )
 
 
@@ -73,7 +76,9 @@ def _time_ms(case: dict, cfg: ops.DecodeConfig, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="the model's (q and the output)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_TORCH_DTYPES],
+                    help="the cache's (auto: --dtype)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer configs")
     ap.add_argument("--no-write", action="store_true", help="print only")
@@ -82,13 +87,15 @@ def main() -> None:
         print("(no CUDA device: nothing to tune)")
         return
     dtype = getattr(torch, args.dtype)
+    cache_dtype = dtype if args.kv_cache_dtype == "auto" else KV_TORCH_DTYPES[args.kv_cache_dtype]
     device_name = torch.cuda.get_device_name(0)
     block_ns, warps, stages = ((32, 64), (4,), (2, 3)) if args.quick else ((32, 64, 128), (4, 8), (2, 3))
     t0 = time.perf_counter()
     for model, (heads, kv_heads) in ATTENTION.items():
         group = heads // kv_heads
-        cases = [_case(b, c, heads, kv_heads, dtype) for b, c in SHAPES]
-        print(f"\n{model} attention ({heads} heads, {kv_heads} KV heads, {args.dtype}) on "
+        cases = [_case(b, c, heads, kv_heads, dtype, cache_dtype) for b, c in SHAPES]
+        print(f"\n{model} attention ({heads} heads, {kv_heads} KV heads, {args.dtype}, "
+              f"{str(cache_dtype).removeprefix('torch.')} cache) on "
               f"{device_name}: KV GB/s at (batch, context) {SHAPES}")
         results = []
         for block_n, nw, ns, dot in itertools.product(block_ns, warps, stages, (False, True)):
@@ -109,7 +116,8 @@ def main() -> None:
         base = next((r for r in results if r[1] == default), None)
         gain = f", {base[0] / best[0]:.2f}x the default's time" if base else ""
         print(f"  best: {best[1]} ({' / '.join(f'{t:.3f}' for t in best[2])} ms{gain})")
-        tuned = {ops.DecodeConfig.key(group, HEAD_DIM, dtype): asdict(best[1])}
+        # NOTE: keyed by the cache's dtype, as the backend looks it up.
+        tuned = {ops.DecodeConfig.key(group, HEAD_DIM, cache_dtype): asdict(best[1])}
         if not args.no_write:
             path = ops.tuned_config_dir() / ops.tuned_config_name(device_name)
             path.parent.mkdir(parents=True, exist_ok=True)
