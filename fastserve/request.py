@@ -144,6 +144,9 @@ class SamplingParams:
     # Derived: whether any of the fields above but min_p is used, so that a batch where none
     # is skips their work after one check per request.
     uses_logits_fields: bool = field(default=False, init=False, repr=False, compare=False)
+    # Derived: whether the executor needs the request's prompt and output tokens: penalties
+    # count them, and prompt log-probabilities score prompt tokens past the chunk fed.
+    needs_token_history: bool = field(default=False, init=False, repr=False, compare=False)
     # Several sequences over one prompt (fastserve.engine.group): `n` are returned, out of
     # `best_of` generated (None: n), the n with the highest cumulative log-probability.
     n: int = 1
@@ -221,6 +224,8 @@ class SamplingParams:
         object.__setattr__(self, "uses_logits_fields", bool(
             self.logprobs is not None or self.prompt_logprobs is not None or self.bias_items
             or self.has_penalties))
+        object.__setattr__(self, "needs_token_history",
+                           self.has_penalties or self.prompt_logprobs is not None)
 
     @property
     def bias_items(self) -> tuple[tuple[int, float], ...]:
@@ -232,12 +237,6 @@ class SamplingParams:
         """Whether the sampler must count this request's earlier tokens."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
-
-    @property
-    def needs_token_history(self) -> bool:
-        """Whether the executor needs the request's prompt and output tokens: penalties count
-        them, and prompt log-probabilities score prompt tokens past the chunk fed."""
-        return self.has_penalties or self.prompt_logprobs is not None
 
     def _check_sequences(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SEQUENCES:

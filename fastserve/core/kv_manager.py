@@ -143,7 +143,10 @@ class KVCacheManager:
         NOTE: a swapped request must be uploaded first."""
         if request_id in self._host_tables:
             raise ValueError(f"request {request_id!r} is swapped out; upload it before allocating")
-        if request_id in self._tables:
+        table = self._tables.get(request_id)
+        if table is not None:
+            if len(table) * self.block_size >= num_tokens:
+                return []  # the common decode step: nothing taken (end_iteration notes the peak)
             prefix_hashes = ()
         elif self.shortfall(request_id, num_tokens, prefix_hashes) > 0:
             return None
@@ -251,6 +254,7 @@ class KVCacheManager:
 
     def end_iteration(self) -> None:
         """The plan is complete: host blocks read by its uploads may be reused from now on."""
+        self._note_peak()  # NOTE: also what sharing cached blocks took, noted nowhere else
         if self._host_releasing:
             self.host.free(self._host_releasing)
             self._host_releasing = []

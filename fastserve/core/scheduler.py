@@ -453,22 +453,31 @@ class Scheduler(ABC):
                 self.num_preemptions += 1
                 preempted.append(rid)
         scheduled = []
+        block_table = self.kv.block_table
         for req in batch:
             req.status = RequestStatus.RUNNING
-            n = chunks[req.request_id]
+            rid = req.request_id
+            n = chunks[rid]
+            start = req.num_computed_tokens
+            outputs = req.output_token_ids
+            num_tokens = len(req.prompt_token_ids) + len(outputs)
+            if start == num_tokens - 1:  # a decode: the last token (as _new_tokens)
+                tokens = [outputs[-1] if outputs else req.prompt_token_ids[-1]]
+            else:
+                tokens = _new_tokens(req, n)
             # Penalties and prompt log-probabilities read the request's tokens (else none).
             history = req.params.needs_token_history
             scheduled.append(
                 ScheduledRequest(
-                    request_id=req.request_id,
-                    token_ids=_new_tokens(req, n),
-                    start_pos=req.num_computed_tokens,
-                    block_ids=list(self.kv.block_table(req.request_id)),
+                    request_id=rid,
+                    token_ids=tokens,
+                    start_pos=start,
+                    block_ids=list(block_table(rid)),
                     params=req.params,
-                    num_output_tokens=req.num_output_tokens,
-                    samples=req.num_computed_tokens + n == req.num_tokens,
+                    num_output_tokens=len(outputs),
+                    samples=start + n == num_tokens,
                     prompt_token_ids=req.prompt_token_ids if history else (),
-                    output_token_ids=req.output_token_ids if history else (),
+                    output_token_ids=outputs if history else (),
                 )
             )
         # Jobs still in flight ran in an earlier batch: they are checked once they are back.
@@ -490,11 +499,12 @@ class Scheduler(ABC):
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        if req.num_output_tokens >= p.min_tokens and (
+        num_output = len(req.output_token_ids)
+        if num_output >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
             return FinishReason.STOP
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_model_len:
+        if num_output >= p.max_tokens or len(req.prompt_token_ids) + num_output >= req.max_model_len:
             return FinishReason.LENGTH
         return None
 
