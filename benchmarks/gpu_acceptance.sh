@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_acceptance.sh [LOG_DIR] [STEPS]
 #
 # LOG_DIR defaults to $OUT (the device tool's return folder), else ./gpu-logs. STEPS is a
-# comma-separated subset of: sweep,decode,sweep8,fp8,tests,kernels,thr32,thr128,copy,served,kv,suite
+# comma-separated subset of: sweep,decode,sweep8,fp8,tests,kernels,sampling,thr32,thr128,copy,
+# served,kv,suite
 # (default: all but suite, about 11 minutes on an H200: past the device tool's 10 minutes a call,
 # so run it as two calls, e.g. sweep,decode,sweep8,fp8,tests,kernels then the rest). Each step
 # has its own time limit, so one that hangs or crashes does not cost the others; the last lines
@@ -13,7 +14,7 @@
 set -u
 cd "$(dirname "$0")/.."
 log=${1:-${OUT:-gpu-logs}}
-steps=${2:-sweep,decode,sweep8,fp8,tests,kernels,thr32,thr128,copy,served,kv}
+steps=${2:-sweep,decode,sweep8,fp8,tests,kernels,sampling,thr32,thr128,copy,served,kv}
 mkdir -p "$log"
 export PYTHONUNBUFFERED=1
 model=(--preset llama-2-7b)
@@ -41,6 +42,8 @@ step tests 150 python3 -m pytest -q -n 4 --timeout 120 -p no:cacheprovider \
 # The Triton kernels against torch, natively (CI runs them under Triton's interpreter).
 step kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider \
   tests/executor/interpreted/test_triton_kernels.py
+# Temperature sampling: one multinomial launch per row against the batched draw.
+step sampling 60 python3 benchmarks/sampling_overhead.py --draw-ab --device cuda
 step thr32 90 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 32 --reps 1 \
   --kv-cache-gib 20
 step thr128 100 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 128 --reps 1 \

@@ -10,6 +10,10 @@ machine shared with other jobs disturbs far less than wall-clock time.
 
     PYTHONPATH=. .venv/bin/python benchmarks/sampling_overhead.py [--reps 5] [--features]
         [--against ../main/fastserve/executor/sampler.py]
+
+3. `--draw-ab`: temperature sampling of unseeded rows drawn one multinomial per row against
+   drawn together (`Sampler.batched_draw`, the default on a GPU), interleaved, wall-clock with
+   the device synchronised, at batch 32/128/256 over a 32,000 vocabulary (`--device cuda`).
 """
 
 from __future__ import annotations
@@ -89,6 +93,28 @@ def sampler_ab_us(other: Any, batch: int, vocab: int, temperature: float,
     return before, after
 
 
+def draw_ab_ms(device: torch.device, batch: int, vocab: int, reps: int) -> tuple[float, float]:
+    """Median wall milliseconds of Sampler.sample at temperature 1 (unseeded rows): one
+    multinomial per row against the batched draw, interleaved, device synchronised."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=g).to(device)
+    params = SamplingParams(max_tokens=256, temperature=1.0)
+    reqs = [ScheduledRequest(f"r{i}", [1], 640, [0], params, 128) for i in range(batch)]
+    samplers = [Sampler([2], 0, device, batched_draw=False), Sampler([2], 0, device, batched_draw=True)]
+    times: list[list[float]] = [[], []]
+    for rep in range(reps * 4 + 2):
+        for k in (rep % 2, 1 - rep % 2):
+            x = logits.clone()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            samplers[k].sample(x, reqs)  # NOTE: reads the tokens back: synchronised
+            if rep >= 2:
+                times[k].append(time.perf_counter() - t)
+    per_row, batched = (statistics.median(ts) * 1e3 for ts in times)
+    return per_row, batched
+
+
 def generate_tok_s(llm: LLM, prompts: list[list[int]], n_out: int, temperature: float,
                    features: bool) -> float:
     base = SamplingParams(max_tokens=n_out, temperature=temperature, ignore_eos=True, seed=1)
@@ -110,8 +136,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--features", action="store_true", help="every request uses issue 27's fields")
     ap.add_argument("--against", default=None, help="another checkout's executor/sampler.py")
+    ap.add_argument("--draw-ab", action="store_true",
+                    help="per-row against batched draws of unseeded rows (part 3)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.draw_ab:
+        for batch in (32, 128, 256):
+            per_row, batched = draw_ab_ms(torch.device(args.device), batch, 32000, args.reps)
+            print(f"temperature 1, batch {batch}, vocab 32000 on {args.device}: one draw per row "
+                  f"{per_row:.2f} ms, batched {batched:.2f} ms ({per_row / batched:.2f}x)")
+        return
     if args.against:
         other = _load_sampler(args.against)
         for batch, vocab in ((args.batch, args.vocab), (8, 4096)):

@@ -134,3 +134,36 @@ def test_tied_logits_give_top_k_one_and_tiny_top_p_the_greedy_token() -> None:
     picked = [sampler.sample(logits.clone(), [ScheduledRequest(str(i), [7], 0, [0], p, 0)]).token_ids
               for i, p in enumerate(params)]
     assert picked == [[1000]] * 3
+
+
+def test_the_batched_draw_follows_the_distribution_and_leaves_seeded_rows_alone() -> None:
+    """A GPU's sampler draws the unseeded rows together (an exponential race): over 4,000
+    rows its frequencies are the filtered distribution's, no token outside top-k comes out,
+    and seeded rows in the same batch get the tokens the per-row draw gives them."""
+    import torch
+
+    from fastserve.core.plan import ScheduledRequest
+    from fastserve.executor.sampler import Sampler
+
+    probs = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.01, 0.01])
+    n = 4000
+    logits = probs.log().expand(n, -1).contiguous()
+    unseeded = SamplingParams(temperature=1.0, top_k=6)  # drops the two last tokens
+    reqs = [ScheduledRequest(f"u{i}", [7], 0, [0], unseeded, 0) for i in range(n)]
+    batched = Sampler([2], seed=0, device=torch.device("cpu"), batched_draw=True)
+    tokens = torch.tensor(batched.sample(logits.clone(), reqs).token_ids)
+    assert tokens.min() >= 0 and tokens.max() <= 5
+    freq = torch.bincount(tokens, minlength=8).float() / n
+    expected = torch.cat([probs[:6] / probs[:6].sum(), torch.zeros(2)])
+    assert (freq - expected).abs().max() < 0.03, (freq, expected)  # ~4 standard deviations
+
+    mixed = [ScheduledRequest("s1", [7], 0, [0], SamplingParams(temperature=1.0, seed=11), 0),
+             ScheduledRequest("u", [7], 0, [0], SamplingParams(temperature=1.0), 0),
+             ScheduledRequest("s2", [7], 0, [0], SamplingParams(temperature=0.7, seed=12), 0)]
+    flat = torch.zeros(3, 50)  # every token equally likely: the seeds alone decide
+    per_row = Sampler([2], seed=0, device=torch.device("cpu"), batched_draw=False)
+    fresh = Sampler([2], seed=5, device=torch.device("cpu"), batched_draw=True)
+    a = [per_row.sample(flat.clone(), mixed).token_ids for _ in range(5)]
+    b = [fresh.sample(flat.clone(), mixed).token_ids for _ in range(5)]
+    assert [t[0] for t in a] == [t[0] for t in b] and [t[2] for t in a] == [t[2] for t in b]
+    assert len({t[0] for t in a}) > 1  # (the seeded rows do draw)

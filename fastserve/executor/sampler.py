@@ -39,9 +39,15 @@ class Sampler:
     alone to find the culprits while the other rows still get their tokens.
     """
 
-    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
+    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device,
+                 batched_draw: bool | None = None) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
+        # Rows without a seed of their own draw together (`_race`): a few kernels for the
+        # batch instead of a multinomial launch per row, which on a GPU costs more than the
+        # rest of the sampling. On a CPU the per-row multinomial measured faster (1.3-1.7x at
+        # batch 32-128, vocab 4k-32k), so by default only a GPU races.
+        self.batched_draw = device.type == "cuda" if batched_draw is None else batched_draw
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -115,11 +121,18 @@ class Sampler:
         # CUDA with a device-side assert) and is failed once the tokens are read.
         bad = ~torch.isfinite(probs).all(dim=-1)  # [n]
         probs.masked_fill_(bad.unsqueeze(1), 1.0)
+        alone = list(range(len(rows)))  # positions in `rows` drawn one by one
+        if self.batched_draw:
+            free = [j for j, i in enumerate(rows) if reqs[i].params.seed is None]
+            if free:
+                tokens[[rows[j] for j in free]] = _race(probs[free], self._default)
+                alone = [j for j, i in enumerate(rows) if reqs[i].params.seed is not None]
         # Row by row (a seeded request's generator is its own; on a CPU, one 2-D draw
         # measured slower than these), each a device op: nothing is read back yet.
-        drawn = [torch.multinomial(probs[j], 1, generator=self._generator(reqs[i]))
-                 for j, i in enumerate(rows)]
-        tokens[rows] = torch.cat(drawn)
+        if alone:
+            drawn = [torch.multinomial(probs[j], 1, generator=self._generator(reqs[rows[j]]))
+                     for j in alone]
+            tokens[[rows[j] for j in alone]] = torch.cat(drawn)
         values: list[int] = torch.cat([tokens, bad.long()]).tolist()
         out, is_bad = values[: len(reqs)], values[len(reqs) :]
         for j, i in enumerate(rows):
@@ -137,6 +150,17 @@ class Sampler:
             gen.manual_seed(req.params.seed)
             self._generators[req.request_id] = gen
         return gen
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [n, vocab] (unnormalised weights), drawn together: the
+    argmax of p / E with E ~ Exp(1) independent per entry is token i with probability
+    p_i / sum(p) (an exponential race, the Gumbel-max trick without logarithms)."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    # NOTE: an exact 0 from the draw would make a filtered token's 0 / 0 a NaN, which argmax
+    # takes for the largest: the smallest normal number instead keeps it at 0.
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return (probs / race).argmax(dim=-1)  # [n]
 
 
 def _filter_top_k_top_p(
