@@ -117,3 +117,29 @@ def test_the_engine_with_an_fp8_cache_swaps_and_frees_everything(tiny_model_path
 def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*'fp8'.*got 'int4'"):
         CacheConfig(kv_cache_dtype="int4")
+
+
+def test_an_fp8_cache_sharded_across_tensor_parallel_ranks(tiny_model_path: Path) -> None:
+    """Two gloo ranks, each holding half the KV heads in float8, with a pool small enough that
+    jobs swap out and back: the same greedy tokens as one process with a float8 cache, up to
+    the flips E4M3's rounding of slightly different K/V can cause (a rank's matmuls sum in
+    another order); a broken shard or swap would agree on next to nothing."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (3, 12, 20, 33, 50, 64)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    common = dict(dtype="float32", warmup=False, kv_cache_dtype="fp8", max_batch_size=3,
+                  block_size=4, num_device_blocks=24, num_host_blocks=200,
+                  policy="skip-join-mlfq", kv_policy="proactive")  # preempts, so it swaps
+    tokens, stats = [], []
+    for tp in (1, 2):
+        llm = LLM(tensor_parallel_size=tp, worker_timeout_s=60.0, **common)  # type: ignore[arg-type]
+        try:
+            tokens.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            stats.append(llm.engine.stats())
+        finally:
+            llm.shutdown()
+    assert stats[1]["swap_out_blocks"] > 0 and stats[1]["swap_in_blocks"] > 0
+    assert stats[1]["kv_blocks_free"] == stats[1]["kv_blocks_total"]
+    pairs = [(a, b) for x, y in zip(*tokens, strict=True) for a, b in zip(x, y, strict=True)]
+    assert len(pairs) == 6 * 16
+    assert sum(a == b for a, b in pairs) >= len(pairs) // 2
