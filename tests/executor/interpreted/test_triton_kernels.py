@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -335,34 +336,49 @@ def test_graph_metadata_replays_a_padded_decode_batch() -> None:
     torch.testing.assert_close(attn.kv_cache, before)  # the same K/V again, padding nowhere
 
 
-def test_runner_with_triton_backend_matches_torch_backend(tiny_model_path: Path) -> None:
-    """The whole model through `ModelRunner` (the tiny preset, float32): chunked and whole
-    prefills, then decodes mixed with a chunk, then decodes only; the Triton backend's logits
-    are the portable backend's, and `execute` samples one token per request."""
-    cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)
+# Three iterations through the whole model: A (19 prompt tokens) and B (26, in two chunks)
+# prefill, then A decodes beside B's second chunk, then both decode.
+_A, _B = [3, 4, 5], [9, 1, 17, 12]
+_MIXED_STEPS = [
+    [_req("A", 19, 0, _A), _req("B", 10, 0, _B)],
+    [_req("A", 1, 19, _A), _req("B", 16, 10, _B)],
+    [_req("A", 1, 20, _A), _req("B", 1, 26, _B)],
+]
+
+
+def _triton_and_torch_runners(path: Path, cache: CacheConfig) -> list[ModelRunner]:
     runners = []
     for name in ("triton", "torch"):  # a model each: the triton backend fuses its layers
-        model, arch = load_model(tiny_model_path, torch.float32, str(DEVICE))
+        model, arch = load_model(path, torch.float32, str(DEVICE))
         config = ModelConfig(device=str(DEVICE), attention_backend=name, enforce_eager=True)
         runners.append(ModelRunner(model, arch, config, cache, [2]))
     assert [type(r.attn) for r in runners] == [TritonAttention, TorchAttention]
-    assert runners[0].model.model.norm.fused is not None  # type: ignore[union-attr]
-    assert runners[1].model.model.norm.fused is None  # type: ignore[union-attr]
-    a, b = [3, 4, 5], [9, 1, 17, 12]  # A: 19 prompt tokens; B: 26 in two chunks
-    steps = [
-        [_req("A", 19, 0, a), _req("B", 10, 0, b)],
-        [_req("A", 1, 19, a), _req("B", 16, 10, b)],
-        [_req("A", 1, 20, a), _req("B", 1, 26, b)],
-    ]
-    for reqs in steps:
+    return runners
+
+
+def _mixed_step_logits(runners: list[ModelRunner]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each of `_MIXED_STEPS`' logits from both runners, then a sampled step on the first."""
+    for reqs in _MIXED_STEPS:
         reqs = [dataclasses.replace(r, token_ids=[(7 * i + 3) % 50 + 4 for i in
                                                   range(len(r.token_ids))]) for r in reqs]
         with torch.inference_mode():
             logits = [r._forward(r._prepare(reqs), reqs)[0] for r in runners]
         assert logits[0] is not None and logits[1] is not None
-        torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
-    out = runners[0].execute(SchedulerOutput(scheduled=steps[-1]))
+        yield logits[0], logits[1]
+    out = runners[0].execute(SchedulerOutput(scheduled=_MIXED_STEPS[-1]))
     assert len(out.sampled_token_ids) == 2 and not out.failed
+
+
+def test_runner_with_triton_backend_matches_torch_backend(tiny_model_path: Path) -> None:
+    """The whole model through `ModelRunner` (the tiny preset, float32): chunked and whole
+    prefills, then decodes mixed with a chunk, then decodes only; the Triton backend's logits
+    are the portable backend's, and `execute` samples one token per request."""
+    cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)
+    runners = _triton_and_torch_runners(tiny_model_path, cache)
+    assert runners[0].model.model.norm.fused is not None  # type: ignore[union-attr]
+    assert runners[1].model.model.norm.fused is None  # type: ignore[union-attr]
+    for triton_logits, torch_logits in _mixed_step_logits(runners):
+        torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_runner_with_an_fp8_cache_on_triton_tracks_the_portable_backend(
@@ -373,27 +389,9 @@ def test_runner_with_an_fp8_cache_on_triton_tracks_the_portable_backend(
     uses the fresh K/V, so the logits agree to the quantization's few percent, not 1e-4)."""
     cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4,
                         kv_cache_dtype="fp8")
-    runners = []
-    for name in ("triton", "torch"):
-        model, arch = load_model(tiny_model_path, torch.float32, str(DEVICE))
-        config = ModelConfig(device=str(DEVICE), attention_backend=name, enforce_eager=True)
-        runners.append(ModelRunner(model, arch, config, cache, [2]))
+    runners = _triton_and_torch_runners(tiny_model_path, cache)
     assert [r.attn.kv_cache.dtype for r in runners] == [FP8, FP8]
-    assert isinstance(runners[0].attn, TritonAttention)
-    a, b = [3, 4, 5], [9, 1, 17, 12]
-    steps = [
-        [_req("A", 19, 0, a), _req("B", 10, 0, b)],
-        [_req("A", 1, 19, a), _req("B", 16, 10, b)],
-        [_req("A", 1, 20, a), _req("B", 1, 26, b)],
-    ]
-    for reqs in steps:
-        reqs = [dataclasses.replace(r, token_ids=[(7 * i + 3) % 50 + 4 for i in
-                                                  range(len(r.token_ids))]) for r in reqs]
-        with torch.inference_mode():
-            logits = [r._forward(r._prepare(reqs), reqs)[0] for r in runners]
-        assert logits[0] is not None and logits[1] is not None
-        assert torch.isfinite(logits[0]).all()
-        spread = (logits[1] - logits[1].mean(-1, keepdim=True)).norm(dim=-1)
-        assert float(((logits[0] - logits[1]).norm(dim=-1) / spread).max()) < 0.2
-    out = runners[0].execute(SchedulerOutput(scheduled=steps[-1]))
-    assert len(out.sampled_token_ids) == 2 and not out.failed
+    for triton_logits, torch_logits in _mixed_step_logits(runners):
+        assert torch.isfinite(triton_logits).all()
+        spread = (torch_logits - torch_logits.mean(-1, keepdim=True)).norm(dim=-1)
+        assert float(((triton_logits - torch_logits).norm(dim=-1) / spread).max()) < 0.2
