@@ -45,8 +45,9 @@ class Sampler:
         self.device = device
         # Rows without a seed of their own draw together (`_race`): a few kernels for the
         # batch instead of a multinomial launch per row, which on a GPU costs more than the
-        # rest of the sampling. On a CPU the per-row multinomial measured faster (1.3-1.7x at
-        # batch 32-128, vocab 4k-32k), so by default only a GPU races.
+        # rest of the sampling. On a CPU the per-row draws measured faster (the draw alone
+        # 1.3-1.7x at batch 32-128, vocab 4k-32k; all of `sample` 3-5%: sampling_overhead.py
+        # --draw-ab), so by default only a GPU races.
         self.batched_draw = device.type == "cuda" if batched_draw is None else batched_draw
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
