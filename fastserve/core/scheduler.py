@@ -461,16 +461,12 @@ class Scheduler(ABC):
             start = req.num_computed_tokens
             outputs = req.output_token_ids
             num_tokens = len(req.prompt_token_ids) + len(outputs)
-            if start == num_tokens - 1:  # a decode: the last token (as _new_tokens)
-                tokens = [outputs[-1] if outputs else req.prompt_token_ids[-1]]
-            else:
-                tokens = _new_tokens(req, n)
             # Penalties and prompt log-probabilities read the request's tokens (else none).
             history = req.params.needs_token_history
             scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
-                    token_ids=tokens,
+                    token_ids=_new_tokens(req, n, num_tokens),
                     start_pos=start,
                     block_ids=list(block_table(rid)),
                     params=req.params,
@@ -520,11 +516,11 @@ def check_fits(req: Request, kv: KVCacheManager) -> None:
             f"{kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib", "max_tokens")
 
 
-def _new_tokens(req: Request, n: int) -> list[int]:
+def _new_tokens(req: Request, n: int, num_tokens: int) -> list[int]:
     """The `n` tokens to feed this iteration: the last one for a decode, the next uncached
-    ones (the whole rest, or a chunk) otherwise."""
+    ones (the whole rest, or a chunk) otherwise; `num_tokens` is the request's so far."""
     start = req.num_computed_tokens
-    if start == req.num_tokens - 1:
+    if start == num_tokens - 1:
         return [req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]]
     num_prompt = req.num_prompt_tokens
     if start + n <= num_prompt:  # NOTE: no copy of a long prompt for each of its chunks

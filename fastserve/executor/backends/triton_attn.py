@@ -75,11 +75,14 @@ class TritonAttention(PagedAttention):
     @classmethod
     def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
         # On CPU only under Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
+        if cache_dtype not in ops.CACHE_DTYPES:
+            return False
         if device.type == "cpu":
-            return ops.INTERPRETED and cache_dtype in ops.CACHE_DTYPES
-        if cache_dtype == torch.float8_e4m3fn:  # Triton converts float8 E4M3 on sm89+ only
-            return torch.cuda.get_device_capability(device) >= (8, 9)
-        return device.type == "cuda" and cache_dtype in ops.CACHE_DTYPES
+            return ops.INTERPRETED
+        if device.type != "cuda":
+            return False
+        # Triton converts float8 E4M3 on sm89+ only.
+        return cache_dtype != torch.float8_e4m3fn or torch.cuda.get_device_capability(device) >= (8, 9)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
