@@ -6,8 +6,9 @@
 #
 # LOG_DIR defaults to $OUT (the device tool's return folder), else ./gpu-logs. STEPS is a
 # comma-separated subset of: sweep,decode,sweep8,fp8,tests,kernels,sampling,thr32,thr128,copy,
-# served,kv,suite
-# (default: all but suite, about 11 minutes on an H200: past the device tool's 10 minutes a call,
+# served,served-async,kv,suite
+# (thr32 and thr128 run fastserve with and without async scheduling; default: all but
+# served-async and suite, about 11 minutes on an H200: past the device tool's 10 minutes a call,
 # so run it as two calls, e.g. sweep,decode,sweep8,fp8,tests,kernels then the rest). Each step
 # has its own time limit, so one that hangs or crashes does not cost the others; the last lines
 # of every log are printed at the end.
@@ -38,7 +39,8 @@ step fp8 90 python3 benchmarks/gpu_decode.py "${model[@]}" --reps 10 --batches 3
 step tests 150 python3 -m pytest -q -n 4 --timeout 120 -p no:cacheprovider \
   tests/executor/test_cuda_engine.py tests/executor/test_attention.py \
   tests/executor/test_cuda_graphs.py tests/executor/test_swap.py tests/test_llm.py \
-  tests/model/test_dummy_load.py -k "cuda or Cuda or replayed or dummy"
+  tests/model/test_dummy_load.py tests/engine/test_async_scheduling.py \
+  -k "cuda or Cuda or replayed or dummy"
 # The Triton kernels against torch, natively (CI runs them under Triton's interpreter).
 step kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider \
   tests/executor/interpreted/test_triton_kernels.py
@@ -52,6 +54,10 @@ step copy 40 python3 benchmarks/copy_overlap.py
 step served 180 python3 benchmarks/http_bench.py "${model[@]}" --device cuda --dtype bfloat16 \
   --load 0.9 --theta 1.2 --cv 4 --max-output-len 512 --max-batch-size 128 --reps 1 \
   --num-requests 150
+# The same served run with the next iteration scheduled while one runs (not in the defaults).
+step served-async 180 python3 benchmarks/http_bench.py "${model[@]}" --device cuda \
+  --dtype bfloat16 --load 0.9 --theta 1.2 --cv 4 --max-output-len 512 --max-batch-size 128 \
+  --reps 1 --num-requests 150 --server-arg=--async-scheduling
 step kv 240 python3 benchmarks/kv_policies.py --part real --real-model llama-2-7b \
   --real-device cuda --real-dtype bfloat16
 # Every test, the CUDA ones included (not in the default steps: several minutes).

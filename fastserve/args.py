@@ -40,6 +40,9 @@ _HELP = {
     "kv_cache_dtype": "KV cache dtype: auto (the model's; float32 on CPU for half types), "
                       "float32, bfloat16, float16, or fp8 (float8 E4M3, unit scale, saturating: "
                       "half a bf16 cache's bytes; for GPUs, sm89+ with the Triton backend)",
+    "async_scheduling": "schedule the next iteration while this one runs on the device, "
+                        "feeding each decode its token from there (a GPU's host work then "
+                        "overlaps its compute; one process; every policy but mlfq-preempt)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

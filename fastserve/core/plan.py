@@ -10,6 +10,10 @@ from fastserve.request import SamplingParams, TokenLogprobs
 
 # The token of a scheduled request that samples none (a prefill chunk with prompt left).
 NO_TOKEN = -1
+# Async scheduling: a decode's input token that the batch still on the device samples. The
+# scheduler holds it in the request's output tokens until that batch is back; the executor
+# feeds the token from the device.
+PENDING_TOKEN = -3
 
 
 class BatchShape(NamedTuple):
@@ -49,7 +53,8 @@ class ScheduledRequest:
     request_id: str
     # Tokens fed to the model this iteration: the uncached prompt (plus any tokens generated
     # before a recompute preemption), or the chunk of it that fits the iteration's token
-    # budget, for a prefill; the last sampled token for a decode.
+    # budget, for a prefill; the last sampled token for a decode (PENDING_TOKEN while the
+    # batch that samples it is on the device: async scheduling).
     token_ids: list[int]
     # Position of token_ids[0]; the KV of every earlier position is already cached.
     start_pos: int

@@ -25,7 +25,7 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_moves import KVMoves
 from fastserve.core.kv_policy import KVPolicy, make_kv_policy
-from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
@@ -33,6 +33,10 @@ from fastserve.request import FinishReason, InvalidRequestError, Request, Reques
 
 class Scheduler(ABC):
     """Base of all policies. Subclasses supply the priority order and their accounting."""
+
+    # Whether a plan may be scheduled while the previous one runs (`schedule_ahead`): not for
+    # a policy that may abandon a job's result after scheduling it again.
+    can_schedule_ahead = True
 
     def __init__(
         self,
@@ -71,6 +75,11 @@ class Scheduler(ABC):
         # batch takes at most 1/depth of the unfinished jobs, so that every stage has one.
         self.in_flight: set[str] = set()
         self.pipeline_depth = 1
+        # Async scheduling (`schedule_ahead`): jobs of the batch on the device that the next
+        # plan may run again before its tokens are back (their KV counts as computed), and of
+        # those the ones holding a placeholder token (PENDING_TOKEN) at the end of their outputs.
+        self.ahead: set[str] = set()
+        self._placeholders: set[str] = set()
         self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
         self._replica_model: ReplicaModel | None = None  # built by `replica_model`
 
@@ -97,6 +106,9 @@ class Scheduler(ABC):
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_s = now
+        if req.request_id in self._placeholders:  # its last token never came back
+            self._placeholders.discard(req.request_id)
+            req.output_token_ids.pop()
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
@@ -207,6 +219,8 @@ class Scheduler(ABC):
                 if num_started_left <= 0:
                     break
                 continue
+            if not started and req.request_id in self._placeholders:
+                continue  # dropped for recompute while its token is on the device: not yet
             # A job starting (or restarting) with no KV shares the longest cached prefix.
             prefix = () if started else self._cached_prefix(req)
             done = req.num_computed_tokens + len(prefix) * self.kv.block_size
@@ -238,22 +252,61 @@ class Scheduler(ABC):
         share = -(-len(self.requests) // self.pipeline_depth)
         return max(1, min(self.config.max_batch_size, share))
 
+    def schedule_ahead(self, plan: SchedulerOutput) -> None:
+        """Async scheduling: `plan` runs on the device while the next plan is scheduled. Its
+        jobs' new tokens count as computed, and each job that samples holds a placeholder
+        token (PENDING_TOKEN), which the next plan's decode feeds from the device. A job
+        whose next step needs its token on the host (penalties, a grammar, a token that may
+        be its last by length) sits the next plan out, as a pipeline's jobs in flight do.
+        `update` puts the real tokens in. NOTE: only for a policy that `can_schedule_ahead`."""
+        for sched in plan.scheduled:
+            rid = sched.request_id
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if not self._can_go_ahead(req, sched):
+                self.in_flight.add(rid)
+                continue
+            self.ahead.add(rid)
+            req.num_computed_tokens = sched.num_context_tokens
+            if sched.samples:
+                req.output_token_ids.append(PENDING_TOKEN)
+                self._placeholders.add(rid)
+
+    def _can_go_ahead(self, req: Request, sched: ScheduledRequest) -> bool:
+        if not sched.samples:  # a prefill chunk: the next chunk's tokens are the prompt's
+            return True
+        p = req.params
+        if p.max_tokens == 0 or p.needs_token_history or p.structured_output is not None:
+            return False
+        num_output = len(req.output_token_ids) + 1  # with the token on the device
+        return num_output < p.max_tokens and req.num_prompt_tokens + num_output < req.max_model_len
+
     def update(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> list[Request]:
         """Take the sampled tokens; returns the requests that got a token (finished ones too)."""
         self._on_iteration(plan, out, now)
         touched: list[Request] = []
         for sched, token in zip(plan.scheduled, out.sampled_token_ids):
-            req = self.requests.get(sched.request_id)
+            rid = sched.request_id
+            is_ahead = rid in self.ahead
+            if is_ahead:
+                self.ahead.discard(rid)
+            req = self.requests.get(rid)
             if req is None:  # aborted while the iteration ran
                 continue
             if not self._keeps_result(sched):  # the policy abandoned this job's iteration
                 continue
-            if sched.request_id in out.failed or (sched.samples and token < 0):  # its sampling failed
+            if rid in out.failed or (sched.samples and token < 0):  # its sampling failed
                 self.finish(req, FinishReason.ERROR, now)
-                req.error = out.failed.get(sched.request_id, "sampling failed on the sampler rank")
+                req.error = out.failed.get(rid, "sampling failed on the sampler rank")
                 touched.append(req)
                 continue
-            req.num_computed_tokens = sched.num_context_tokens
+            if not is_ahead:  # (ahead: counted when scheduled ahead, or since dropped)
+                req.num_computed_tokens = sched.num_context_tokens
+            has_placeholder = rid in self._placeholders
+            if has_placeholder:  # NOTE: before the block hashes read the tokens
+                self._placeholders.discard(rid)
+                req.output_token_ids[-1] = token
             self._cache_computed(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet
                 continue
@@ -261,7 +314,8 @@ class Scheduler(ABC):
                 self.finish(req, FinishReason.LENGTH, now)
                 touched.append(req)
                 continue
-            req.output_token_ids.append(token)
+            if not has_placeholder:
+                req.output_token_ids.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
             reason = self._stop_reason(req, token)

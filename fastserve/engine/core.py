@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from fastserve.clock import Clock
 from fastserve.config import EngineConfig
@@ -14,7 +15,12 @@ from fastserve.core.kv_policy import make_kv_policy
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler
 from fastserve.core.scheduler import Scheduler
-from fastserve.executor.base import Executor, ExecutorDeadError, PipelinedExecutor
+from fastserve.executor.base import (
+    AsyncExecutor,
+    Executor,
+    ExecutorDeadError,
+    PipelinedExecutor,
+)
 from fastserve.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -32,6 +38,11 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
                                make_kv_policy(config.cache))
     if isinstance(executor, PipelinedExecutor) and executor.max_in_flight > 1:
         return PipelinedEngineCore(scheduler, executor, clock)
+    if config.scheduler.async_scheduling:
+        if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
+            return AsyncEngineCore(scheduler, executor, clock)
+        logger.warning("async scheduling needs one process's executor and a policy that can "
+                       "schedule ahead (not %s): scheduling in step", config.scheduler.policy)
     return EngineCore(scheduler, executor, clock)
 
 
@@ -144,3 +155,73 @@ class PipelinedEngineCore(EngineCore):
         self.busy_s += result.out.duration_s
         self.swap_wait_s += result.out.swap_wait_s
         return self.scheduler.update(plan, result.out, self.clock.now())
+
+
+class AsyncEngineCore(EngineCore):
+    """The step loop with the next iteration scheduled while this one runs (async
+    scheduling, as vLLM's `--async-scheduling` does): the host's work per iteration (scheduling,
+    the inputs, the launch, the tokens' update and outputs) overlaps the device's instead of
+    adding to it.
+
+    A step counts the batch on the device as computed (`Scheduler.schedule_ahead`: its jobs'
+    next tokens are placeholders the executor feeds from the device), schedules and launches
+    the next batch, then reads the previous one's tokens back and hands them to the
+    scheduler. A job that stopped (EOS, a stop string) spent one more step on the device,
+    whose token is dropped; one whose last token by length is on the device is not
+    scheduled ahead.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, clock: Clock) -> None:
+        super().__init__(scheduler, executor, clock)
+        self.runner = executor
+        self._on_device: tuple[SchedulerOutput, Any] | None = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return int(self._on_device is not None)
+
+    def step(self) -> list[Request]:
+        """Launch the next batch, then finish the one before it; returns the requests that got
+        a token or failed."""
+        self.last_output = None
+        prev, self._on_device = self._on_device, None
+        if prev is not None:
+            self.scheduler.schedule_ahead(prev[0])
+        plan = self.last_plan = self.scheduler.schedule(self.clock.now())
+        failed: list[Request] = []
+        try:
+            launched = self.runner.launch(plan)
+        except ExecutorDeadError:
+            raise
+        except Exception as exc:  # NOTE: one failing batch must not take the engine down
+            failed = self._fail(plan, exc)
+        else:
+            if not plan.is_empty:
+                self._on_device = (plan, launched)
+                self.num_iterations += 1
+        if prev is None:
+            return failed
+        return failed + self._finish(*prev)
+
+    def _finish(self, plan: SchedulerOutput, launched: Any) -> list[Request]:
+        scheduler = self.scheduler
+        try:
+            out = self.last_output = self.runner.finish(launched)
+        except ExecutorDeadError:
+            raise
+        except Exception as exc:
+            self._back(plan)
+            return self._fail(plan, exc)
+        self.clock.advance(out.duration_s)
+        self.busy_s += out.duration_s
+        self.swap_wait_s += out.swap_wait_s
+        touched = scheduler.update(plan, out, self.clock.now())
+        self._back(plan)
+        return touched
+
+    def _back(self, plan: SchedulerOutput) -> None:
+        """The plan is back: its jobs that sat the next plan out may run again (and, had it
+        failed, none of its jobs is still ahead of its tokens)."""
+        ids = [s.request_id for s in plan.scheduled]
+        self.scheduler.in_flight.difference_update(ids)
+        self.scheduler.ahead.difference_update(ids)

@@ -4,7 +4,7 @@ executor, or the simulator's (`fastserve.sim`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 
@@ -44,4 +44,20 @@ class PipelinedExecutor(Executor, Protocol):
 
     def collect(self, now: float) -> PipelineResult:
         """Wait for the oldest batch in flight."""
+        ...
+
+
+@runtime_checkable
+class AsyncExecutor(Executor, Protocol):
+    """An executor that starts an iteration and reads its tokens back later, so that the
+    engine schedules the next iteration while this one runs on the device (async
+    scheduling). A decode token of the next plan that is PENDING_TOKEN is fed from the
+    device: the token the launched batch sampled for that request."""
+
+    def launch(self, plan: SchedulerOutput) -> Any:
+        """Queue the plan's work on the device; returns what `finish` takes."""
+        ...
+
+    def finish(self, launched: Any) -> ExecutorOutput:
+        """Wait for a launched plan and read its tokens back (in launch order)."""
         ...

@@ -19,6 +19,7 @@ import torch
 
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import PagedAttention
+from fastserve.executor.token_feed import TokenFeed
 from fastserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,10 @@ class DecodeGraphs:
         # [2, top]: token ids, positions; one buffer, so one replay's inputs are one copy.
         self.ids_positions = torch.zeros((2, top), dtype=torch.long, device=dev)
         self.input_ids, self.positions = self.ids_positions[0], self.ids_positions[1]
-        # NOTE: rewritten each replay; the previous replay's copy out of it has landed (its
-        # sampled tokens were read back).
+        # NOTE: rewritten each replay, once the previous replay's copies out of it have
+        # landed (`_staged`).
         self.host = torch.zeros((2, top), dtype=torch.long, pin_memory=True)
+        self._staged: torch.cuda.Event | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -96,12 +98,21 @@ class DecodeGraphs:
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def replay(self, reqs: list[ScheduledRequest], input_ids: list[int], positions: list[int],
-               slots: list[int], batch_size: int) -> torch.Tensor:
-        """Logits [len(reqs), vocab] of a decode batch padded to `batch_size`."""
+               slots: list[int], batch_size: int, feed: TokenFeed | None = None) -> torch.Tensor:
+        """Logits [len(reqs), vocab] of a decode batch padded to `batch_size`; `feed`: inputs
+        the previous launch drew on the device."""
         n = len(reqs)
+        if self._staged is not None:
+            # NOTE: async scheduling launches before the previous replay is read back: its
+            # copies out of the pinned staging buffers must have landed before they change.
+            self._staged.synchronize()
         self.host[:, :n] = torch.tensor([input_ids, positions])
         self.ids_positions[:, :n].copy_(self.host[:, :n], non_blocking=True)
         self.attn.fill_graph_metadata(reqs, slots, batch_size)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        if feed is not None:
+            feed.write(self.input_ids)
         graph, logits = self.graphs[batch_size]
         graph.replay()
         return logits[:n]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.staging import to_device
 
 
 def apply_logits_processing(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
@@ -51,8 +52,8 @@ def _add_sparse(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> 
     rows, cols, values = zip(*entries)
     dev = logits.device
     logits.index_put_(
-        (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-        torch.tensor(values, dtype=logits.dtype, device=dev),
+        (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
+        to_device(values, logits.dtype, dev),
         accumulate=True,
     )
 
@@ -65,7 +66,7 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
         return
     dev = logits.device
     sub = [reqs[i] for i in rows]
-    row_idx = torch.tensor(rows, device=dev).unsqueeze(1)  # [n, 1]
+    row_idx = to_device(rows, torch.long, dev).unsqueeze(1)  # [n, 1]
     # Hugging Face (CTRL): a logit of a token of the prompt or the output is divided by the
     # penalty, or multiplied when negative, so a penalty > 1 always makes it less likely.
     # NOTE: a token seen twice is gathered twice and written twice with the same value.
@@ -96,12 +97,12 @@ def _padded(seqs: list[Sequence[int]], device: torch.device) -> tuple[torch.Tens
         ids += s
         ids += [s[0] if s else 0] * pad
         mask += [1.0] * len(s) + [0.0] * pad
-    return (torch.tensor(ids, dtype=torch.long).reshape(len(seqs), width).to(device),
-            torch.tensor(mask).reshape(len(seqs), width).to(device))
+    return (to_device(ids, torch.long, device).reshape(len(seqs), width),
+            to_device(mask, torch.float32, device).reshape(len(seqs), width))
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return to_device(values, like.dtype, like.device).unsqueeze(1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:

@@ -33,36 +33,49 @@ def raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     return torch.log_softmax(logits[rows].float(), dim=-1)  # [len(rows), vocab]
 
 
-def gather_sampled(logprobs: torch.Tensor, rows: list[int], reqs: Sequence[ScheduledRequest],
-                   token_ids: list[int]) -> dict[str, TokenLogprobs]:
-    """Each row's sampled token's log-probability and its top `params.logprobs`; rows whose
-    sampling failed (a negative token) get none."""
-    tokens = [token_ids[i] for i in rows]
-    ks = [reqs[i].params.logprobs or 0 for i in rows]
-    ids = torch.tensor([max(t, 0) for t in tokens], device=logprobs.device).unsqueeze(1)
-    entries = _gather(logprobs, ids, max(ks))
+def sampled_table(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """On the device, with no host sync: each row's sampled token's log-probability and its
+    top `k` (see `_table`). `token_ids` [n] long, on the device (any valid id where a row's
+    sampling failed: `read_sampled` drops those)."""
+    return _table(logprobs, token_ids.unsqueeze(1), k)
+
+
+def read_sampled(table: list[list[float]], rows: list[int], reqs: Sequence[ScheduledRequest],
+                 token_ids: list[int]) -> dict[str, TokenLogprobs]:
+    """`sampled_table`'s rows read back: each request's TokenLogprobs with its own
+    `params.logprobs` alternatives; rows whose sampling failed (a negative token) get none."""
     out = {}
-    for i, tok, k, (chosen, top) in zip(rows, tokens, ks, entries):
+    k = max((reqs[i].params.logprobs or 0 for i in rows), default=0)
+    for i, values in zip(rows, table):
+        tok = token_ids[i]
         if tok >= 0:
-            out[reqs[i].request_id] = TokenLogprobs(tok, chosen, top[:k])
+            chosen, top = _entry(values, k)
+            out[reqs[i].request_id] = TokenLogprobs(tok, chosen, top[: reqs[i].params.logprobs or 0])
     return out
 
 
-def _gather(logprobs: torch.Tensor, target_ids: torch.Tensor,
-            k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """For each row: the target's log-probability and the top k (id, logprob), from one
-    transfer (float64 holds both float32 values and token ids exactly)."""
+def _table(logprobs: torch.Tensor, target_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, 1 + 2k] float64: each row's target log-probability, then its top k values and ids
+    (float64 holds both float32 values and token ids exactly, so one transfer reads all)."""
     # logprobs: [n, vocab]; target_ids: [n, 1] long
     parts = [logprobs.gather(1, target_ids).double()]  # [n, 1]
     if k > 0:
         top_v, top_i = logprobs.topk(k, dim=-1)  # [n, k]
         parts += [top_v.double(), top_i.double()]
-    host = torch.cat(parts, dim=1).tolist()  # NOTE: the one device -> host copy
-    out = []
-    for row in host:
-        top = tuple(zip((int(t) for t in row[1 + k:]), row[1:1 + k])) if k else ()
-        out.append((row[0], top))
-    return out
+    return torch.cat(parts, dim=1)
+
+
+def _entry(row: list[float], k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    top = tuple(zip((int(t) for t in row[1 + k:]), row[1:1 + k])) if k else ()
+    return row[0], top
+
+
+def _gather(logprobs: torch.Tensor, target_ids: torch.Tensor,
+            k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """For each row: the target's log-probability and the top k (id, logprob), from one
+    transfer."""
+    host = _table(logprobs, target_ids, k).tolist()  # NOTE: the one device -> host copy
+    return [_entry(row, k) for row in host]
 
 
 def prompt_logprobs(hidden: torch.Tensor, reqs: Sequence[ScheduledRequest],

@@ -16,13 +16,15 @@ import torch
 
 from fastserve.config import CacheConfig, ModelConfig
 from fastserve.core.kv_policy import host_pool_blocks
-from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cache_dtype
 from fastserve.executor.cuda_graphs import DecodeGraphs
 from fastserve.executor.logprobs import prompt_logprobs
-from fastserve.executor.sampler import Sampler
+from fastserve.executor.sampler import SampleDraft, Sampler
+from fastserve.executor.staging import to_device
 from fastserve.executor.swap import make_swapper
+from fastserve.executor.token_feed import TokenFeed
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.request import TokenLogprobs
@@ -38,6 +40,17 @@ class FlatBatch:
     positions: list[int]
     slots: list[int]  # cache slot of each token
     last_token_idx: list[int]  # where each request's logits come from
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A plan queued on the device (`ModelRunner.launch`), its tokens not read back yet."""
+
+    start_s: float
+    swap_wait_s: float
+    draft: SampleDraft | None  # None: this runner samples nothing for it
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
+    is_empty: bool = False  # no batch: only swaps and finished ids
 
 
 @dataclass(frozen=True)
@@ -118,16 +131,24 @@ class ModelRunner:
             max_len = model_config.max_model_len or arch.max_position_embeddings
             self.graphs = DecodeGraphs(model, self.attn, model_config.cuda_graph_max_batch_size,
                                        max_blocks_per_seq=-(-max_len // self.block_size))
+        self._last_draft: SampleDraft | None = None  # the latest launch's tokens
+        self._last_finish_s = 0.0
+
+    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+        return self.finish(self.launch(plan))
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
+    def launch(self, plan: SchedulerOutput) -> Launched:
+        """Queue the plan's work on the device (on a CPU: run it); `finish` reads the tokens
+        back. A decode fed PENDING_TOKEN takes the token the previous launch drew for it."""
         start = time.perf_counter()
         self.sampler.drop(plan.finished_ids)
         self._receive(plan)
         self.swapper.submit(plan.swap_out, plan.swap_in)
         if plan.is_empty:
-            return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
+            return Launched(start, 0.0, None, {}, is_empty=True)
         flat = flatten(plan.scheduled, self.block_size)
+        feed = self._feed(plan.scheduled, flat)
         graph_size = self.graphs.batch_size_for(plan.scheduled) if self.graphs else None
         batch = None if graph_size is not None else self._prepare(plan.scheduled, flat)
         # Only the copies into or out of this batch's blocks hold it up; the rest overlap.
@@ -136,25 +157,63 @@ class ModelRunner:
         if batch is None:
             assert self.graphs is not None and graph_size is not None
             logits: torch.Tensor | None = self.graphs.replay(
-                plan.scheduled, flat.input_ids, flat.positions, flat.slots, graph_size)
+                plan.scheduled, flat.input_ids, flat.positions, flat.slots, graph_size, feed)
         else:
+            if feed is not None:
+                feed.write(batch.input_ids)
             # Echo's prompt log-probabilities: the logits of every prompt position fed.
             logits, prompt_lps = self._forward(batch, plan.scheduled)  # [num_reqs, vocab]
+        draft = None
+        if logits is not None and self.is_sampler:
+            draft = self._last_draft = self.sampler.draw(logits, plan.scheduled)
+        return Launched(start, swap_wait_s, draft, prompt_lps)
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> ExecutorOutput:
+        """Wait for a launched plan's tokens (the iteration's one host sync)."""
+        if launched.is_empty:
+            return ExecutorOutput(sampled_token_ids=[], duration_s=0.0)
         tokens: list[int] = []
         failed: dict[str, str] = {}
         sample_lps: dict[str, TokenLogprobs] = {}
-        if logits is not None and self.is_sampler:
-            sampled = self.sampler.sample(logits, plan.scheduled)
+        if launched.draft is not None:
+            sampled = self.sampler.read(launched.draft)
             tokens, failed, sample_lps = sampled.token_ids, sampled.errors, sampled.logprobs
         self._emit(tokens)
+        end = time.perf_counter()
+        # NOTE: from the later of its launch and the previous finish: with async scheduling
+        # iterations overlap, and each counts the time since the one before it came back.
+        duration_s = end - max(launched.start_s, self._last_finish_s)
+        self._last_finish_s = end
         return ExecutorOutput(
             sampled_token_ids=tokens,
-            duration_s=time.perf_counter() - start,
-            swap_wait_s=swap_wait_s,
+            duration_s=duration_s,
+            swap_wait_s=launched.swap_wait_s,
             failed=failed,
             sample_logprobs=sample_lps,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=launched.prompt_logprobs,
         )
+
+    def _feed(self, reqs: list[ScheduledRequest], flat: FlatBatch) -> TokenFeed | None:
+        """Where this batch's PENDING_TOKEN inputs come from: the previous launch's draws."""
+        places = [i for i, r in enumerate(reqs) if r.token_ids[0] == PENDING_TOKEN]
+        if not places:
+            return None
+        draft = self._last_draft
+        if draft is None:
+            raise RuntimeError("a decode's token is pending but no batch was launched before")
+        row_of = draft.row_of()
+        launched_ids = {r.request_id for r in draft.reqs}
+        missing = [reqs[i].request_id for i in places if reqs[i].request_id not in launched_ids]
+        if missing:
+            raise RuntimeError(f"pending tokens of requests not in the previous batch: {missing}")
+        # A row whose sampling failed before its draw has no token: it is failed when that
+        # batch is read, so its next step only needs a valid id (0).
+        src = [row_of.get(reqs[i].request_id, -1) for i in places]
+        dst = [flat.last_token_idx[i] for i in places]
+        for i in dst:
+            flat.input_ids[i] = 0  # NOTE: the host copy holds a valid id until the feed lands
+        return TokenFeed(draft.tokens, src, dst)
 
     # -- the steps a pipeline stage overrides ---------------------------------------------
 
@@ -178,15 +237,11 @@ class ModelRunner:
 
     def _prepare(self, reqs: list[ScheduledRequest], flat: FlatBatch | None = None) -> BatchInputs:
         flat = flat or flatten(reqs, self.block_size)
-        pin, dev = self.attn.pin_memory, self.device
-
-        def to_device(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=True)
-
-        slot_mapping = to_device(flat.slots)
+        long, dev = torch.long, self.device
+        slot_mapping = to_device(flat.slots, long, dev)
         return BatchInputs(
-            input_ids=to_device(flat.input_ids),
-            positions=to_device(flat.positions),
-            last_token_idx=to_device(flat.last_token_idx),
+            input_ids=to_device(flat.input_ids, long, dev),
+            positions=to_device(flat.positions, long, dev),
+            last_token_idx=to_device(flat.last_token_idx, long, dev),
             metadata=self.attn.build_metadata(reqs, slot_mapping),
         )

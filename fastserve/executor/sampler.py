@@ -10,7 +10,8 @@ import torch
 from fastserve.core.plan import NO_TOKEN, ScheduledRequest
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
-from fastserve.executor.logprobs import gather_sampled, logprob_rows, raw_logprobs
+from fastserve.executor.logprobs import logprob_rows, raw_logprobs, read_sampled, sampled_table
+from fastserve.executor.staging import to_device
 from fastserve.request import TokenLogprobs
 
 # The token of a row whose sampling failed: the engine fails that request alone.
@@ -27,6 +28,32 @@ class Sampled:
     errors: dict[str, str]
     # Request id -> its sampled token's log-probabilities (SamplingParams.logprobs).
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class SampleDraft:
+    """An iteration's tokens drawn on the device and not read back yet (`Sampler.draw`):
+    the next iteration can feed them to the model before the host knows them (async
+    scheduling); `Sampler.read` waits for them."""
+
+    reqs: list[ScheduledRequest]  # every row, in plan order
+    out: list[int]  # per row: NO_TOKEN, FAILED_TOKEN, or (for `rows`) filled by `read`
+    rows: list[int]  # the rows drawn, in the order of `tokens`
+    tokens: torch.Tensor  # [len(rows)] long, on the device
+    # The tokens, then for the `checked` rows (places in `tokens`: those not greedy) 1 where
+    # their probabilities were not finite; on a GPU, being copied into pinned host memory.
+    readback: torch.Tensor
+    checked: list[int]
+    errors: dict[str, str]
+    lp_rows: list[int]  # the rows that asked for log-probabilities
+    # [len(lp_rows), 1 + 2k] float64: their sampled tokens' log-probabilities and the top k
+    # (`logprobs.sampled_table`), copied back beside the tokens; None when no row asked.
+    lp_table: torch.Tensor | None
+    copied: torch.cuda.Event | None = None
+
+    def row_of(self) -> dict[str, int]:
+        """Request id -> its place in `tokens` (rows whose sampling failed early are absent)."""
+        return {self.reqs[i].request_id: j for j, i in enumerate(self.rows)}
 
 
 class Sampler:
@@ -62,6 +89,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> Sampled:
         """One token per request: NO_TOKEN for a prefill chunk that samples none, FAILED_TOKEN
         where the request's own sampling failed."""
+        return self.read(self.draw(logits, reqs))
+
+    def draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleDraft:
+        """`sample`'s device work: the tokens stay on the device, being copied back."""
         # logits: [num_reqs, vocab] float32
         errors: dict[str, str] = {}
         all_reqs = reqs
@@ -80,13 +111,44 @@ class Sampler:
             if len(kept) < len(reqs):  # rows whose grammar failed
                 logits, reqs, rows = logits[kept], [reqs[i] for i in kept], [rows[i] for i in kept]
         try:
-            tokens = self._draw(logits, reqs, errors)
+            tokens, bad, checked = self._draw(logits, reqs)
         except Exception:  # a backstop: draw row by row to find the culprits
-            tokens = [self._draw_alone(logits, i, r, errors) for i, r in enumerate(reqs)]
-        for row, token in zip(rows, tokens):
-            out[row] = token
-        logprobs = {} if raw is None else gather_sampled(raw, lp_rows, all_reqs, out)
-        return Sampled(out, errors, logprobs)
+            alone = [self._draw_alone(logits, i, r, errors) for i, r in enumerate(reqs)]
+            tokens, bad, checked = torch.tensor(alone, dtype=torch.long, device=self.device), None, []
+        readback = tokens if bad is None else torch.cat([tokens, bad.long()])
+        lp_table = None
+        if raw is not None:  # NOTE: queued now, so that reading it waits for nothing later
+            place = {row: j for j, row in enumerate(rows)}
+            drawn = torch.cat([tokens.clamp(min=0), tokens.new_zeros(1)])  # [len(rows) + 1]
+            idx = to_device([place.get(i, len(rows)) for i in lp_rows], torch.long, drawn.device)
+            k = max(all_reqs[i].params.logprobs or 0 for i in lp_rows)
+            lp_table = sampled_table(raw, drawn[idx], k)
+        draft = SampleDraft(all_reqs, out, rows, tokens, readback, checked, errors, lp_rows,
+                            lp_table)
+        if readback.is_cuda:
+            # NOTE: the copies back of an iteration; nothing waits for them until `read`.
+            draft.readback = _to_pinned(readback)
+            draft.lp_table = None if lp_table is None else _to_pinned(lp_table)
+            draft.copied = torch.cuda.Event()
+            draft.copied.record()
+        return draft
+
+    def read(self, draft: SampleDraft) -> Sampled:
+        """Wait for a draft's tokens: the one host sync of an iteration."""
+        if draft.copied is not None:
+            draft.copied.synchronize()
+        values: list[int] = draft.readback.tolist()
+        out, reqs, rows = draft.out, draft.reqs, draft.rows
+        for j, row in enumerate(rows):
+            out[row] = values[j]
+        for j, is_bad in zip(draft.checked, values[len(rows) :]):
+            if is_bad:
+                out[rows[j]] = FAILED_TOKEN
+                draft.errors[reqs[rows[j]].request_id] = \
+                    "sampling failed: the probabilities are not finite"
+        logprobs = {} if draft.lp_table is None else read_sampled(
+            draft.lp_table.tolist(), draft.lp_rows, reqs, out)
+        return Sampled(out, draft.errors, logprobs)
 
     def _prepare_row(self, logits: torch.Tensor, i: int, r: ScheduledRequest, errors: dict[str, str]) -> bool:
         """The request's own changes to its logits row; False (and the error) if they fail."""
@@ -100,26 +162,33 @@ class Sampler:
 
     def _draw_alone(self, logits: torch.Tensor, i: int, r: ScheduledRequest, errors: dict[str, str]) -> int:
         try:
-            return self._draw(logits[i : i + 1], [r], errors)[0]
+            token, bad, _ = self._draw(logits[i : i + 1], [r])
+            if bad is not None and bad.item():
+                errors[r.request_id] = "sampling failed: the probabilities are not finite"
+                return FAILED_TOKEN
+            return int(token.item())
         except Exception as exc:
             errors[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
             return FAILED_TOKEN
 
-    def _draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest], errors: dict[str, str]) -> list[int]:
+    def _draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+              ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Tokens [N] on the device; for the rows that did not take the greedy token (the
+        list), [n] bool where their probabilities were not finite (None when none did)."""
         greedy = [r.params.is_greedy for r in reqs]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1), None, []
         tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = logits[rows]  # [n, vocab]
-        temps = torch.tensor([reqs[i].params.temperature for i in rows], device=sub.device)
+        temps = to_device([reqs[i].params.temperature for i in rows], torch.float32, sub.device)
         filtered = _filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows)
         # min_p after top-k/top-p, as Hugging Face's warpers run.
         filtered = apply_min_p(filtered, [reqs[i].params.min_p for i in rows])
         probs = torch.softmax(filtered, dim=-1)
-        # NOTE: one host sync per iteration, after every draw: a row whose probabilities are
-        # not finite draws from a uniform stand-in (a multinomial over them would fail, on
-        # CUDA with a device-side assert) and is failed once the tokens are read.
+        # NOTE: no host sync here: a row whose probabilities are not finite draws from a
+        # uniform stand-in (a multinomial over them would fail, on CUDA with a device-side
+        # assert) and is failed once the tokens are read (`read`).
         bad = ~torch.isfinite(probs).all(dim=-1)  # [n]
         probs.masked_fill_(bad.unsqueeze(1), 1.0)
         alone = list(range(len(rows)))  # positions in `rows` drawn one by one
@@ -134,13 +203,7 @@ class Sampler:
             drawn = [torch.multinomial(probs[j], 1, generator=self._generator(reqs[rows[j]]))
                      for j in alone]
             tokens[[rows[j] for j in alone]] = torch.cat(drawn)
-        values: list[int] = torch.cat([tokens, bad.long()]).tolist()
-        out, is_bad = values[: len(reqs)], values[len(reqs) :]
-        for j, i in enumerate(rows):
-            if is_bad[j]:
-                errors[reqs[i].request_id] = "sampling failed: the probabilities are not finite"
-                out[i] = FAILED_TOKEN
-        return out
+        return tokens, bad, rows
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator:
         if req.params.seed is None:
@@ -151,6 +214,11 @@ class Sampler:
             gen.manual_seed(req.params.seed)
             self._generators[req.request_id] = gen
         return gen
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor `t` on its way into pinned host memory (non_blocking)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -177,12 +245,12 @@ def _filter_top_k_top_p(
     # lowest id first): top_k=1 and a tiny top_p then pick the greedy token.
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)  # [n, vocab]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
+    k = to_device([kk if kk > 0 else vocab for kk in top_k], torch.long, logits.device)
     remove = ranks >= k.unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
     cum_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    p = to_device(top_p, probs.dtype, logits.device).unsqueeze(1)
     remove |= cum_before >= p
     remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))

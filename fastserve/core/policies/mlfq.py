@@ -416,6 +416,8 @@ class MLFQPreemptScheduler(MLFQBase):
     its blocks are freed at once. The lowest level has no quantum, so every job finishes.
     """
 
+    can_schedule_ahead = False  # it decides to abandon when it schedules
+
     def __init__(
         self,
         config: SchedulerConfig,

@@ -1,0 +1,268 @@
+"""Async scheduling (`--async-scheduling`): the next iteration is scheduled and launched while
+the previous one runs, each decode fed the token its previous iteration drew on the device.
+Requests must come out as they do scheduled in step: the same tokens, finish reasons, errors
+and freed blocks, through preemption, swaps, recompute, chunked prefill, early stops, aborts
+and failures."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from fastserve.args import engine_config
+from fastserve.core.plan import PENDING_TOKEN
+from fastserve.engine.core import AsyncEngineCore, EngineCore
+from fastserve.engine.llm_engine import LLMEngine
+from fastserve.request import RequestOutput, SamplingParams
+from tests.conftest import TEST_DTYPE
+from tests.greedy import GreedyReference, assert_same_greedy_tokens
+
+PROMPT_LENS = [5, 9, 14, 21, 30, 41]
+MAX_TOKENS = [12, 3, 20, 1, 16, 9]
+
+
+def _engine(async_scheduling: bool, **kwargs: Any) -> LLMEngine:
+    options: dict[str, Any] = dict(dtype=TEST_DTYPE, warmup=False, startup_profile=False,
+                                   block_size=4, max_batch_size=4, num_device_blocks=400,
+                                   enable_prefix_caching=False)
+    options.update(kwargs)
+    return LLMEngine(engine_config(async_scheduling=async_scheduling, **options))
+
+
+def _prompts(engine: LLMEngine, lens: Sequence[int] = PROMPT_LENS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, engine.arch.vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]],
+         params: Sequence[SamplingParams]) -> list[RequestOutput]:
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(p, sp, request_id=f"r{i}")
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert all(t >= 0 for t in out.token_ids), "a placeholder token reached an output"
+            if out.finished:
+                final[out.request_id] = out
+    return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+def _greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def _assert_same(got: list[RequestOutput], want: list[RequestOutput], prompts: list[list[int]],
+                 ref: GreedyReference) -> None:
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert_same_greedy_tokens([o.token_ids for o in got], [o.token_ids for o in want],
+                              prompts, ref)
+
+
+def test_the_next_batch_is_launched_with_its_tokens_pending() -> None:
+    engine = _engine(True)
+    assert isinstance(engine.core, AsyncEngineCore)
+    prompts = _prompts(engine, [6, 6])
+    for i, p in enumerate(prompts):
+        engine.add_request(p, _greedy(8), request_id=f"r{i}")
+    assert engine.step() == []  # the prefills are launched; nothing is back yet
+    first = engine.core.last_plan
+    assert first is not None and all(s.is_prefill for s in first.scheduled)
+    outs = engine.step()  # the decodes launched before the prefills' tokens were read
+    plan = engine.core.last_plan
+    assert plan is not None and [s.token_ids for s in plan.scheduled] == [[PENDING_TOKEN]] * 2
+    assert [len(o.token_ids) for o in outs] == [1, 1] and engine.core.num_in_flight == 1
+    assert all(t >= 0 for r in engine.scheduler.requests.values() for t in r.output_token_ids)
+
+
+def test_a_policy_that_abandons_results_schedules_in_step() -> None:
+    assert type(_engine(True, policy="mlfq-preempt").core) is EngineCore
+
+
+CASES = {
+    "fcfs": dict(policy="fcfs"),
+    # Few blocks and a host pool: jobs are preempted, offloaded and uploaded again.
+    "mlfq-swapping": dict(policy="skip-join-mlfq", num_device_blocks=16, num_host_blocks=200,
+                          kv_policy="proactive"),
+    "prefix-swapping": dict(policy="skip-join-mlfq", num_device_blocks=20, num_host_blocks=200,
+                            kv_policy="reactive", enable_prefix_caching=True),
+    "recompute": dict(policy="fcfs", num_device_blocks=20, kv_policy="recompute"),
+    # Prompts longer than the token budget are prefilled in chunks beside the decodes.
+    "chunked": dict(policy="skip-join-mlfq", max_num_batched_tokens=12),
+    "prefix-cache": dict(policy="fcfs", enable_prefix_caching=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_outputs_equal_scheduling_in_step(case: str,
+                                                 greedy_reference: GreedyReference) -> None:
+    sync, ahead = _engine(False, **CASES[case]), _engine(True, **CASES[case])
+    prompts = _prompts(sync)
+    if "prefix" in case:  # a shared prefix, one block and more
+        prompts = [prompts[-1][:9] + p for p in prompts]
+    params = [_greedy(m) for m in MAX_TOKENS]
+    want = _run(sync, prompts, params)
+    got = _run(ahead, prompts, params)
+    _assert_same(got, want, prompts, greedy_reference)
+    assert [len(o.token_ids) for o in got] == MAX_TOKENS
+    moves = ahead.scheduler.moves
+    if "swapping" in case:
+        assert moves.num_offloads > 0 and moves.num_uploads > 0
+    if case == "recompute":
+        assert moves.num_recomputes > 0
+    if "prefix" in case:
+        assert ahead.scheduler.num_prefix_hit_tokens > 0
+    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+
+
+def test_early_stops_drop_the_token_on_the_device(greedy_reference: GreedyReference) -> None:
+    """A job that stops at a stop token has its next step already launched: that token is
+    dropped, and the job ends where it ends scheduled in step."""
+    sync, ahead = _engine(False), _engine(True)
+    prompts = _prompts(sync)
+    free = _run(sync, prompts, [_greedy(20)] * len(prompts))
+    # Stop each job at its own 4th token (the first time that token comes out).
+    params = [_greedy(20, stop_token_ids=[o.token_ids[3]]) for o in free]
+    want = _run(sync, prompts, params)
+    got = _run(ahead, prompts, params)
+    _assert_same(got, want, prompts, greedy_reference)
+    assert all(o.finish_reason == "stop" and len(o.token_ids) <= 4 for o in got)
+    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+
+
+def test_sampled_penalised_and_logprob_requests_equal_scheduling_in_step() -> None:
+    """Seeded sampling draws the same tokens; a penalised job (its step needs its tokens on
+    the host) sits the next iteration out and still comes out the same; log-probabilities
+    match."""
+    sync, ahead = _engine(False), _engine(True)
+    prompts = _prompts(sync)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=9, min_tokens=10, ignore_eos=False),
+        _greedy(12),
+        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.0, ignore_eos=True),
+    ]
+    want = _run(sync, prompts, params)
+    got = _run(ahead, prompts, params)
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    if TEST_DTYPE == "float32":
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert got[2].logprobs is not None and want[2].logprobs is not None
+        for a, b in zip(got[2].logprobs, want[2].logprobs):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+
+
+def _fails_at(step: int, how: str):  # noqa: ANN202
+    def proc(num_output_tokens: int, logits: torch.Tensor) -> torch.Tensor:
+        if num_output_tokens < step:
+            return logits
+        if how == "raise":
+            raise RuntimeError("injected fault")
+        return torch.full_like(logits, float("nan"))
+
+    return proc
+
+
+@pytest.mark.parametrize("how", ["raise", "nan"])
+def test_a_failing_request_fails_alone(how: str, greedy_reference: GreedyReference) -> None:
+    """Its next step was launched with a stand-in token: it fails with its error after 3
+    tokens, and the others' tokens are those of a run without it."""
+    sync, ahead = _engine(False), _engine(True)
+    prompts = _prompts(sync)[:3]
+    want = _run(sync, prompts, [_greedy(10)] * 3)
+    faulty = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True,
+                            logits_processors=[_fails_at(3, how)])
+    got = _run(ahead, prompts, [_greedy(10), faulty, _greedy(10)])
+    assert [o.finish_reason for o in got] == ["length", "error", "length"]
+    assert len(got[1].token_ids) == 3 and "sampling failed" in (got[1].error or "")
+    assert_same_greedy_tokens([got[0].token_ids, got[2].token_ids],
+                              [want[0].token_ids, want[2].token_ids],
+                              [prompts[0], prompts[2]], greedy_reference)
+    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+
+
+def test_an_abort_while_its_step_is_on_the_device(greedy_reference: GreedyReference) -> None:
+    sync, ahead = _engine(False), _engine(True)
+    prompts = _prompts(sync)[:3]
+    want = _run(sync, prompts, [_greedy(10)] * 3)
+    for i, p in enumerate(prompts):
+        ahead.add_request(p, _greedy(10), request_id=f"r{i}")
+    final: dict[str, RequestOutput] = {}
+    for _ in range(4):
+        ahead.step()
+    assert ahead.core.num_in_flight == 1 and "r1" in ahead.scheduler.requests
+    ahead.abort("r1")
+    while ahead.has_unfinished:
+        for out in ahead.step():
+            assert all(t >= 0 for t in out.token_ids)
+            if out.finished:
+                final[out.request_id] = out
+    assert final["r1"].finish_reason == "abort" and all(t >= 0 for t in final["r1"].token_ids)
+    assert_same_greedy_tokens([final["r0"].token_ids, final["r2"].token_ids],
+                              [want[0].token_ids, want[2].token_ids],
+                              [prompts[0], prompts[2]], greedy_reference)
+    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "cuda-eager"])
+def test_on_cuda_tokens_equal_scheduling_in_step(enforce_eager: bool,
+                                                 greedy_reference: GreedyReference) -> None:
+    """On a GPU the next batch reads its tokens from the device while the host has not: the
+    pinned staging, the copy back and the fed tokens must give what scheduling in step does
+    (greedy and seeded sampling, decodes replayed from CUDA graphs or run eagerly)."""
+    kw = dict(device="cuda", policy="fcfs", enforce_eager=enforce_eager)
+    sync, ahead = _engine(False, **kw), _engine(True, **kw)
+    prompts = _prompts(sync)
+    params = [_greedy(m) for m in MAX_TOKENS[:4]] + [
+        SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4, ignore_eos=True),
+    ]
+    want = _run(sync, prompts, params)
+    got = _run(ahead, prompts, params)
+    _assert_same(got[:4], want[:4], prompts[:4], greedy_reference)
+    if TEST_DTYPE == "float32":  # the same logits, the same seeded draws
+        assert [o.token_ids for o in got[4:]] == [o.token_ids for o in want[4:]]
+    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+
+
+@pytest.mark.parametrize("where", ["launch", "finish"])
+def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> None:
+    """A batch whose launch (or read back) raises fails its own jobs, with the error, while
+    the batch before it is still handed back; nothing is left ahead or held, and the engine
+    serves the next request."""
+    engine = _engine(True)
+    prompts = _prompts(engine)[:3]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, _greedy(12), request_id=f"r{i}")
+    outs: list[RequestOutput] = []
+    for _ in range(3):
+        outs += engine.step()
+    runner = engine.runner
+    real = getattr(runner, where)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError(f"injected {where} fault")
+
+    setattr(runner, where, broken)
+    try:
+        outs += engine.step()
+    finally:
+        setattr(runner, where, real)
+    while engine.has_unfinished:
+        outs += engine.step()
+    final = {o.request_id: o for o in outs if o.finished}
+    assert {o.finish_reason for o in final.values()} == {"error"}
+    assert all(f"injected {where} fault" in (o.error or "") for o in final.values())
+    assert all(t >= 0 for o in outs for t in o.token_ids)
+    scheduler = engine.scheduler
+    assert not scheduler.ahead and not scheduler.in_flight
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    (after,) = _run(engine, prompts[:1], [_greedy(5)])
+    assert after.finish_reason == "length" and len(after.token_ids) == 5
