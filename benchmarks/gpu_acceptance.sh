@@ -8,10 +8,12 @@
 # comma-separated subset of: sweep,decode,sweep8,fp8,tests,kernels,sampling,thr32,thr128,copy,
 # served,served-async,kv,suite
 # (thr32 and thr128 run fastserve with and without async scheduling; default: all but
-# served-async and suite, about 11 minutes on an H200: past the device tool's 10 minutes a call,
-# so run it as two calls, e.g. sweep,decode,sweep8,fp8,tests,kernels then the rest). Each step
-# has its own time limit, so one that hangs or crashes does not cost the others; the last lines
-# of every log are printed at the end.
+# served-async and suite, about 12 minutes on an H200 before thr32/thr128 doubled: past the
+# device tool's 10 minutes a call, so run it in two or three calls. With 15 device minutes in
+# all, the lines issue 24 asks about first: decode,tests,thr32,thr128 (~7 min), then
+# served,served-async,fp8,copy; the sweeps only when time is left). Each step has its own time
+# limit, so one that hangs or crashes does not cost the others; the last lines of every log are
+# printed at the end.
 set -u
 cd "$(dirname "$0")/.."
 log=${1:-${OUT:-gpu-logs}}
@@ -46,9 +48,10 @@ step kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider \
   tests/executor/interpreted/test_triton_kernels.py
 # Temperature sampling: one multinomial launch per row against the batched draw.
 step sampling 60 python3 benchmarks/sampling_overhead.py --draw-ab --device cuda
-step thr32 90 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 32 --reps 1 \
+# Offline against HF, fastserve with and without async scheduling (one engine at a time).
+step thr32 150 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 32 --reps 1 \
   --kv-cache-gib 20
-step thr128 100 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 128 --reps 1 \
+step thr128 170 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 128 --reps 1 \
   --kv-cache-gib 24
 step copy 40 python3 benchmarks/copy_overlap.py
 step served 180 python3 benchmarks/http_bench.py "${model[@]}" --device cuda --dtype bfloat16 \
