@@ -256,8 +256,8 @@ class Scheduler(ABC):
         """Async scheduling: `plan` runs on the device while the next plan is scheduled. Its
         jobs' new tokens count as computed, and each job that samples holds a placeholder
         token (PENDING_TOKEN), which the next plan's decode feeds from the device. A job
-        whose next step needs its token on the host (penalties, a grammar, a token that may
-        be its last by length) sits the next plan out, as a pipeline's jobs in flight do.
+        whose next step needs its token on the host (penalties, a grammar, a logits
+        processor, a token that may be its last by length) sits the next plan out, as a pipeline's jobs in flight do.
         `update` puts the real tokens in. NOTE: only for a policy that `can_schedule_ahead`."""
         for sched in plan.scheduled:
             rid = sched.request_id
@@ -278,6 +278,8 @@ class Scheduler(ABC):
             return True
         p = req.params
         if p.max_tokens == 0 or p.needs_token_history or p.structured_output is not None:
+            return False
+        if p.logits_processors:  # NOTE: a processor may keep state from one step to the next
             return False
         num_output = len(req.output_token_ids) + 1  # with the token on the device
         return num_output < p.max_tokens and req.num_prompt_tokens + num_output < req.max_model_len

@@ -6,17 +6,19 @@ and failures."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
+from fastserve import LLM
 from fastserve.args import engine_config
 from fastserve.core.plan import PENDING_TOKEN
 from fastserve.engine.core import AsyncEngineCore, EngineCore
 from fastserve.engine.llm_engine import LLMEngine
-from fastserve.request import RequestOutput, SamplingParams
+from fastserve.request import RequestOutput, SamplingParams, StructuredOutputParams
 from tests.conftest import TEST_DTYPE
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
@@ -266,3 +268,30 @@ def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> No
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     (after,) = _run(engine, prompts[:1], [_greedy(5)])
     assert after.finish_reason == "length" and len(after.token_ids) == 5
+
+
+def test_sequences_grammars_and_echo_equal_scheduling_in_step() -> None:
+    """`n`, `best_of` (scored by a logits processor that keeps each step's row: its jobs sit
+    the next iteration out), a JSON grammar, a stop string and prompt log-probabilities."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutputParams(
+            "json", json.dumps(schema), "response_format")),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=4, n=2, best_of=4, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, stop=["e"]),
+        SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1, logprobs=1),
+    ]
+    prompts = ["Hello there", "Once upon", "A B C", "The end", "xyz"]
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(dtype=TEST_DTYPE, max_batch_size=8, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.finish_reason, [(s.text, s.token_ids) for s in o.outputs],
+                      o.prompt_logprobs is not None) for o in outs])
+        assert outs[0].text.startswith('{"a": ')  # the grammar held (its length ran out)
+        assert [len(o.outputs) for o in outs] == [1, 3, 2, 1, 1]
+    want, got = runs
+    if TEST_DTYPE == "float32":
+        assert got == want
+    assert [r[0] for r in got] == [r[0] for r in want]
