@@ -4,11 +4,11 @@ request's sampling or detokenization fails that request while its batch gets its
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fastserve import LLM, SamplingParams
 from fastserve.request import InvalidRequestError
 from tests.conftest import TEST_DTYPE
+from tests.faults import fails_at
 
 PROMPT = [1, 400, 401, 402, 403, 404]
 NUM_TOKENS = 12
@@ -69,26 +69,13 @@ def test_text_that_is_not_unicode_is_refused(llm: LLM) -> None:
     assert info.value.param == "prompt"
 
 
-def _fails_at(step: int, how: str):  # noqa: ANN202
-    """A logits processor that breaks its own request at output token `step`."""
-
-    def proc(num_output_tokens: int, logits: torch.Tensor) -> torch.Tensor:
-        if num_output_tokens < step:
-            return logits
-        if how == "raise":
-            raise RuntimeError("injected fault")
-        return torch.full_like(logits, float("nan"))  # the draw itself fails
-
-    return proc
-
-
 @pytest.mark.parametrize("how", ["raise", "nan"])
 def test_a_fault_in_one_requests_sampling_fails_only_that_request(llm: LLM, how: str) -> None:
     reference = llm.generate([PROMPT], _greedy(), use_tqdm=False)[0].token_ids
     seeded = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, seed=11, ignore_eos=True)
     seeded_alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].token_ids
     faulty = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.0, ignore_eos=True,
-                            logits_processors=[_fails_at(3, how)])
+                            logits_processors=[fails_at(3, how)])
     engine = llm.engine
     outs = llm.generate([PROMPT] * 4, [_greedy(), faulty, seeded, _greedy()], use_tqdm=False)
     assert engine.core.num_iterations > 0

@@ -20,6 +20,7 @@ from fastserve.engine.core import AsyncEngineCore, EngineCore
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams, StructuredOutputParams
 from tests.conftest import TEST_DTYPE
+from tests.faults import fails_at
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
 PROMPT_LENS = [5, 9, 14, 21, 30, 41]
@@ -160,17 +161,6 @@ def test_sampled_penalised_and_logprob_requests_equal_scheduling_in_step() -> No
     assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
 
 
-def _fails_at(step: int, how: str):  # noqa: ANN202
-    def proc(num_output_tokens: int, logits: torch.Tensor) -> torch.Tensor:
-        if num_output_tokens < step:
-            return logits
-        if how == "raise":
-            raise RuntimeError("injected fault")
-        return torch.full_like(logits, float("nan"))
-
-    return proc
-
-
 @pytest.mark.parametrize("how", ["raise", "nan"])
 def test_a_failing_request_fails_alone(how: str, greedy_reference: GreedyReference) -> None:
     """Its next step was launched with a stand-in token: it fails with its error after 3
@@ -179,7 +169,7 @@ def test_a_failing_request_fails_alone(how: str, greedy_reference: GreedyReferen
     prompts = _prompts(sync)[:3]
     want = _run(sync, prompts, [_greedy(10)] * 3)
     faulty = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True,
-                            logits_processors=[_fails_at(3, how)])
+                            logits_processors=[fails_at(3, how)])
     got = _run(ahead, prompts, [_greedy(10), faulty, _greedy(10)])
     assert [o.finish_reason for o in got] == ["length", "error", "length"]
     assert len(got[1].token_ids) == 3 and "sampling failed" in (got[1].error or "")
