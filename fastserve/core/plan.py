@@ -69,7 +69,8 @@ class ScheduledRequest:
     # The request's tokens so far, only when `params.needs_token_history` (else empty): the
     # penalties count them, and prompt log-probabilities score the prompt token after each
     # position of a chunk. NOTE: the request's own lists, not copies; the scheduler does not
-    # change them before this plan's results come back (a pickled plan is a snapshot).
+    # change them before this plan is launched (a pickled plan is a snapshot), and their last
+    # output may be PENDING_TOKEN (async scheduling: the row's input, on the device).
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
 

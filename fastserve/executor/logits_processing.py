@@ -15,17 +15,20 @@ from collections.abc import Sequence
 
 import torch
 
-from fastserve.core.plan import ScheduledRequest
+from fastserve.core.plan import PENDING_TOKEN, ScheduledRequest
 from fastserve.executor.staging import to_device
 
 
 def apply_logits_processing(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
-                            eos_token_ids: Sequence[int], uses_fields: bool = True) -> None:
+                            eos_token_ids: Sequence[int], uses_fields: bool = True,
+                            fed: torch.Tensor | None = None) -> None:
     """Bias, penalize and mask `logits` ([num_reqs, vocab], one row per request) in place.
-    `uses_fields` False (no request has `params.uses_logits_fields`): only the min_tokens mask."""
+    `uses_fields` False (no request has `params.uses_logits_fields`): only the min_tokens mask.
+    `fed` [num_reqs]: each row's last input token, on the device, for the penalties to count
+    where a request's newest output is still PENDING_TOKEN on the host (async scheduling)."""
     if uses_fields:
         _add_sparse(logits, _bias_entries(reqs))
-        _apply_penalties(logits, reqs)
+        _apply_penalties(logits, reqs, fed)
     _add_sparse(logits, _early_stop_entries(reqs, eos_token_ids))
 
 
@@ -58,7 +61,8 @@ def _add_sparse(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> 
     )
 
 
-def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> None:
+def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
+                     fed: torch.Tensor | None = None) -> None:
     """Gathers and scatters over each row's earlier tokens, not over the vocabulary: a
     request has hundreds of tokens where the vocabulary has 32k-256k entries."""
     rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
@@ -67,10 +71,14 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
     dev = logits.device
     sub = [reqs[i] for i in rows]
     row_idx = to_device(rows, torch.long, dev).unsqueeze(1)  # [n, 1]
+    pending = fed is not None and any(
+        r.output_token_ids and r.output_token_ids[-1] == PENDING_TOKEN for r in sub)
+    row_fed = fed[row_idx] if pending and fed is not None else None  # [n, 1]
     # Hugging Face (CTRL): a logit of a token of the prompt or the output is divided by the
     # penalty, or multiplied when negative, so a penalty > 1 always makes it less likely.
     # NOTE: a token seen twice is gathered twice and written twice with the same value.
     seen, _ = _padded([[*r.prompt_token_ids, *r.output_token_ids] for r in sub], dev)  # [n, L]
+    seen = _with_fed(seen, row_fed)
     rep = _column([r.params.repetition_penalty for r in sub], logits)  # [n, 1]
     x = logits[row_idx, seen]  # [n, L]
     logits[row_idx, seen] = torch.where(x < 0, x * rep, x / rep)
@@ -78,6 +86,7 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
     out_ids, valid = _padded([r.output_token_ids for r in sub], dev)  # [n, M]
     if out_ids.shape[1] == 0:
         return
+    out_ids = _with_fed(out_ids, row_fed)
     freq = _column([r.params.frequency_penalty for r in sub], logits)
     pres = _column([r.params.presence_penalty for r in sub], logits)
     logits.index_put_((row_idx.expand_as(out_ids), out_ids), -freq * valid, accumulate=True)
@@ -99,6 +108,13 @@ def _padded(seqs: list[Sequence[int]], device: torch.device) -> tuple[torch.Tens
         mask += [1.0] * len(s) + [0.0] * pad
     return (to_device(ids, torch.long, device).reshape(len(seqs), width),
             to_device(mask, torch.float32, device).reshape(len(seqs), width))
+
+
+def _with_fed(ids: torch.Tensor, row_fed: torch.Tensor | None) -> torch.Tensor:
+    """`ids` [n, L] with each PENDING_TOKEN replaced by its row's token on the device."""
+    if row_fed is None:
+        return ids
+    return torch.where(ids == PENDING_TOKEN, row_fed, ids)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,11 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_siz
     return 2 * arch.num_hidden_layers * kv_heads * arch.head_dim * block_size * elem
 
 
+def _counts_pending(reqs: list[ScheduledRequest]) -> bool:
+    """Whether a penalty counts a request's newest token that is still on the device."""
+    return any(r.params.has_penalties and r.token_ids[0] == PENDING_TOKEN for r in reqs)
+
+
 def flatten(reqs: list[ScheduledRequest], block_size: int) -> FlatBatch:
     bs = block_size
     input_ids: list[int] = []
@@ -154,18 +159,23 @@ class ModelRunner:
         # Only the copies into or out of this batch's blocks hold it up; the rest overlap.
         swap_wait_s = self.swapper.wait_for(s.block_ids for s in plan.scheduled)
         prompt_lps: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        fed = None  # [num_reqs]: each row's last input, where a penalty counts a pending one
         if batch is None:
             assert self.graphs is not None and graph_size is not None
             logits: torch.Tensor | None = self.graphs.replay(
                 plan.scheduled, flat.input_ids, flat.positions, flat.slots, graph_size, feed)
+            if feed is not None and _counts_pending(plan.scheduled):
+                fed = self.graphs.input_ids[: len(plan.scheduled)]
         else:
             if feed is not None:
                 feed.write(batch.input_ids)
+                if _counts_pending(plan.scheduled):
+                    fed = batch.input_ids[batch.last_token_idx]
             # Echo's prompt log-probabilities: the logits of every prompt position fed.
             logits, prompt_lps = self._forward(batch, plan.scheduled)  # [num_reqs, vocab]
         draft = None
         if logits is not None and self.is_sampler:
-            draft = self._last_draft = self.sampler.draw(logits, plan.scheduled)
+            draft = self._last_draft = self.sampler.draw(logits, plan.scheduled, fed)
         return Launched(start, swap_wait_s, draft, prompt_lps)
 
     @torch.inference_mode()

@@ -91,8 +91,12 @@ class Sampler:
         where the request's own sampling failed."""
         return self.read(self.draw(logits, reqs))
 
-    def draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleDraft:
-        """`sample`'s device work: the tokens stay on the device, being copied back."""
+    def draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest],
+             fed: torch.Tensor | None = None) -> SampleDraft:
+        """`sample`'s device work: the tokens stay on the device, being copied back. `fed`
+        [num_reqs] long, on the device: the token each row was fed last, which stands for a
+        request's newest output token while the host holds PENDING_TOKEN for it (needed when
+        a penalty counts it)."""
         # logits: [num_reqs, vocab] float32
         errors: dict[str, str] = {}
         all_reqs = reqs
@@ -103,7 +107,8 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if r.samples and self._prepare_row(logits, i, r, errors)]
         if len(rows) < len(reqs):
             logits, reqs = logits[rows], [reqs[i] for i in rows]
-        apply_logits_processing(logits, reqs, self.eos_token_ids, uses_fields)
+            fed = None if fed is None else fed[rows]
+        apply_logits_processing(logits, reqs, self.eos_token_ids, uses_fields, fed)
         if self.grammars is not None and len(self.grammars):
             # NOTE: after the other masks: where min_tokens bars the only token a grammar
             # allows (its end), the grammar wins.

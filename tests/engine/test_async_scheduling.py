@@ -15,7 +15,7 @@ import torch
 
 from fastserve import LLM
 from fastserve.args import engine_config
-from fastserve.core.plan import PENDING_TOKEN
+from fastserve.core.plan import PENDING_TOKEN, SchedulerOutput
 from fastserve.engine.core import AsyncEngineCore, EngineCore
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams, StructuredOutputParams
@@ -136,9 +136,8 @@ def test_early_stops_drop_the_token_on_the_device(greedy_reference: GreedyRefere
 
 
 def test_sampled_penalised_and_logprob_requests_equal_scheduling_in_step() -> None:
-    """Seeded sampling draws the same tokens; a penalised job (its step needs its tokens on
-    the host) sits the next iteration out and still comes out the same; log-probabilities
-    match."""
+    """Seeded sampling draws the same tokens; a penalised job's penalties count its newest
+    token from the device (the host has a placeholder for it); log-probabilities match."""
     sync, ahead = _engine(False), _engine(True)
     prompts = _prompts(sync)
     params = [
@@ -150,7 +149,18 @@ def test_sampled_penalised_and_logprob_requests_equal_scheduling_in_step() -> No
         SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.0, ignore_eos=True),
     ]
     want = _run(sync, prompts, params)
+    launched: list[SchedulerOutput] = []
+    launch = ahead.runner.launch
+
+    def recording_launch(plan: SchedulerOutput) -> Any:
+        launched.append(plan)
+        return launch(plan)
+
+    ahead.runner.launch = recording_launch
     got = _run(ahead, prompts, params)
+    # The penalties counted a newest token the host did not have yet.
+    assert any(s.params.has_penalties and s.token_ids == [PENDING_TOKEN]
+               for plan in launched for s in plan.scheduled)
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     if TEST_DTYPE == "float32":
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -208,13 +218,16 @@ def test_on_cuda_tokens_equal_scheduling_in_step(enforce_eager: bool,
                                                  greedy_reference: GreedyReference) -> None:
     """On a GPU the next batch reads its tokens from the device while the host has not: the
     pinned staging, the copy back and the fed tokens must give what scheduling in step does
-    (greedy and seeded sampling, decodes replayed from CUDA graphs or run eagerly)."""
+    (greedy, seeded sampling and penalties, decodes replayed from CUDA graphs or eager)."""
     kw = dict(device="cuda", policy="fcfs", enforce_eager=enforce_eager)
     sync, ahead = _engine(False, **kw), _engine(True, **kw)
-    prompts = _prompts(sync)
+    prompts = _prompts(sync) + _prompts(sync, [11])
     params = [_greedy(m) for m in MAX_TOKENS[:4]] + [
         SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4, ignore_eos=True),
+        # Its penalties count its newest token from the graph's (or eager) input buffer.
+        SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
+                       frequency_penalty=0.5, ignore_eos=True),
     ]
     want = _run(sync, prompts, params)
     got = _run(ahead, prompts, params)
