@@ -37,12 +37,16 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
     scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids,
                                make_kv_policy(config.cache))
     if isinstance(executor, PipelinedExecutor) and executor.max_in_flight > 1:
+        if config.scheduler.async_scheduling:
+            logger.info("pipeline parallelism keeps its own batches in flight: "
+                        "--async-scheduling adds nothing to it")
         return PipelinedEngineCore(scheduler, executor, clock)
     if config.scheduler.async_scheduling:
         if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
             return AsyncEngineCore(scheduler, executor, clock)
-        logger.warning("async scheduling needs one process's executor and a policy that can "
-                       "schedule ahead (not %s): scheduling in step", config.scheduler.policy)
+        logger.warning("async scheduling needs an executor that launches (one stage) and a "
+                       "policy that can schedule ahead (not %s): scheduling in step",
+                       config.scheduler.policy)
     return EngineCore(scheduler, executor, clock)
 
 

@@ -24,7 +24,7 @@ from fastserve.executor.logprobs import prompt_logprobs
 from fastserve.executor.sampler import SampleDraft, Sampler
 from fastserve.executor.staging import to_device
 from fastserve.executor.swap import make_swapper
-from fastserve.executor.token_feed import TokenFeed
+from fastserve.executor.token_feed import TokenFeed, drawn_tokens
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.request import TokenLogprobs
@@ -209,21 +209,10 @@ class ModelRunner:
         places = [i for i, r in enumerate(reqs) if r.token_ids[0] == PENDING_TOKEN]
         if not places:
             return None
-        draft = self._last_draft
-        if draft is None:
-            raise RuntimeError("a decode's token is pending but no batch was launched before")
-        row_of = draft.row_of()
-        launched_ids = {r.request_id for r in draft.reqs}
-        missing = [reqs[i].request_id for i in places if reqs[i].request_id not in launched_ids]
-        if missing:
-            raise RuntimeError(f"pending tokens of requests not in the previous batch: {missing}")
-        # A row whose sampling failed before its draw has no token: it is failed when that
-        # batch is read, so its next step only needs a valid id (0).
-        src = [row_of.get(reqs[i].request_id, -1) for i in places]
         dst = [flat.last_token_idx[i] for i in places]
         for i in dst:
             flat.input_ids[i] = 0  # NOTE: the host copy holds a valid id until the feed lands
-        return TokenFeed(draft.tokens, src, dst)
+        return TokenFeed(self._pending_tokens([reqs[i].request_id for i in places]), dst)
 
     # -- the steps a pipeline stage overrides ---------------------------------------------
 
@@ -244,6 +233,20 @@ class ModelRunner:
 
     def _emit(self, tokens: list[int]) -> None:
         """After sampling: a pipeline stage sends its activations or tokens on here."""
+
+    def _pending_tokens(self, request_ids: list[str]) -> torch.Tensor:
+        """[len(request_ids)] long, on the device: the tokens the previous launch drew for
+        these requests (async scheduling); a tensor-parallel rank that samples none gets them
+        from the one that does."""
+        draft = self._last_draft
+        if draft is None:
+            raise RuntimeError("a decode's token is pending but no batch was launched before")
+        launched = {r.request_id for r in draft.reqs}
+        missing = [rid for rid in request_ids if rid not in launched]
+        if missing:
+            raise RuntimeError(f"pending tokens of requests not in the previous batch: {missing}")
+        row_of = draft.row_of()  # NOTE: a row whose sampling failed before its draw has none
+        return drawn_tokens(draft.tokens, [row_of.get(rid, -1) for rid in request_ids])
 
     def _prepare(self, reqs: list[ScheduledRequest], flat: FlatBatch | None = None) -> BatchInputs:
         flat = flat or flatten(reqs, self.block_size)

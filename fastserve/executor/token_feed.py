@@ -10,20 +10,23 @@ import torch
 from fastserve.executor.staging import to_device
 
 
+def drawn_tokens(tokens: torch.Tensor, places: list[int]) -> torch.Tensor:
+    """`tokens` [num_drawn] (a launch's draws, on the device) at `places`, where -1 is a row
+    whose sampling failed: any valid id (0) will do there, as that request is failed when its
+    tokens are read; so will it for a row drawn alone after a failure (FAILED_TOKEN)."""
+    n = tokens.shape[0]
+    idx = to_device([p if p >= 0 else n for p in places], torch.long, tokens.device)
+    return torch.cat([tokens.clamp(min=0), tokens.new_zeros(1)]).index_select(0, idx)
+
+
 @dataclass(frozen=True)
 class TokenFeed:
-    """Which of a batch's input ids come from the previous launch's draws."""
+    """Which of a batch's input ids are tokens still on the device, and those tokens."""
 
-    tokens: torch.Tensor  # [num_drawn] long, on the device: the previous launch's draws
-    src: list[int]  # place in `tokens` of each fed input; -1: none (its row failed), feed 0
+    values: torch.Tensor  # [num_fed] long, on the device
     dst: list[int]  # place of each in the batch's flat input ids
 
     def write(self, input_ids: torch.Tensor) -> None:
         """Copy the tokens into `input_ids` [num_tokens] on the device, with no host sync."""
-        n = self.tokens.shape[0]
-        src = [s if s >= 0 else n for s in self.src]
-        idx = to_device([src, self.dst], torch.long, input_ids.device)  # [2, num_fed]
-        # NOTE: a row drawn alone after a failure holds FAILED_TOKEN: any valid id will do,
-        # as that request is failed when its tokens are read.
-        tokens = torch.cat([self.tokens.clamp(min=0), self.tokens.new_zeros(1)])  # [n + 1]
-        input_ids.index_copy_(0, idx[1], tokens.index_select(0, idx[0]))
+        dst = to_device(self.dst, torch.long, input_ids.device)
+        input_ids.index_copy_(0, dst, self.values)

@@ -1,7 +1,7 @@
 """Greedy tokens are the same on one device and split across processes (gloo on CPU): tensor
-parallel (2, 1), pipeline parallel (1, 2) and both (2, 2), for 8 prompts of different lengths
-generated together, with an ample KV pool and with one so small that jobs are swapped out and
-back every few iterations."""
+parallel (2, 1), pipeline parallel (1, 2) and both (2, 2), and tensor parallel with async
+scheduling, for 8 prompts of different lengths generated together, with an ample KV pool and
+with one so small that jobs are swapped out and back every few iterations."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastserve import LLM, SamplingParams
-from fastserve.engine.core import PipelinedEngineCore
+from fastserve.engine.core import AsyncEngineCore, PipelinedEngineCore
 from fastserve.executor.distributed.executor import DistributedExecutor
 from tests.conftest import TEST_DTYPE
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
@@ -32,12 +32,15 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _generate(tp: int, pp: int, pool: str) -> tuple[list[list[int]], dict[str, Any]]:
+def _generate(tp: int, pp: int, pool: str,
+              async_scheduling: bool = False) -> tuple[list[list[int]], dict[str, Any]]:
     llm = LLM(dtype=TEST_DTYPE, warmup=False, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              worker_timeout_s=60.0, **POOLS[pool])
+              worker_timeout_s=60.0, async_scheduling=async_scheduling, **POOLS[pool])
     engine = llm.engine
     try:
         ids = [engine.add_request(p, GREEDY).request_id for p in _prompts()]
+        if async_scheduling:
+            assert isinstance(engine.core, AsyncEngineCore)
         if pp > 1:
             assert isinstance(engine.core, PipelinedEngineCore)
             engine.step()
@@ -69,6 +72,17 @@ def test_greedy_tokens_match_one_device(reference: list[list[int]], tp: int, pp:
     if (tp, pp, pool) == (1, 1, "ample"):
         pytest.skip("the reference itself")
     tokens, stats = _generate(tp, pp, pool)
+    assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
+    if pool == "small":
+        assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
+
+
+@pytest.mark.parametrize("pool", ["ample", "small"])
+def test_async_scheduling_with_tensor_parallelism(reference: list[list[int]], pool: str,
+                                                  greedy_reference: GreedyReference) -> None:
+    """The driver draws each token and launches the next batch before reading it back; the
+    other rank gets the pending tokens by broadcast and feeds the same ones."""
+    tokens, stats = _generate(2, 1, pool, async_scheduling=True)
     assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
     if pool == "small":
         assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0

@@ -42,6 +42,7 @@ from fastserve.executor.distributed.layout import RankLayout
 from fastserve.executor.distributed.messages import RankStats, StatsRequest, Step, Stop
 from fastserve.executor.distributed.stage import StageRunner, pool_sizes
 from fastserve.executor.distributed.worker import Init
+from fastserve.executor.model_runner import Launched
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,12 @@ class _Batch:
     plan: SchedulerOutput
     start_s: float
     local: ExecutorOutput  # the driver's own share (the tokens, when it samples)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    seq: int  # submission number, as `_Batch.seq`
+    local: Launched  # the driver's share, its tokens not read back yet
 
 
 class DistributedExecutor:
@@ -137,6 +144,30 @@ class DistributedExecutor:
     @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    # -- the AsyncExecutor protocol (one pipeline stage) ------------------------------------
+
+    def launch(self, plan: SchedulerOutput) -> _Launch:
+        """Send the plan to every rank and start the driver's share, without reading its
+        tokens back: async scheduling launches the next plan first. A decode fed a pending
+        token gets it from the driver, which drew it (`StageRunner._pending_tokens`)."""
+        if self.layout.pp_size > 1:
+            raise RuntimeError("launch/finish are for one stage: a pipeline uses submit/collect")
+        with self._fatal():
+            self._seq += 1
+            pending = Pending()
+            for rank in range(1, self.layout.world_size):
+                pending.add(isend_object(Step(plan), rank, self.groups.ctrl))
+            self._sends.append((self._seq, pending))
+            return _Launch(self._seq, self.stage.launch(plan))
+
+    def finish(self, launched: _Launch) -> ExecutorOutput:
+        """The launched plan's tokens (the driver samples them)."""
+        with self._fatal():
+            out = self.stage.finish(launched.local)
+            while self._sends and self._sends[0][0] <= launched.seq:
+                self._sends.popleft()[1].wait(self.timeout_s)  # taken: its batch is through
+            return out
 
     # -- health, stats, shutdown ----------------------------------------------------------
 

@@ -218,6 +218,20 @@ class StageRunner(ModelRunner):
         hidden, _ = stage.norm(x, residual)
         return self.model.compute_logits(hidden[batch.last_token_idx]), {}  # [num_reqs, vocab]
 
+    def _pending_tokens(self, request_ids: list[str]) -> torch.Tensor:
+        """Async scheduling (one stage): the sampling rank looks its draws up and broadcasts
+        them to its tensor-parallel peers, which feed the same tokens."""
+        if self.layout.pp_size > 1:
+            raise RuntimeError("pending tokens under pipeline parallelism: its batches in "
+                               "flight are never scheduled ahead")
+        if self.is_sampler:
+            values = super()._pending_tokens(request_ids)
+        else:
+            values = torch.empty(len(request_ids), dtype=torch.long, device=self.device)
+        if self.groups.tp is not None:
+            dist.broadcast(values, src=self.layout.sampler_rank, group=self.groups.tp)
+        return values
+
     def _emit(self, tokens: list[int]) -> None:
         lay = self.layout
         self._stats.add(self._compute_start, time.perf_counter())
