@@ -288,11 +288,12 @@ class Scheduler(ABC):
         """Take the sampled tokens; returns the requests that got a token (finished ones too)."""
         self._on_iteration(plan, out, now)
         touched: list[Request] = []
+        ahead, placeholders = self.ahead, self._placeholders  # NOTE: empty in step (no async)
         for sched, token in zip(plan.scheduled, out.sampled_token_ids):
             rid = sched.request_id
-            is_ahead = rid in self.ahead
+            is_ahead = bool(ahead) and rid in ahead
             if is_ahead:
-                self.ahead.discard(rid)
+                ahead.discard(rid)
             req = self.requests.get(rid)
             if req is None:  # aborted while the iteration ran
                 continue
@@ -305,9 +306,9 @@ class Scheduler(ABC):
                 continue
             if not is_ahead:  # (ahead: counted when scheduled ahead, or since dropped)
                 req.num_computed_tokens = sched.num_context_tokens
-            has_placeholder = rid in self._placeholders
+            has_placeholder = bool(placeholders) and rid in placeholders
             if has_placeholder:  # NOTE: before the block hashes read the tokens
-                self._placeholders.discard(rid)
+                placeholders.discard(rid)
                 req.output_token_ids[-1] = token
             self._cache_computed(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet
