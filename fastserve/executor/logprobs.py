@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.staging import take_rows
 from fastserve.request import TokenLogprobs
 
 # Prompt positions scored per logits matrix: [rows, vocab] float32 for a 2048-token prompt
@@ -30,7 +31,7 @@ def raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     """log_softmax of those rows, taken before the sampler changes the logits."""
     if not rows:
         return None
-    return torch.log_softmax(logits[rows].float(), dim=-1)  # [len(rows), vocab]
+    return torch.log_softmax(take_rows(logits, rows).float(), dim=-1)  # [len(rows), vocab]
 
 
 def sampled_table(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ from fastserve.core.plan import NO_TOKEN, ScheduledRequest
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, read_sampled, sampled_table
-from fastserve.executor.staging import to_device
+from fastserve.executor.staging import put_rows, take_rows, to_device
+from fastserve.executor.token_feed import drawn_tokens
 from fastserve.request import TokenLogprobs
 
 # The token of a row whose sampling failed: the engine fails that request alone.
@@ -106,15 +107,15 @@ class Sampler:
         raw = raw_logprobs(logits, lp_rows)  # NOTE: before anything below changes the logits
         rows = [i for i, r in enumerate(reqs) if r.samples and self._prepare_row(logits, i, r, errors)]
         if len(rows) < len(reqs):
-            logits, reqs = logits[rows], [reqs[i] for i in rows]
-            fed = None if fed is None else fed[rows]
+            logits, reqs = take_rows(logits, rows), [reqs[i] for i in rows]
+            fed = None if fed is None else take_rows(fed, rows)
         apply_logits_processing(logits, reqs, self.eos_token_ids, uses_fields, fed)
         if self.grammars is not None and len(self.grammars):
             # NOTE: after the other masks: where min_tokens bars the only token a grammar
             # allows (its end), the grammar wins.
             kept = self.grammars.mask(logits, reqs, list(range(len(reqs))), errors)
             if len(kept) < len(reqs):  # rows whose grammar failed
-                logits, reqs, rows = logits[kept], [reqs[i] for i in kept], [rows[i] for i in kept]
+                logits, reqs, rows = take_rows(logits, kept), [reqs[i] for i in kept], [rows[i] for i in kept]
         try:
             tokens, bad, checked = self._draw(logits, reqs)
         except Exception:  # a backstop: draw row by row to find the culprits
@@ -124,10 +125,8 @@ class Sampler:
         lp_table = None
         if raw is not None:  # NOTE: queued now, so that reading it waits for nothing later
             place = {row: j for j, row in enumerate(rows)}
-            drawn = torch.cat([tokens.clamp(min=0), tokens.new_zeros(1)])  # [len(rows) + 1]
-            idx = to_device([place.get(i, len(rows)) for i in lp_rows], torch.long, drawn.device)
             k = max(all_reqs[i].params.logprobs or 0 for i in lp_rows)
-            lp_table = sampled_table(raw, drawn[idx], k)
+            lp_table = sampled_table(raw, drawn_tokens(tokens, [place.get(i, -1) for i in lp_rows]), k)
         draft = SampleDraft(all_reqs, out, rows, tokens, readback, checked, errors, lp_rows,
                             lp_table)
         if readback.is_cuda:
@@ -185,7 +184,7 @@ class Sampler:
             return logits.argmax(dim=-1), None, []
         tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens
         rows = [i for i, g in enumerate(greedy) if not g]
-        sub = logits[rows]  # [n, vocab]
+        sub = take_rows(logits, rows)  # [n, vocab]
         temps = to_device([reqs[i].params.temperature for i in rows], torch.float32, sub.device)
         filtered = _filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows)
         # min_p after top-k/top-p, as Hugging Face's warpers run.
@@ -200,14 +199,15 @@ class Sampler:
         if self.batched_draw:
             free = [j for j, i in enumerate(rows) if reqs[i].params.seed is None]
             if free:
-                tokens[[rows[j] for j in free]] = _race(probs[free], self._default)
+                put_rows(tokens, [rows[j] for j in free],
+                         _race(take_rows(probs, free), self._default))
                 alone = [j for j, i in enumerate(rows) if reqs[i].params.seed is not None]
         # Row by row (a seeded request's generator is its own; on a CPU, one 2-D draw
         # measured slower than these), each a device op: nothing is read back yet.
         if alone:
             drawn = [torch.multinomial(probs[j], 1, generator=self._generator(reqs[rows[j]]))
                      for j in alone]
-            tokens[[rows[j] for j in alone]] = torch.cat(drawn)
+            put_rows(tokens, [rows[j] for j in alone], torch.cat(drawn))
         return tokens, bad, rows
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator:

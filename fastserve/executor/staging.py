@@ -16,3 +16,20 @@ def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """`t[rows]` without a host sync (indexing with a Python list copies the index from
+    pageable memory, which waits for the stream); `t` itself when `rows` are all of its rows
+    in order."""
+    if len(rows) == t.shape[0] and all(i == r for i, r in enumerate(rows)):
+        return t
+    return t.index_select(0, to_device(rows, torch.long, t.device))
+
+
+def put_rows(t: torch.Tensor, rows: Sequence[int], values: torch.Tensor) -> None:
+    """`t[rows] = values` without a host sync (see `take_rows`)."""
+    if len(rows) == t.shape[0] and all(i == r for i, r in enumerate(rows)):
+        t.copy_(values)
+    else:
+        t.index_copy_(0, to_device(rows, torch.long, t.device), values)
