@@ -19,19 +19,20 @@ prefills its prompt.
 
 Every sequence samples with its own seed: `seed + i` for sequence i when the request has a
 seed, so the same request returns the same sequences. `best_of` > `n` generates `best_of`
-sequences and returns the `n` with the highest cumulative log-probability under the model
-(`SampledLogprobs`), once all have finished, indexed best first.
+sequences and returns the `n` with the highest cumulative log-probability under the model's
+own distribution (the raw logits, before temperature, top-k and top-p: the sampler's
+log-probabilities, asked for on every sequence and left out of the outputs when the request
+did not ask), once all have finished, indexed best first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastserve.core.kv_manager import KVCacheManager
-from fastserve.request import SEED_RANGE, Request, RequestOutput, SamplingParams
+from fastserve.request import SEED_RANGE, Request, RequestOutput, SamplingParams, TokenLogprobs
 
 # Adds a later sequence to the engine: (its id, its params, sequence 0, the prompt's text).
 AddSequence = Callable[[str, SamplingParams, Request, str | None], Request]
@@ -50,36 +51,6 @@ def derived_seed(seed: int | None, index: int) -> int | None:
     return (seed + index - lo) % (hi - lo) + lo
 
 
-class SampledLogprobs:
-    """A sequence's cumulative log-probability of its sampled tokens under the model's own
-    distribution (the raw logits: before temperature, top-k and top-p), for `best_of`.
-
-    NOTE: a stand-in until the sampler reports the sampled tokens' log-probabilities: as a
-    logits processor it keeps the row's log-softmax, and `observe` adds the entry of the token
-    once the step has sampled it. The sum stays a tensor (no device sync per token).
-    """
-
-    def __init__(self) -> None:
-        self._row: Any = None  # [vocab] log-probabilities of the latest sampling step
-        self._total: Any = 0.0
-        self._num_tokens = 0
-
-    def __call__(self, num_output_tokens: int, logits: Any) -> Any:
-        self._row = logits.float().log_softmax(-1)  # [vocab]
-        return logits
-
-    def observe(self, req: Request) -> None:
-        """Take the request's newest token, if the latest step gave it one."""
-        if req.num_output_tokens > self._num_tokens and self._row is not None:
-            self._total = self._total + self._row[req.output_token_ids[-1]]
-            self._row = None
-        self._num_tokens = req.num_output_tokens
-
-    @property
-    def total(self) -> float:
-        return float(self._total)
-
-
 @dataclass
 class RequestGroup:
     """One request's sequences and what is left of them."""
@@ -94,7 +65,10 @@ class RequestGroup:
     num_pending: int = 0  # sequences not added yet (they wait for sequence 0's prefill)
     num_open: int = 1  # sequences added whose final output has not come yet
     held_blocks: list[int] = field(default_factory=list)  # `KVCacheManager.hold_prefix`
-    logprobs: list[SampledLogprobs] = field(default_factory=list)  # best_of > n only
+    # best_of > n: each sequence's cumulative log-probability so far, and whether the request
+    # asked for log-probabilities itself (else they are dropped from its outputs).
+    scores: list[float] = field(default_factory=list)
+    shows_logprobs: bool = True
     finals: list[RequestOutput] = field(default_factory=list)  # best_of > n: held back
 
     @property
@@ -137,17 +111,16 @@ class RequestGroups:
         `add_leader`, which validates and queues it), the others once its prompt is cached
         (at once with prefix caching off)."""
         num = params.num_sequences
-        seq_params = [dataclasses.replace(params, n=1, best_of=None,
+        is_best_of = num > params.n
+        # best_of: every sequence's sampled log-probabilities score it.
+        logprobs = params.logprobs if params.logprobs is not None or not is_best_of else 0
+        seq_params = [dataclasses.replace(params, n=1, best_of=None, logprobs=logprobs,
                                           seed=derived_seed(params.seed, i)) for i in range(num)]
-        logprobs: list[SampledLogprobs] = []
-        if num > params.n:
-            logprobs = [SampledLogprobs() for _ in range(num)]
-            seq_params = [dataclasses.replace(p, logits_processors=(*p.logits_processors, lp))
-                          for p, lp in zip(seq_params, logprobs, strict=True)]
         leader = add_leader(seq_params[0])
         group = RequestGroup(request_id, params.n, self.sequence_ids(request_id, num),
                              seq_params, leader, prompt, num_pending=num - 1,
-                             logprobs=logprobs)
+                             scores=[0.0] * num if is_best_of else [],
+                             shows_logprobs=params.logprobs is not None)
         self._groups[request_id] = group
         for i, sid in enumerate(group.seq_ids):
             self._group_of[sid] = (group, i)
@@ -156,14 +129,17 @@ class RequestGroups:
             self._add_followers(group)
         return leader
 
-    def after_step(self, touched: Sequence[Request]) -> None:
-        """After an iteration: take the sampled tokens' log-probabilities, add the sequences
-        whose prompt is now cached, release held blocks every sequence has shared."""
-        if self._group_of:  # NOTE: every iteration: nothing to look up without a group
+    def after_step(self, touched: Sequence[Request],
+                   sample_logprobs: Mapping[str, TokenLogprobs]) -> None:
+        """After an iteration: score the best_of sequences' tokens (`sample_logprobs`: the
+        iteration's, by request id), add the sequences whose prompt is now cached, release
+        held blocks every sequence has shared."""
+        if self._group_of and sample_logprobs:  # NOTE: nothing to look up without a group
             for req in touched:
                 entry = self._group_of.get(req.request_id)
-                if entry is not None and entry[0].logprobs:
-                    entry[0].logprobs[entry[1]].observe(req)
+                lp = sample_logprobs.get(req.request_id)
+                if entry is not None and entry[0].scores and lp is not None:
+                    entry[0].scores[entry[1]] += lp.logprob
         if not self._waiting:
             return
         still: list[RequestGroup] = []
@@ -240,11 +216,12 @@ class RequestGroups:
         that the caller sees the failure."""
         def key(out: RequestOutput) -> tuple[bool, float]:
             failed = out.finish_reason in ("error", "abort")
-            return failed, group.logprobs[out.index].total
+            return failed, group.scores[out.index]
 
         best = sorted(group.finals, key=key, reverse=True)[: group.n]
         return [dataclasses.replace(out, index=i, new_token_ids=list(out.token_ids),
-                                    new_text=out.text, request_finished=i == len(best) - 1)
+                                    new_text=out.text, request_finished=i == len(best) - 1,
+                                    logprobs=out.logprobs if group.shows_logprobs else None)
                 for i, out in enumerate(best)]
 
     def _forget(self, group: RequestGroup) -> None:

@@ -274,8 +274,9 @@ def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> No
 
 
 def test_sequences_grammars_and_echo_equal_scheduling_in_step() -> None:
-    """`n`, `best_of` (scored by a logits processor that keeps each step's row: its jobs sit
-    the next iteration out), a JSON grammar, a stop string and prompt log-probabilities."""
+    """`n`, `best_of` (scored by the sampled tokens' log-probabilities, each read back with
+    its step), a JSON grammar (its job sits every next iteration out), a stop string and
+    prompt log-probabilities."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = [
         SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutputParams(
