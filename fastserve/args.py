@@ -42,7 +42,8 @@ _HELP = {
                       "half a bf16 cache's bytes; for GPUs, sm89+ with the Triton backend)",
     "async_scheduling": "schedule the next iteration while this one runs on the device, "
                         "feeding each decode its token from there (a GPU's host work then "
-                        "overlaps its compute; one process; every policy but mlfq-preempt)",
+                        "overlaps its compute; one pipeline stage; every policy but "
+                        "mlfq-preempt)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

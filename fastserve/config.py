@@ -177,8 +177,8 @@ class SchedulerConfig:
     # None = 4 x max_batch_size; 0 = plain arrival order there. Unused by paper.
     mlfq_max_overtakes: int | None = None
     mlfq_variant: str = "robust"
-    # Schedule the next iteration while this one runs on the device (one process, a policy
-    # that can schedule ahead; not mlfq-preempt): the host's work overlaps the GPU's.
+    # Schedule the next iteration while this one runs on the device (one pipeline stage, a
+    # policy that can schedule ahead; not mlfq-preempt): the host's work overlaps the GPU's.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
