@@ -116,14 +116,10 @@ class DistributedExecutor:
             return  # nothing for any rank to do
         with self._fatal():
             start_s = time.perf_counter()
-            self._seq += 1
-            pending = Pending()
-            for rank in range(1, self.layout.world_size):  # stage 0's peers first: they start now
-                pending.add(isend_object(Step(plan), rank, self.groups.ctrl))
-            self._sends.append((self._seq, pending))
+            seq = self._send(plan)
             local = self.stage.execute(plan)
             if not plan.is_empty:
-                self._in_flight.append(_Batch(self._seq, plan, start_s, local))
+                self._in_flight.append(_Batch(seq, plan, start_s, local))
 
     def collect(self, now: float = 0.0) -> PipelineResult:
         """The oldest batch in flight: its tokens, and how long the driver waited for them."""
@@ -135,8 +131,7 @@ class DistributedExecutor:
                 buf = torch.empty(len(batch.plan.scheduled), dtype=torch.long, device=self.stage.device)
                 tokens = recv_tensor(buf, self.layout.sampler_rank, TAG_TOKENS, self.timeout_s).tolist()
             end_s = time.perf_counter()
-            while self._sends and self._sends[0][0] <= batch.seq:
-                self._sends.popleft()[1].wait(self.timeout_s)  # taken: its batch is through
+            self._sent(batch.seq)
             out = ExecutorOutput(tokens, end_s - batch.start_s, batch.local.swap_wait_s,
                                  batch.local.failed)
             return PipelineResult(out, end_s - wait_start_s)
@@ -154,20 +149,30 @@ class DistributedExecutor:
         if self.layout.pp_size > 1:
             raise RuntimeError("launch/finish are for one stage: a pipeline uses submit/collect")
         with self._fatal():
-            self._seq += 1
-            pending = Pending()
-            for rank in range(1, self.layout.world_size):
-                pending.add(isend_object(Step(plan), rank, self.groups.ctrl))
-            self._sends.append((self._seq, pending))
-            return _Launch(self._seq, self.stage.launch(plan))
+            seq = self._send(plan)
+            return _Launch(seq, self.stage.launch(plan))
 
     def finish(self, launched: _Launch) -> ExecutorOutput:
         """The launched plan's tokens (the driver samples them)."""
         with self._fatal():
             out = self.stage.finish(launched.local)
-            while self._sends and self._sends[0][0] <= launched.seq:
-                self._sends.popleft()[1].wait(self.timeout_s)  # taken: its batch is through
+            self._sent(launched.seq)
             return out
+
+    def _send(self, plan: SchedulerOutput) -> int:
+        """Post the plan to every other rank (stage 0's peers first: they start now); returns
+        its submission number."""
+        self._seq += 1
+        pending = Pending()
+        for rank in range(1, self.layout.world_size):
+            pending.add(isend_object(Step(plan), rank, self.groups.ctrl))
+        self._sends.append((self._seq, pending))
+        return self._seq
+
+    def _sent(self, seq: int) -> None:
+        """Wait for the sends of the plans up to `seq`: taken, since its batch is through."""
+        while self._sends and self._sends[0][0] <= seq:
+            self._sends.popleft()[1].wait(self.timeout_s)
 
     # -- health, stats, shutdown ----------------------------------------------------------
 
