@@ -113,7 +113,7 @@ class RequestGroups:
         num = params.num_sequences
         is_best_of = num > params.n
         # best_of: every sequence's sampled log-probabilities score it.
-        logprobs = params.logprobs if params.logprobs is not None or not is_best_of else 0
+        logprobs = 0 if is_best_of and params.logprobs is None else params.logprobs
         seq_params = [dataclasses.replace(params, n=1, best_of=None, logprobs=logprobs,
                                           seed=derived_seed(params.seed, i)) for i in range(num)]
         leader = add_leader(seq_params[0])

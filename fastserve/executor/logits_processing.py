@@ -71,9 +71,10 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
     dev = logits.device
     sub = [reqs[i] for i in rows]
     row_idx = to_device(rows, torch.long, dev).unsqueeze(1)  # [n, 1]
-    pending = fed is not None and any(
-        r.output_token_ids and r.output_token_ids[-1] == PENDING_TOKEN for r in sub)
-    row_fed = fed[row_idx] if pending and fed is not None else None  # [n, 1]
+    row_fed = None  # [n, 1]: each row's newest token, where the host has a placeholder for it
+    if fed is not None and any(
+            r.output_token_ids and r.output_token_ids[-1] == PENDING_TOKEN for r in sub):
+        row_fed = fed[row_idx]
     # Hugging Face (CTRL): a logit of a token of the prompt or the output is divided by the
     # penalty, or multiplied when negative, so a penalty > 1 always makes it less likely.
     # NOTE: a token seen twice is gathered twice and written twice with the same value.

@@ -22,14 +22,18 @@ def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     """`t[rows]` without a host sync (indexing with a Python list copies the index from
     pageable memory, which waits for the stream); `t` itself when `rows` are all of its rows
     in order."""
-    if len(rows) == t.shape[0] and all(i == r for i, r in enumerate(rows)):
+    if _is_every_row(rows, t.shape[0]):
         return t
     return t.index_select(0, to_device(rows, torch.long, t.device))
 
 
 def put_rows(t: torch.Tensor, rows: Sequence[int], values: torch.Tensor) -> None:
     """`t[rows] = values` without a host sync (see `take_rows`)."""
-    if len(rows) == t.shape[0] and all(i == r for i, r in enumerate(rows)):
+    if _is_every_row(rows, t.shape[0]):
         t.copy_(values)
     else:
         t.index_copy_(0, to_device(rows, torch.long, t.device), values)
+
+
+def _is_every_row(rows: Sequence[int], num_rows: int) -> bool:
+    return len(rows) == num_rows and all(i == r for i, r in enumerate(rows))
