@@ -166,7 +166,10 @@ def test_store_kv_into_a_float8_cache_rounds_and_saturates() -> None:
     ops.store_kv(k, v, k_cache, v_cache, slots)
     for cache, src in ((k_cache, x), (v_cache, -x)):
         expect = src.clamp(-448, 448).to(FP8).transpose(0, 1).view(torch.uint8)
-        assert torch.equal(cache[:, :tokens].view(torch.uint8).cpu(), expect)
+        got = cache[:, :tokens].view(torch.uint8).cpu()
+        wrong = (got != expect).nonzero().tolist()[:8]
+        assert not wrong, [(src.transpose(0, 1)[tuple(i)].item(), got[tuple(i)].item(),
+                            expect[tuple(i)].item()) for i in wrong]
         assert not cache[:, tokens:].view(torch.uint8).any()
     last = k_cache[0, 13, 690:694].float().tolist()  # 448, 449, 500, -1e9
     assert last == [448.0, 448.0, 448.0, -448.0]
@@ -352,7 +355,9 @@ def _triton_and_torch_runners(path: Path, cache: CacheConfig) -> list[ModelRunne
         model, arch = load_model(path, torch.float32, str(DEVICE))
         config = ModelConfig(device=str(DEVICE), attention_backend=name, enforce_eager=True)
         runners.append(ModelRunner(model, arch, config, cache, [2]))
-    assert [type(r.attn) for r in runners] == [TritonAttention, TorchAttention]
+    # (on a GPU the portable backend is its CUDA subclass)
+    assert isinstance(runners[0].attn, TritonAttention)
+    assert isinstance(runners[1].attn, TorchAttention)
     return runners
 
 
