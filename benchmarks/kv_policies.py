@@ -285,7 +285,7 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
 def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1,
           copy_workers: Sequence[str] = ("auto",), sim_profile: str | None = None,
           rate: float = REAL_RATE, num_requests: int | None = None,
-          engine: dict[str, Any] | None = None) -> list[str]:
+          engine: dict[str, Any] | None = None, pool: int = 50_000) -> list[str]:
     """The real engine: the unlimited run sizes the pool, then each KV policy runs `reps`
     times, interleaved in an order that rotates each repetition (this machine is shared: a
     slow minute hits every policy alike). The ratios are of the medians, and paired: the
@@ -293,23 +293,24 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
     repetition. With several `copy_workers`, proactive runs once per CPU copy mode in each
     repetition (`proactive/<mode>`); the first is the one the ratios use.
     With `sim_profile`, the simulator's prediction for the same workload and pool follows.
-    `engine` overrides the engine's options (model, device, dtype, load_format: a GPU run)."""
+    `engine` overrides the engine's options (model, device, dtype, load_format: a GPU run);
+    `pool` is the unlimited run's device pool and every run's host pool, in blocks."""
     wl = real_workload(quick, rate, num_requests)
     label = f"{variant} @{rate:g}/s"
 
     def config(kv_policy: str, blocks: int, worker: str = "auto") -> EngineConfig:
         return engine_config(policy="skip-join-mlfq", **mlfq_options(variant), kv_policy=kv_policy,
-                             num_device_blocks=blocks, num_host_blocks=50_000,
+                             num_device_blocks=blocks, num_host_blocks=pool,
                              max_batch_size=BATCH, cpu_copy_worker=worker,
                              **{"dtype": "float32", **(engine or {})})
 
     rows = []
-    jobs, kv, run_s, slow = run_engine(wl, config("proactive", 50_000))
+    jobs, kv, run_s, slow = run_engine(wl, config("proactive", pool))
     unlimited = compute_metrics(jobs, len(wl), kv)
     # NOTE: the peak moves from run to run (wall-clock timing changes the schedule), so
     # --real-blocks can pin the pool for comparisons across runs.
     blocks = fixed_blocks or max(largest_job_blocks(wl), round(0.25 * unlimited["peak_kv_blocks"]))
-    rows.append(_real_row(label, "unlimited", 50_000, unlimited, run_s, slow))
+    rows.append(_real_row(label, "unlimited", pool, unlimited, run_s, slow))
     runs = [("proactive", w, "proactive" if len(copy_workers) == 1 else f"proactive/{w}")
             for w in copy_workers] + [("reactive", copy_workers[0], "reactive"),
                                       ("defer", copy_workers[0], "defer"),
@@ -346,21 +347,23 @@ def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int 
     )
     if sim_profile:
         rows.append(_sim_of_part3(wl, variant, blocks, sim_profile, med, unlimited["jct_mean"],
-                                  label))
+                                  label, pool))
     return rows
 
 
 def _sim_of_part3(wl: Sequence[WorkItem], variant: str, blocks: int, profile: str,
-                  real: dict[str, float], real_unlimited: float, label: str) -> str:
+                  real: dict[str, float], real_unlimited: float, label: str,
+                  unlimited: int = 50_000) -> str:
     """The simulator on part 3's workload and pool, with a profile of this machine (e.g.
     `fastserve profile --through-engine --num-threads 2`): its average JCT per KV policy
     beside the real medians."""
     cost = CostModel.from_json(profile)
     simulated = {}
-    for name, kv_policy, pool in (("unlimited", "proactive", 50_000), ("proactive", "proactive", blocks),
+    for name, kv_policy, pool in (("unlimited", "proactive", unlimited),
+                                  ("proactive", "proactive", blocks),
                                   ("reactive", "reactive", blocks), ("defer", "defer", blocks)):
         config = engine_config(policy="skip-join-mlfq", **mlfq_options(variant), kv_policy=kv_policy,
-                               max_batch_size=BATCH, dtype="float32", num_host_blocks=50_000)
+                               max_batch_size=BATCH, dtype="float32", num_host_blocks=unlimited)
         simulated[name] = _result(simulate_run(wl, config, cost, pool), len(wl)).jct_mean
     real = {**real, "unlimited": real_unlimited}
     pairs = ", ".join(f"{k} {simulated[k]:.2f} vs {real[k]:.2f}" for k in simulated if k in real)
@@ -448,6 +451,10 @@ def main() -> None:
                    "is made without weights and served with --load-format dummy)")
     p.add_argument("--real-device", default="cpu", help="part 3's device: cpu or cuda")
     p.add_argument("--real-dtype", default="float32")
+    p.add_argument("--real-pool-gib", type=float, default=None,
+                   help="part 3's unlimited device pool and host pool, in GiB of this model's "
+                   "KV blocks (default: 50,000 blocks, which a 7B model's KV is far past "
+                   "any GPU's memory)")
     args = p.parse_args()
     thetas = (1.2,) if args.quick else (0.9, 1.2, 1.5)
     cvs = (4.0,) if args.quick else (1.0, 4.0, 8.0)
@@ -482,10 +489,11 @@ def main() -> None:
         torch.set_num_threads(2)
         workers = [w.strip() for w in args.copy_workers.split(",") if w.strip()]
         engine = _real_engine(args.real_model, args.real_device, args.real_dtype)
+        pool = _pool_blocks(engine, args.real_pool_gib) if args.real_pool_gib else 50_000
         rows = [row for v in variants
                 for rate in rates
                 for row in part3(v, args.quick, args.real_blocks, args.reps, workers,
-                                 args.sim_profile, rate, args.real_requests, engine)]
+                                 args.sim_profile, rate, args.real_requests, engine, pool)]
         _table(f"3. Real engine, {args.real_device}, {args.real_model or 'tiny'} "
                f"({args.real_dtype}), 25% of peak KV, Zipf 1.2 / CV 4", PART3_HEADER, rows)
     print(f"\n({time.time() - t0:.0f} s)")
@@ -504,6 +512,19 @@ def _real_engine(model: str | None, device: str, dtype: str) -> dict[str, Any]:
     if model is not None:
         options["model"] = model
     return options
+
+
+def _pool_blocks(engine: dict[str, Any], gib: float) -> int:
+    """KV blocks of 16 tokens in `gib` GiB for part 3's model (the tiny preset by default)."""
+    import torch
+
+    from fastserve.executor.model_runner import kv_block_bytes
+    from fastserve.model.loader import read_arch_config
+    from fastserve.model.make_model import cached_model_path
+
+    path = Path(engine["model"]) if "model" in engine else cached_model_path("tiny")
+    block = kv_block_bytes(read_arch_config(path), 16, getattr(torch, engine["dtype"]))
+    return int(gib * (1 << 30)) // block
 
 
 if __name__ == "__main__":
