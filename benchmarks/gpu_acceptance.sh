@@ -6,14 +6,14 @@
 #
 # LOG_DIR defaults to $OUT (the device tool's return folder), else ./gpu-logs. STEPS is a
 # comma-separated subset of: sweep,decode,sweep8,fp8,tests,kernels,sampling,thr32,thr128,copy,
-# served,served-async,kv,suite
-# (thr32 and thr128 run fastserve with and without async scheduling; default: all but
-# served-async and suite, about 12 minutes on an H200 before thr32/thr128 doubled: past the
-# device tool's 10 minutes a call, so run it in two or three calls. With 15 device minutes in
-# all, the lines issue 24 asks about first: decode,tests,thr32,thr128 (~7 min), then
-# served,served-async,fp8,copy; the sweeps only when time is left). Each step has its own time
-# limit, so one that hangs or crashes does not cost the others; the last lines of every log are
-# printed at the end.
+# served,served-in-step,kv,suite
+# (thr32 and thr128 run fastserve with and without async scheduling; `served` serves with the
+# default, async on CUDA, `served-in-step` without it). Default: all but served-in-step and
+# suite, past the device tool's 10 minutes a call, so run it in two or three calls. On an H200
+# decode,fp8,tests,thr32,thr128 took 3.5 minutes, served 1, suite 2 (kv: its limit is 4). With
+# 15 device minutes in all: decode,tests,thr32,thr128,served first, then kv,suite,fp8,copy; the
+# sweeps only when time is left. Each step has its own time limit, so one that hangs or crashes
+# does not cost the others; the last lines of every log are printed at the end.
 set -u
 cd "$(dirname "$0")/.."
 log=${1:-${OUT:-gpu-logs}}
@@ -57,12 +57,12 @@ step copy 40 python3 benchmarks/copy_overlap.py
 step served 180 python3 benchmarks/http_bench.py "${model[@]}" --device cuda --dtype bfloat16 \
   --load 0.9 --theta 1.2 --cv 4 --max-output-len 512 --max-batch-size 128 --reps 1 \
   --num-requests 150
-# The same served run with the next iteration scheduled while one runs (not in the defaults).
-step served-async 180 python3 benchmarks/http_bench.py "${model[@]}" --device cuda \
+# The same served run scheduling in step (not in the defaults).
+step served-in-step 180 python3 benchmarks/http_bench.py "${model[@]}" --device cuda \
   --dtype bfloat16 --load 0.9 --theta 1.2 --cv 4 --max-output-len 512 --max-batch-size 128 \
-  --reps 1 --num-requests 150 --server-arg=--async-scheduling
+  --reps 1 --num-requests 150 --server-arg=--no-async-scheduling
 step kv 240 python3 benchmarks/kv_policies.py --part real --real-model llama-2-7b \
-  --real-device cuda --real-dtype bfloat16
+  --real-device cuda --real-dtype bfloat16 --variants robust --quick --real-pool-gib 48
 # Every test, the CUDA ones included (not in the default steps: several minutes).
 step suite 600 python3 -m pytest -q -n 8 --timeout 300 -p no:cacheprovider
 

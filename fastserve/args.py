@@ -43,7 +43,8 @@ _HELP = {
     "async_scheduling": "schedule the next iteration while this one runs on the device, "
                         "feeding each decode its token from there (a GPU's host work then "
                         "overlaps its compute; one pipeline stage; every policy but "
-                        "mlfq-preempt)",
+                        "mlfq-preempt; None = on for one process on a CUDA device, off "
+                        "elsewhere)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

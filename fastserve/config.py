@@ -179,7 +179,8 @@ class SchedulerConfig:
     mlfq_variant: str = "robust"
     # Schedule the next iteration while this one runs on the device (one pipeline stage, a
     # policy that can schedule ahead; not mlfq-preempt): the host's work overlaps the GPU's.
-    async_scheduling: bool = False
+    # None = on where it was measured to pay: one process on a CUDA device.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")

@@ -63,8 +63,8 @@ def test_mixed_prefill_decode_and_alone_agree(llm: LLM, greedy_reference: Greedy
     prompts = _prompts(llm.engine.arch.vocab_size)
     engine = LLMEngine(engine_config(dtype=TEST_DTYPE, device=llm.config.model.device,
                                      max_batch_size=8, block_size=4, kv_cache_gib=0.05,
-                                     warmup=False, policy="fcfs"))
-    plans = []
+                                     warmup=False, policy="fcfs", async_scheduling=False))
+    plans = []  # (each plan's tokens back in its own step: recorded through `execute`)
     execute = engine.runner.execute
     engine.core.executor = type("Recorder", (), {"execute": lambda _, p: (plans.append(p), execute(p))[1]})()
     results = {}

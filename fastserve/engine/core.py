@@ -36,18 +36,33 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
                         enable_prefix_caching=config.cache.enable_prefix_caching)
     scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids,
                                make_kv_policy(config.cache))
+    asked = config.scheduler.async_scheduling
     if isinstance(executor, PipelinedExecutor) and executor.max_in_flight > 1:
-        if config.scheduler.async_scheduling:
+        if asked:
             logger.info("pipeline parallelism keeps its own batches in flight: "
                         "--async-scheduling adds nothing to it")
         return PipelinedEngineCore(scheduler, executor, clock)
-    if config.scheduler.async_scheduling:
+    if asked is None and default_async_scheduling(config):
+        if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
+            logger.info("async scheduling: on (the default on one CUDA device; "
+                        "--no-async-scheduling turns it off)")
+            return AsyncEngineCore(scheduler, executor, clock)
+    elif asked:
         if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
             return AsyncEngineCore(scheduler, executor, clock)
         logger.warning("async scheduling needs an executor that launches (one stage) and a "
                        "policy that can schedule ahead (not %s): scheduling in step",
                        config.scheduler.policy)
     return EngineCore(scheduler, executor, clock)
+
+
+def default_async_scheduling(config: EngineConfig) -> bool:
+    """Async scheduling's default: on where it was measured to pay, one process on a CUDA
+    device (an H200 ran a 7B model's offline batches 1.13x faster at 32 and 1.28x at 128).
+    On a CPU the host and the "device" are the same cores, so nothing overlaps."""
+    p = config.parallel
+    return (config.model.device.startswith("cuda")
+            and p.tensor_parallel_size * p.pipeline_parallel_size == 1)
 
 
 class EngineCore:

@@ -16,7 +16,7 @@ import torch
 from fastserve import LLM
 from fastserve.args import engine_config
 from fastserve.core.plan import PENDING_TOKEN, SchedulerOutput
-from fastserve.engine.core import AsyncEngineCore, EngineCore
+from fastserve.engine.core import AsyncEngineCore, EngineCore, default_async_scheduling
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams, StructuredOutputParams
 from tests.conftest import TEST_DTYPE
@@ -27,7 +27,7 @@ PROMPT_LENS = [5, 9, 14, 21, 30, 41]
 MAX_TOKENS = [12, 3, 20, 1, 16, 9]
 
 
-def _engine(async_scheduling: bool, **kwargs: Any) -> LLMEngine:
+def _engine(async_scheduling: bool | None, **kwargs: Any) -> LLMEngine:
     options: dict[str, Any] = dict(dtype=TEST_DTYPE, warmup=False, startup_profile=False,
                                    block_size=4, max_batch_size=4, num_device_blocks=400,
                                    enable_prefix_caching=False)
@@ -229,12 +229,26 @@ def test_on_cuda_tokens_equal_scheduling_in_step(enforce_eager: bool,
         SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
                        frequency_penalty=0.5, ignore_eos=True),
     ]
+    assert type(sync.core) is EngineCore and type(ahead.core) is AsyncEngineCore
     want = _run(sync, prompts, params)
     got = _run(ahead, prompts, params)
     _assert_same(got[:4], want[:4], prompts[:4], greedy_reference)
     if TEST_DTYPE == "float32":  # the same logits, the same seeded draws
         assert [o.token_ids for o in got[4:]] == [o.token_ids for o in want[4:]]
     assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+
+
+def test_the_default_is_async_on_one_cuda_device_only() -> None:
+    """Unset, async scheduling is on for one process on a CUDA device (where it was measured
+    to pay) and off on a CPU, in tensor or pipeline parallelism, and for mlfq-preempt."""
+    assert type(_engine(None).core) is EngineCore  # this CPU
+    assert default_async_scheduling(engine_config(device="cuda"))
+    for kw in (dict(device="cpu"), dict(device="cuda", tensor_parallel_size=2),
+               dict(device="cuda", pipeline_parallel_size=2)):
+        assert not default_async_scheduling(engine_config(**kw)), kw
+    if torch.cuda.is_available():
+        assert type(_engine(None, device="cuda").core) is AsyncEngineCore
+        assert type(_engine(None, device="cuda", policy="mlfq-preempt").core) is EngineCore
 
 
 @pytest.mark.parametrize("where", ["launch", "finish"])
@@ -277,6 +291,7 @@ def test_sequences_grammars_and_echo_equal_scheduling_in_step() -> None:
     """`n`, `best_of` (scored by the sampled tokens' log-probabilities, each read back with
     its step), a JSON grammar (its job sits every next iteration out), a stop string and
     prompt log-probabilities."""
+    pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = [
         SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutputParams(
