@@ -42,14 +42,13 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
             logger.info("pipeline parallelism keeps its own batches in flight: "
                         "--async-scheduling adds nothing to it")
         return PipelinedEngineCore(scheduler, executor, clock)
-    if asked is None and default_async_scheduling(config):
+    if asked or (asked is None and default_async_scheduling(config)):
         if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
-            logger.info("async scheduling: on (the default on one CUDA device; "
-                        "--no-async-scheduling turns it off)")
+            if asked is None:
+                logger.info("async scheduling: on (the default on one CUDA device; "
+                            "--no-async-scheduling turns it off)")
             return AsyncEngineCore(scheduler, executor, clock)
-    elif asked:
-        if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
-            return AsyncEngineCore(scheduler, executor, clock)
+    if asked:
         logger.warning("async scheduling needs an executor that launches (one stage) and a "
                        "policy that can schedule ahead (not %s): scheduling in step",
                        config.scheduler.policy)

@@ -81,7 +81,7 @@ def _to_e4m3_grid(x, FP8_MAX: tl.constexpr):
     normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
     # Subnormal ones (below 2**-6) sit on a grid of 2**-9: float32's own rounding of a sum
     # whose ulp is 2**-9 puts them there. The sign goes back on as a bit, so what rounds to
-    # zero keeps it (-0.0): on a GPU `-tiny` compiles to `0 - tiny`, which gives +0.0.
+    # zero keeps it (-0.0): on an H200 `-tiny` of a zero `tiny` stored +0.0.
     tiny = (tl.abs(x) + 24576.0) - 24576.0
     tiny = (tiny.to(tl.uint32, bitcast=True) | (b & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, tiny, normal)
