@@ -216,8 +216,10 @@ def test_grace_expiry_ends_open_streams_with_finish_usage_error_and_done(
             server.proc.wait()
 
 
-def test_health_answers_while_a_1mib_prompt_is_tokenized(server: ServerProcess) -> None:
-    rng = random.Random(0)  # words that differ, so the tokenizer's word cache cannot help
+def _health_while_tokenizing(server: ServerProcess, seed: int) -> tuple[float, float, float]:
+    """/health, polled while a 1 MiB prompt is tokenized: the request's seconds and the median
+    and longest /health latencies during it."""
+    rng = random.Random(seed)  # words that differ, so the tokenizer's word cache cannot help
     words = ("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(1 << 18))
     prompt = " ".join(words)[: 1 << 20]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
@@ -239,9 +241,18 @@ def test_health_answers_while_a_1mib_prompt_is_tokenized(server: ServerProcess) 
     median_s, max_s = latencies_s[len(latencies_s) // 2], latencies_s[-1]
     print(f"/health during a {big_s:.2f} s request with a 1 MiB prompt: {len(latencies_s)} calls, "
           f"median {median_s * 1e3:.1f} ms, max {max_s * 1e3:.1f} ms")
-    assert median_s < 0.1
-    # Tokenized on the event loop, one /health would wait for all of it (NOTE: a max bound
-    # in ms would fail on a loaded machine for reasons of its own).
+    return big_s, median_s, max_s
+
+
+def test_health_answers_while_a_1mib_prompt_is_tokenized(server: ServerProcess) -> None:
+    # Tokenized on the event loop, one /health would wait for all of it, in every try. A
+    # single stall of this shared machine's own (once 575 ms of a 1.98 s request) gets one
+    # more try on fresh words. (NOTE: a max bound in ms would fail on a loaded machine.)
+    for seed in (0, 1):
+        big_s, median_s, max_s = _health_while_tokenizing(server, seed)
+        assert median_s < 0.1
+        if max_s < big_s / 4:
+            break
     assert max_s < big_s / 4
 
 
