@@ -9,9 +9,9 @@ The kernels follow well-known designs: the KV store is nano-vllm's `store_kvcach
 per token, a slot of -1 stores nothing: the padding rows of a CUDA-graph batch); decode is
 SGLang's / vLLM's grouped split-KV decode (one program per (request, KV head, split) computes
 the `group` query heads sharing that KV head with `tl.dot`, padded to 16 rows, and a second
-kernel merges the splits by their log-sum-exp); prefill is a flash-attention forward over the
-block table, bottom-right causal, so a chunk after a cached prefix and a prefill from position
-0 are the same case.
+kernel merges the splits by their log-sum-exp, in base 2 as every score here); prefill is a
+flash-attention forward over the block table, bottom-right causal, so a chunk after a cached
+prefix and a prefill from position 0 are the same case.
 
 They run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before triton is
 imported), which is how `tests/executor/interpreted/` checks them without a GPU.
@@ -36,6 +36,10 @@ from fastserve.model.make_model import cache_dir
 # they take CPU tensors, which is how the tests run them without a GPU.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
+# Scores are kept in base-2 units (the softmax scale times log2(e)): `tl.exp2` is the
+# hardware's exponential, `tl.exp` a multiply and then it.
+LOG2E = 1.4426950408889634
+
 # Rows of a decode program's query tile: `tl.dot` wants at least 16 on a GPU.
 _MIN_DOT = 16
 
@@ -56,14 +60,56 @@ CACHE_DTYPES = (*_TL_DTYPES, torch.float8_e4m3fn)
 
 
 def _dot_dtype(cache: torch.Tensor, q: torch.Tensor) -> tl.dtype:
-    """What `tl.dot`'s operands are cast to: the cache's dtype on a GPU (a float8 cache's
-    tiles are widened to the model's). NOTE: Triton's interpreter (CPU tensors) multiplies
-    bfloat16 as the raw 16-bit integers it stores them in, so there bf16 operands are widened
-    to float32 (the products are then exact, which the tests' tolerance covers either way)."""
+    """What `tl.dot`'s operands are cast to: the cache's dtype on a GPU. A float8 cache's
+    tiles are widened to float16 for a half-precision model: every E4M3 value is exact there,
+    and the hardware widens two per instruction (see `_widen`); a float32 model's to float32.
+    NOTE: Triton's interpreter (CPU tensors) multiplies bfloat16 as the raw 16-bit integers it
+    stores them in, so there bf16 operands are widened to float32 (the products are then
+    exact, which the tests' tolerance covers either way)."""
     dtype = compute_dtype(cache.dtype, q.dtype)
+    if is_fp8(cache.dtype) and dtype != torch.float32:
+        dtype = torch.float16
     if cache.device.type == "cpu" and dtype == torch.bfloat16:
         return tl.float32
     return _TL_DTYPES[dtype]
+
+
+def _fp8_asm(cache: torch.Tensor, dot_dtype: tl.dtype) -> bool:
+    """Whether float8 tiles widen through `_widen`'s inline PTX: compiled for a GPU (CPU
+    tensors mean Triton's interpreter, which has no PTX; `kernel_sass` compiles for a GPU
+    from tensors on the meta device)."""
+    return is_fp8(cache.dtype) and dot_dtype == tl.float16 and cache.device.type != "cpu"
+
+
+# fp16's largest value: a query widened to fp16 (over a float8 cache) saturates there.
+_F16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _query_as(q, DT: tl.constexpr):
+    """The query tile in `tl.dot`'s dtype; saturated where that is fp16 and the model's bf16."""
+    if DT == tl.float16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX)
+    return q.to(DT)
+
+
+@triton.jit
+def _widen(x, DT: tl.constexpr, FP8_ASM: tl.constexpr):
+    """A cache tile in `tl.dot`'s dtype. A float8 tile on a GPU goes through PTX's pairwise
+    E4M3 -> fp16 conversion written out as inline assembly: a plain cast lets Triton move the
+    conversion after the shared-memory read of a dot operand, which then reads V one byte per
+    instruction (its SASS had 64 LDS.U8 a tile, and float8 decode was no faster than bf16)."""
+    if FP8_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return x.to(DT)
 
 
 # --------------------------------------------------------------------------- KV store
@@ -133,11 +179,11 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, q_rows_ptr, block_table_ptr, ctx_lens_ptr,
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
-    block_size, scale,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_DT: tl.constexpr,
+    DOT_DT: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -156,7 +202,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + hs
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hm[:, None] & dm[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    q = q.to(DOT_DT) if USE_DOT else q.to(tl.float32)
+    q = _query_as(q, DOT_DT) if USE_DOT else q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -164,25 +210,25 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < end
-        blk = tl.load(block_table_ptr + r * stride_bt + pos // block_size, mask=pm, other=0)
-        slot = blk.to(tl.int64) * block_size + pos % block_size
+        blk = tl.load(block_table_ptr + r * stride_bt + pos // BLOCK_SIZE, mask=pm, other=0)
+        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = cache + slot[:, None] * stride_cs + d[None, :]
         kvm = pm[:, None] & dm[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0)  # [BLOCK_N, BLOCK_D]
         if USE_DOT:  # a GQA group's heads share each K/V tile: tensor cores
-            s = tl.dot(q, tl.trans(k.to(DOT_DT)), input_precision=PRECISION)
+            s = tl.dot(q, tl.trans(_widen(k, DOT_DT, FP8_ASM)), input_precision=PRECISION)
         else:  # one head (MHA): a padded dot would waste 15 of its 16 rows
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-        s = tl.where(pm[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            s = tl.sum(q[:, None, :] * _widen(k, DOT_DT, FP8_ASM).to(tl.float32)[None, :, :], 2)
+        s = tl.where(pm[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0)
         if USE_DOT:
-            pv = tl.dot(p.to(DOT_DT), v.to(DOT_DT), input_precision=PRECISION)
+            pv = tl.dot(p.to(DOT_DT), _widen(v, DOT_DT, FP8_ASM), input_precision=PRECISION)
         else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            pv = tl.sum(p[:, :, None] * _widen(v, DOT_DT, FP8_ASM).to(tl.float32)[None, :, :], 1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if NUM_SPLITS == 1:  # the whole context: normalise and write the output, no merge
@@ -193,7 +239,7 @@ def _decode_split_kernel(
         # An empty split (context shorter than the splits) leaves l_i = 0: weight 0 in the merge.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         part = (r * NUM_HEADS + heads) * NUM_SPLITS + sp  # [BLOCK_H]
         tl.store(o_part_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=hm[:, None])
         tl.store(lse_part_ptr + part, lse, mask=hm)
@@ -211,7 +257,7 @@ def _decode_merge_kernel(
     d = tl.arange(0, BLOCK_D)
     part = (r * NUM_HEADS + h) * NUM_SPLITS + sps  # [NUM_SPLITS]
     lse = tl.load(lse_part_ptr + part)
-    w = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
     o = tl.load(o_part_ptr + part[:, None] * BLOCK_D + d[None, :])  # [NUM_SPLITS, BLOCK_D]
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     row = tl.load(q_rows_ptr + r).to(tl.int64)
@@ -305,15 +351,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                device=q.device)
     else:  # unused: the kernel writes `out`
         o_part = lse_part = out
+    dot_dt = _dot_dtype(k_cache, q)
     _decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, k_cache, v_cache, q_rows, block_table, ctx_lens, o_part, lse_part, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), block_table.stride(0),
-        block_size, scale,
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        k_cache.stride(1), block_table.stride(0), scale * LOG2E,
+        BLOCK_SIZE=block_size, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=_pow2(group) if use_dot else triton.next_power_of_2(group),
         BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
-        PRECISION=_precision(k_cache, q), DOT_DT=_dot_dtype(k_cache, q),
+        PRECISION=_precision(k_cache, q), DOT_DT=dot_dt, FP8_ASM=_fp8_asm(k_cache, dot_dt),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -331,9 +377,10 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, q_starts_ptr, q_lens_ptr, ctx_lens_ptr,
     block_table_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
-    block_size, scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_DT: tl.constexpr,
+    FP8_ASM: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -350,7 +397,7 @@ def _prefill_kernel(
     dm = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + ms)[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=mm[:, None] & dm[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    q = q.to(DOT_DT)
+    q = _query_as(q, DOT_DT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -360,20 +407,20 @@ def _prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < end
-        blk = tl.load(block_table_ptr + s * stride_bt + pos // block_size, mask=pm, other=0)
-        slot = blk.to(tl.int64) * block_size + pos % block_size
+        blk = tl.load(block_table_ptr + s * stride_bt + pos // BLOCK_SIZE, mask=pm, other=0)
+        slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = cache + slot[:, None] * stride_cs + d[None, :]
         kvm = pm[:, None] & dm[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)  # [BLOCK_N, BLOCK_D]
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        k = _widen(tl.load(k_cache_ptr + kv_off, mask=kvm, other=0.0), DOT_DT, FP8_ASM)
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= (prefix + ms)[:, None]) & pm[None, :]
         sc = tl.where(visible, sc, float("-inf"))
         # NOTE: key 0 is visible to every row, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0).to(DOT_DT)
+        v = _widen(tl.load(v_cache_ptr + kv_off, mask=kvm, other=0.0), DOT_DT, FP8_ASM)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=PRECISION)
         m_i = m_new
     o = acc / l_i[:, None]
@@ -400,12 +447,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
     grid = (num_prefills, num_heads, triton.cdiv(max_q_len, block_m))
+    dot_dt = _dot_dtype(k_cache, q)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, q_starts, q_lens, ctx_lens, block_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), block_table.stride(0), block_size, scale,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32,
-        PRECISION=_precision(k_cache, q), DOT_DT=_dot_dtype(k_cache, q),
+        k_cache.stride(1), block_table.stride(0), scale * LOG2E,
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32,
+        PRECISION=_precision(k_cache, q), DOT_DT=dot_dt, FP8_ASM=_fp8_asm(k_cache, dot_dt),
     )
 
 

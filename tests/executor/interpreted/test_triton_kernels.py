@@ -211,6 +211,25 @@ def test_paged_decode_and_prefill_read_a_float8_cache(dtype: torch.dtype, use_do
     torch.testing.assert_close(outp.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+def test_a_bf16_query_beyond_fp16s_range_over_a_float8_cache_stays_finite() -> None:
+    """Over a float8 cache a bf16 model's dots run in fp16 (E4M3 is exact there); a query
+    component past fp16's 65504 saturates instead of turning the output into NaN."""
+    torch.manual_seed(5)
+    heads, dim, bs = 2, 16, 4
+    k_cache = torch.randn(heads, 8 * bs, dim, device=DEVICE).to(FP8)
+    v_cache = torch.randn(heads, 8 * bs, dim, device=DEVICE).to(FP8)
+    q = torch.randn(1, heads, dim, device=DEVICE).to(torch.bfloat16)
+    q[0, 0, 3] = 3e5
+    out = torch.zeros_like(q)
+    ops.paged_decode(q, k_cache, v_cache, torch.tensor([0], device=DEVICE), _padded([[2, 5]]),
+                     torch.tensor([7], dtype=torch.int32, device=DEVICE), bs, dim**-0.5, 1, out)
+    assert bool(out.isfinite().all())
+    s = _slots([2, 5], 7, bs).to(DEVICE)
+    ref = _attend(q.clamp(-65504, 65504), k_cache.float()[:, s].transpose(0, 1),
+                  v_cache.float()[:, s].transpose(0, 1), 6)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
