@@ -33,7 +33,7 @@ step() {  # NAME LIMIT_S COMMAND...
 }
 
 # The decode kernel's launch config for this GPU, written where the engine reads it.
-step sweep 150 python3 benchmarks/triton_decode_sweep.py
+step sweep 240 python3 benchmarks/triton_decode_sweep.py
 step decode 90 python3 benchmarks/gpu_decode.py "${model[@]}" --reps 10 --profile 32:128,128:128
 # The same with a float8 KV cache: half the bytes each decode reads (the ctx 2048 line).
 step sweep8 120 python3 benchmarks/triton_decode_sweep.py --kv-cache-dtype fp8 --quick

@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from fastserve.executor.backends import kernel_sass as ks
-from fastserve.executor.backends import triton_ops as ops
+from fastserve.executor.backends.triton_configs import DecodeConfig
 
 ATTENTION = {"llama-2-7b": (32, 32), "llama-3-8b": (32, 8)}  # heads, KV heads
 HEAD_DIM = 128
@@ -70,7 +70,7 @@ def main() -> None:
                                                               (True, False)):
             if not dot and heads // kv_heads > 4:
                 continue
-            cfg = ops.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
+            cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
                                    use_dot=dot)
             tag = f"decode {name} n{block_n} w{warps} s{stages} {'dot' if dot else 'sum'}"
             _row(tag, ks.decode_launch(heads, kv_heads, HEAD_DIM, dtype, cache, cfg), args.arch)

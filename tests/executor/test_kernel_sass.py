@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from fastserve.executor.backends import kernel_sass as ks  # noqa: E402
 from fastserve.executor.backends import triton_ops as ops  # noqa: E402
+from fastserve.executor.backends.triton_configs import DecodeConfig  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -33,7 +34,7 @@ def _toolchain() -> None:
 
 def _decode(cache: torch.dtype, dtype: torch.dtype = BF16, kv_heads: int = 32,
             **cfg: object) -> ks.Launch:
-    return ks.decode_launch(32, kv_heads, 128, dtype, cache, ops.DecodeConfig(**cfg))  # type: ignore[arg-type]
+    return ks.decode_launch(32, kv_heads, 128, dtype, cache, DecodeConfig(**cfg))  # type: ignore[arg-type]
 
 
 def test_float8_decode_loop_reads_shared_memory_in_wide_loads() -> None:
@@ -84,3 +85,10 @@ def test_store_and_fused_layer_kernels_compile_for_the_gpu() -> None:
     assert len(launches) == 4
     for launch in launches:
         assert ks.report(launch, 90).registers > 0
+
+
+def test_a_register_cap_reaches_ptxas() -> None:
+    """`DecodeConfig.max_registers` (the sweep's occupancy knob) is what the kernel gets."""
+    free = ks.report(_decode(BF16, block_n=32))
+    capped = ks.report(_decode(BF16, block_n=32, max_registers=48))
+    assert capped.registers <= 48 < free.registers

@@ -29,13 +29,14 @@ import torch
 import triton
 
 from fastserve.executor.backends import triton_ops as ops
+from fastserve.executor.backends.triton_configs import DecodeConfig
 
 _PTR_TYPES = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
     torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
 }
 # Launch keywords that are compile options, not kernel arguments.
-_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def report(launch: Launch, arch: int = 90) -> KernelReport:
 
 
 def decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  cache_dtype: torch.dtype, config: ops.DecodeConfig, block_size: int = 16,
+                  cache_dtype: torch.dtype, config: DecodeConfig, block_size: int = 16,
                   num_splits: int = 1) -> Launch:
     """The paged-decode kernel as `paged_decode` launches it for these shapes and dtypes."""
     meta = torch.device("meta")

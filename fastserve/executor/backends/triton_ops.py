@@ -19,18 +19,14 @@ imported), which is how `tests/executor/interpreted/` checks them without a GPU.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from fastserve.executor.attention import FP8_MAX, compute_dtype, is_fp8
-from fastserve.model.make_model import cache_dir
+from fastserve.executor.backends.triton_configs import DecodeConfig, decode_config
 
 # Whether these kernels run under Triton's interpreter (read when triton decorates them): then
 # they take CPU tensors, which is how the tests run them without a GPU.
@@ -265,57 +261,6 @@ def _decode_merge_kernel(
              mask=d < HEAD_DIM)
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """The launch shape of the decode kernel: keys per tile, warps, pipeline stages, and
-    whether a GQA group's heads go through `tl.dot` (tensor cores; rows padded to 16)."""
-
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    use_dot: bool = True  # on an H200 the dot was faster for MHA too (triton_decode_sweep.py)
-
-    @staticmethod
-    def key(group: int, head_dim: int, dtype: torch.dtype) -> str:
-        return f"group{group}-d{head_dim}-{str(dtype).removeprefix('torch.')}"
-
-
-@functools.cache
-def tuned_decode_configs(device_name: str) -> dict[str, DecodeConfig]:
-    """Configs measured for this GPU model by `benchmarks/triton_decode_sweep.py` (as vLLM
-    ships fused-MoE configs per device): the package's `configs/` first, then the cache's,
-    which a sweep on this machine writes. Empty when there are none."""
-    found: dict[str, DecodeConfig] = {}
-    for folder in (Path(__file__).parent / "configs", tuned_config_dir()):
-        path = folder / tuned_config_name(device_name)
-        if path.is_file():
-            found.update({k: DecodeConfig(**v) for k, v in json.loads(path.read_text()).items()})
-    return found
-
-
-def tuned_config_dir() -> Path:
-    return cache_dir() / "triton"
-
-
-def tuned_config_name(device_name: str) -> str:
-    return "decode-" + "".join(c if c.isalnum() else "_" for c in device_name) + ".json"
-
-
-@functools.cache
-def decode_config_for(device_index: int, group: int, head_dim: int,
-                      dtype: torch.dtype) -> DecodeConfig:
-    """The tuned config for this GPU, group, head size and dtype, else the default (cached:
-    an eager forward pass asks once per layer)."""
-    tuned = tuned_decode_configs(torch.cuda.get_device_name(device_index))
-    return tuned.get(DecodeConfig.key(group, head_dim, dtype), DecodeConfig())
-
-
-def decode_config(cache: torch.Tensor, group: int) -> DecodeConfig:
-    if cache.device.type != "cuda":  # Triton's interpreter (the tests)
-        return DecodeConfig()
-    return decode_config_for(cache.device.index, group, cache.shape[-1], cache.dtype)
-
-
 def decode_splits(num_decodes: int, num_kv_heads: int, max_ctx_len: int, num_sms: int,
                   block_n: int = 32) -> int:
     """How many splits each decode's context gets: enough programs to fill the GPU's
@@ -339,7 +284,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(k_cache, group)
+    cfg = config or decode_config(k_cache, group, num_decodes)
     use_dot = cfg.use_dot or group > 4  # a wide group's broadcast product outgrows registers
     block_d = triton.next_power_of_2(head_dim)
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1
@@ -361,6 +306,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
         PRECISION=_precision(k_cache, q), DOT_DT=dot_dt, FP8_ASM=_fp8_asm(k_cache, dot_dt),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_decodes, num_heads)](

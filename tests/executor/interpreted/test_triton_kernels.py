@@ -25,6 +25,7 @@ from fastserve.executor.attention import PagedAttention  # noqa: E402
 from fastserve.executor.backends import triton_ops as ops  # noqa: E402
 from fastserve.executor.backends.torch_sdpa import TorchAttention  # noqa: E402
 from fastserve.executor.backends.triton_attn import TritonAttention  # noqa: E402
+from fastserve.executor.backends.triton_configs import DecodeConfig  # noqa: E402
 from fastserve.executor.cuda_graphs import capture_sizes, graph_batch_size  # noqa: E402
 from fastserve.executor.model_runner import ModelRunner, flatten  # noqa: E402
 from fastserve.model.layers import ApplyRotary, RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
@@ -103,7 +104,7 @@ def test_paged_decode_split_kv_gqa(dtype: torch.dtype, heads: int, kv_heads: int
     out = torch.zeros_like(q)
     ops.paged_decode(q, k_cache, v_cache, rows, _padded(tables),
                      torch.tensor(lens, dtype=torch.int32, device=DEVICE), bs, dim**-0.5,
-                     splits, out, config=ops.DecodeConfig(block_n=32, use_dot=use_dot))
+                     splits, out, config=DecodeConfig(block_n=32, use_dot=use_dot))
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
         s = _slots(table, n, bs).to(DEVICE)
         row = int(rows[i])
@@ -194,7 +195,7 @@ def test_paged_decode_and_prefill_read_a_float8_cache(dtype: torch.dtype, use_do
     rows = torch.tensor([0, 1], device=DEVICE)
     ops.paged_decode(q, k_cache, v_cache, rows, _padded(tables),
                      torch.tensor(lens, dtype=torch.int32, device=DEVICE), bs, dim**-0.5, 2,
-                     out, config=ops.DecodeConfig(block_n=32, use_dot=use_dot))
+                     out, config=DecodeConfig(block_n=32, use_dot=use_dot))
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
         s = _slots(table, n, bs).to(DEVICE)
         ref = _attend(q[i : i + 1], kf[:, s].transpose(0, 1), vf[:, s].transpose(0, 1), n - 1)
