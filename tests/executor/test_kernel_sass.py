@@ -33,13 +33,15 @@ def _toolchain() -> None:
 
 
 def _decode(cache: torch.dtype, dtype: torch.dtype = BF16, kv_heads: int = 32,
-            **cfg: object) -> ks.Launch:
-    return ks.decode_launch(32, kv_heads, 128, dtype, cache, DecodeConfig(**cfg))  # type: ignore[arg-type]
+            store_new: bool = True, **cfg: object) -> ks.Launch:
+    return ks.decode_launch(32, kv_heads, 128, dtype, cache, DecodeConfig(**cfg),  # type: ignore[arg-type]
+                            store_new=store_new)
 
 
-def test_float8_decode_loop_reads_shared_memory_in_wide_loads() -> None:
-    bf16 = ks.report(_decode(BF16))
-    fp8 = ks.report(_decode(FP8))
+@pytest.mark.parametrize("store_new", [True, False], ids=["decodes-only", "mixed"])
+def test_float8_decode_loop_reads_shared_memory_in_wide_loads(store_new: bool) -> None:
+    bf16 = ks.report(_decode(BF16, store_new=store_new))
+    fp8 = ks.report(_decode(FP8, store_new=store_new))
     assert fp8.count("LDS.U8", "LDS.S8") == 0, fp8.loop_ops
     # Same keys per pass, half the bytes: no more instructions than the bf16 loop (1077 against
     # 583 per warp before the conversion was pinned before shared memory, Triton 3.6).

@@ -187,8 +187,10 @@ def report(launch: Launch, arch: int = 90) -> KernelReport:
 
 def decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   cache_dtype: torch.dtype, config: DecodeConfig, block_size: int = 16,
-                  num_splits: int = 1) -> Launch:
-    """The paged-decode kernel as `paged_decode` launches it for these shapes and dtypes."""
+                  num_splits: int = 1, store_new: bool = True) -> Launch:
+    """The paged-decode kernel as `paged_decode` launches it for these shapes and dtypes;
+    `store_new` as in an iteration of decodes only (every CUDA graph's), which stores each
+    decode's own K/V in the same launch."""
     meta = torch.device("meta")
     num_slots = 1024 * block_size
     q = torch.empty(32, num_heads, head_dim, dtype=dtype, device=meta)
@@ -197,9 +199,13 @@ def decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch
     rows = torch.empty(32, dtype=torch.long, device=meta)
     table = torch.empty(32, 64, dtype=torch.int32, device=meta)
     lens = torch.empty(32, dtype=torch.int32, device=meta)
+    # The model's k and v: strided views of its fused qkv output.
+    qkv = torch.empty(32, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=meta)
+    new_kv = (qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:],
+              rows) if store_new else None
     (launch,) = record("_decode_split_kernel", lambda: ops.paged_decode(
         q, k_cache, v_cache, rows, table, lens, block_size, head_dim**-0.5, num_splits,
-        torch.empty_like(q), config=config))
+        torch.empty_like(q), config=config, new_kv=new_kv))
     return launch
 
 

@@ -1,8 +1,10 @@
 """The CUDA backend: Triton kernels (`triton_ops`), a fixed number of launches per layer.
 
 Per layer: one KV store for every new token, one paged decode (split-KV, plus its merge) for
-all decodes, one varlen paged prefill for all prefills and chunks. Metadata is built on the
-host in pinned memory and copied once per iteration; nothing in `forward` syncs with the host,
+all decodes, one varlen paged prefill for all prefills and chunks; an iteration of decodes
+only (every CUDA graph's) stores each new token inside the decode launch instead. Metadata is
+built on the host in pinned memory and copied once per iteration; nothing in `forward` syncs
+with the host,
 so a decode iteration can be captured as a CUDA graph over the static buffers of
 `init_cuda_graphs` and replayed at any batch size up to the captured one (padding rows store
 nothing and read slot 0 of block 0).
@@ -141,8 +143,16 @@ class TritonAttention(PagedAttention):
         md = self.metadata
         assert isinstance(md, TritonMetadata), "attention metadata must be set before the forward pass"
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if md.prefill is None and md.decode is not None:
+            # All decodes (a CUDA graph's batch too): each stores its own K/V in the decode
+            # launch, one launch a layer fewer.
+            d = md.decode
+            ops.paged_decode(q, k_cache, v_cache, d.q_rows, d.block_table, d.ctx_lens,
+                             self.block_size, self.scale, d.num_splits, out,
+                             new_kv=(k, v, md.slot_mapping))
+            return out
+        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         if md.decode is not None:
             d = md.decode
             ops.paged_decode(q, k_cache, v_cache, d.q_rows, d.block_table, d.ctx_lens,

@@ -173,13 +173,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, q_rows_ptr, block_table_ptr, ctx_lens_ptr,
-    o_part_ptr, lse_part_ptr, out_ptr,
+    o_part_ptr, lse_part_ptr, out_ptr, k_new_ptr, v_new_ptr, slot_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
+    stride_kt, stride_kh, stride_vt, stride_vh,
     qk_scale,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_DT: tl.constexpr, FP8_ASM: tl.constexpr,
+    DOT_DT: tl.constexpr, FP8_ASM: tl.constexpr, STORE_NEW: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -199,13 +200,23 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=hm[:, None] & dm[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     q = _query_as(q, DOT_DT) if USE_DOT else q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     cache = kvh * stride_ch
-    for n0 in range(start, end, BLOCK_N):
+    if STORE_NEW:
+        # The context's last token (this step's) is not read from the cache: the program
+        # whose split ends the context stores it there and starts from it.
+        m_i, l_i, acc = _new_token(
+            q, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, row, cache + d,
+            (start <= ctx - 1) & (ctx - 1 < end), kvh, stride_cs, stride_kt, stride_kh,
+            stride_vt, stride_vh, qk_scale, d, dm, FP8_MAX)
+        cached_end = tl.minimum(end, ctx - 1)
+    else:
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        cached_end = end
+    for n0 in range(start, cached_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        pm = pos < end
+        pm = pos < cached_end
         blk = tl.load(block_table_ptr + r * stride_bt + pos // BLOCK_SIZE, mask=pm, other=0)
         slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = cache + slot[:, None] * stride_cs + d[None, :]
@@ -242,6 +253,39 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _new_token(q, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, row, head_off, own,
+               kvh, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, d, dm,
+               FP8_MAX: tl.constexpr):
+    """The decode's own token, stored into the cache and attended to from registers: the KV
+    store's work, done by the program whose split ends the context (`own`), so that a decode
+    iteration needs no store launch. Returns the online softmax's starting state (m, l, acc):
+    that token alone where `own`, else nothing yet. Its K/V are rounded as the cache holds
+    them first, so the output is what reading them back would give. NOTE: before the key
+    loop, not after it: there its [BLOCK_H, BLOCK_D] temporaries would sit beside `acc` and
+    cost registers (118 against 96 a thread, sm_90)."""
+    slot = tl.load(slot_ptr + row)
+    kn = tl.load(k_new_ptr + row * stride_kt + kvh * stride_kh + d, mask=dm, other=0.0)
+    vn = tl.load(v_new_ptr + row * stride_vt + kvh * stride_vh + d, mask=dm, other=0.0)
+    if FP8_MAX > 0:  # a float8 cache saturates (see attention.FP8_MAX)
+        kn = _to_e4m3_grid(kn.to(tl.float32), FP8_MAX)
+        vn = _to_e4m3_grid(vn.to(tl.float32), FP8_MAX)
+    kn = kn.to(k_cache_ptr.dtype.element_ty)
+    vn = vn.to(v_cache_ptr.dtype.element_ty)
+    # Slot -1: a CUDA-graph padding row stores nothing. NOTE: the test is on a vector:
+    # Triton's interpreter takes no scalar condition into a store's mask.
+    slot = tl.where(own, slot, -1)
+    keep = dm & ((slot + d * 0) >= 0)
+    tl.store(k_cache_ptr + head_off + slot * stride_cs, kn, mask=keep)
+    tl.store(v_cache_ptr + head_off + slot * stride_cs, vn, mask=keep)
+    # [BLOCK_H]: q's rows (rounded to the dot's dtype, as the tiles' dots see them) times k.
+    s = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * qk_scale
+    m_i = tl.where(own, s, float("-inf"))
+    l_i = tl.where(own, 1.0, 0.0) + tl.zeros_like(s)  # p = exp2(s - m) = 1
+    acc = tl.where(own, 1.0, 0.0) * vn.to(tl.float32)[None, :] + tl.zeros_like(q.to(tl.float32))
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_merge_kernel(
     o_part_ptr, lse_part_ptr, q_rows_ptr, out_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -273,12 +317,16 @@ def decode_splits(num_decodes: int, num_kv_heads: int, max_ctx_len: int, num_sms
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  q_rows: torch.Tensor, block_table: torch.Tensor, ctx_lens: torch.Tensor,
                  block_size: int, scale: float, num_splits: int, out: torch.Tensor,
-                 config: DecodeConfig | None = None) -> None:
+                 config: DecodeConfig | None = None,
+                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """One query token per decode: q[q_rows[i]] [num_heads, head_dim] against its context of
     ctx_lens[i] (>= 1) tokens through block_table[i] (int32); written to out[q_rows[i]].
 
     q, out: [num_tokens, num_heads, head_dim] (unit last stride); num_splits a power of 2
     (1: one program per (decode, KV head) writes its output directly, no merge).
+    new_kv: (k, v, slot_mapping) of every row, [num_tokens, num_kv_heads, head_dim] and
+    [num_tokens]: each decode's own token (its context's last) is stored at its slot (-1:
+    nowhere) and attended to from k and v, instead of a `store_kv` launch before this one.
     """
     num_decodes = q_rows.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -297,14 +345,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:  # unused: the kernel writes `out`
         o_part = lse_part = out
     dot_dt = _dot_dtype(k_cache, q)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, q_rows)  # unused without
+    assert k_new.stride(2) == 1 and v_new.stride(2) == 1
     _decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, k_cache, v_cache, q_rows, block_table, ctx_lens, o_part, lse_part, out,
+        k_new, v_new, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), block_table.stride(0), scale * LOG2E,
+        k_cache.stride(1), block_table.stride(0),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), scale * LOG2E,
         BLOCK_SIZE=block_size, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=_pow2(group) if use_dot else triton.next_power_of_2(group),
         BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
         PRECISION=_precision(k_cache, q), DOT_DT=dot_dt, FP8_ASM=_fp8_asm(k_cache, dot_dt),
+        STORE_NEW=new_kv is not None, FP8_MAX=FP8_MAX if is_fp8(k_cache.dtype) else 0.0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
     )

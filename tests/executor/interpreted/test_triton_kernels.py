@@ -115,6 +115,47 @@ def test_paged_decode_split_kv_gqa(dtype: torch.dtype, heads: int, kv_heads: int
     assert not out[[0, 2, 3, 5]].any()  # rows that are not decodes stay untouched
 
 
+@pytest.mark.parametrize(("dtype", "cache_dtype", "kv_heads", "splits"), [
+    (torch.float32, torch.float32, 2, 1),
+    (torch.float32, torch.float32, 4, 4),
+    (torch.bfloat16, torch.bfloat16, 1, 8),
+    (torch.bfloat16, torch.float8_e4m3fn, 2, 4),
+], ids=str)
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "sum"])
+def test_decode_stores_its_own_token_as_the_store_kernel_would(
+        dtype: torch.dtype, cache_dtype: torch.dtype, kv_heads: int, splits: int,
+        use_dot: bool) -> None:
+    """`new_kv`: each decode's new K/V go into the cache inside the decode launch (no
+    `store_kv` before it): the caches end bit for bit as the store kernel leaves them, the
+    outputs as attention over them, a padding row (slot -1) stores nothing, and a context of
+    one token (only the new one) and contexts shorter than the splits work."""
+    torch.manual_seed(kv_heads * 10 + splits)
+    heads, dim, bs = 4, 32, 4
+    k_cache = (torch.randn(kv_heads, 48 * bs, dim, device=DEVICE) * 2).to(cache_dtype)
+    v_cache = (torch.randn(kv_heads, 48 * bs, dim, device=DEVICE) * 2).to(cache_dtype)
+    tables = [[3, 4, 5], [10, 2, 40, 7, 33, 21, 8, 9, 11, 12, 13], [47], [0]]
+    lens = [11, 42, 1, 1]
+    slots = torch.tensor([_slots(t, n, bs)[-1] for t, n in zip(tables, lens)][:3] + [-1],
+                         device=DEVICE)
+    q = torch.randn(4, heads, dim, device=DEVICE).to(dtype)
+    kv = (torch.randn(4, 2 * kv_heads, dim, device=DEVICE) * 3).to(dtype)
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views, as the model's
+    args = (q_rows := torch.arange(4, device=DEVICE), _padded(tables),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE), bs, dim**-0.5, splits)
+    cfg = DecodeConfig(block_n=32, use_dot=use_dot)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ops.store_kv(k, v, k_ref, v_ref, slots)
+    out_ref = torch.zeros_like(q)
+    ops.paged_decode(q, k_ref, v_ref, *args, out_ref, config=cfg)
+    out = torch.zeros_like(q)
+    ops.paged_decode(q, k_cache, v_cache, *args, out, config=cfg, new_kv=(k, v, slots))
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    tol = TOL[dtype] if cache_dtype == dtype else 2e-2
+    torch.testing.assert_close(out[:3], out_ref[:3], rtol=tol, atol=tol)
+    assert bool(out.isfinite().all()) and q_rows.numel() == 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_paged_prefill_varlen_and_chunk_after_cached_prefix(dtype: torch.dtype) -> None:
