@@ -2,8 +2,9 @@
 that matter, timed side by side, the best per batch size written where the engine reads it.
 
 For each attention shape (Llama-2-7B: 32 heads, MHA; Llama-3-8B: GQA 32/8; head_dim 128) it
-times `paged_decode` through scattered block tables at batch 32 with 128 and 2048 tokens of
-context and batch 128 with 128, for each `DecodeConfig` (keys per tile, warps, pipeline stages,
+times `paged_decode` as a CUDA graph's decode iteration runs it (each decode storing its own
+token) through scattered block tables at batch 32 with 128 and 2048 tokens of context and
+batch 128 with 128, for each `DecodeConfig` (keys per tile, warps, pipeline stages,
 tensor-core dot or not, a register cap), and prints the KV bytes read per second. Per batch
 size it keeps the config whose times are closest to each shape's best (the sum of time / best
 over that batch's contexts, so a short context counts as much as a long one): batch 32's as the
@@ -51,6 +52,9 @@ def _case(batch: int, ctx: int, heads: int, kv_heads: int, dtype: torch.dtype,
     g = torch.Generator().manual_seed(0)
     tables = torch.randperm(num_blocks, generator=g).view(batch, per).to(torch.int32)
     slots = (kv_heads, num_blocks * BLOCK_SIZE, HEAD_DIM)
+    last = ctx - 1  # each decode's own token: stored by the launch, as in the engine's graphs
+    new_slots = tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE
+    kv = torch.randn(batch, 2 * kv_heads, HEAD_DIM, device="cuda", dtype=dtype)
     return dict(
         q=torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=dtype),
         # Several layers' caches, read in turn: a layer's KV is never in L2 from its last read.
@@ -60,6 +64,7 @@ def _case(batch: int, ctx: int, heads: int, kv_heads: int, dtype: torch.dtype,
         block_table=tables.cuda(),
         ctx_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
         out=torch.empty(batch, heads, HEAD_DIM, device="cuda", dtype=dtype),
+        new_kv=(kv[:, :kv_heads], kv[:, kv_heads:], new_slots.cuda()),
         splits=ops.decode_splits(batch, kv_heads, ctx,
                                  torch.cuda.get_device_properties(0).multi_processor_count),
         kv_bytes=2 * batch * ctx * kv_heads * HEAD_DIM * cache_dtype.itemsize,
@@ -70,7 +75,7 @@ def _time_ms(case: dict, cfg: DecodeConfig, reps: int) -> float:
     def call(layer: int = 0) -> None:
         ops.paged_decode(case["q"], case["k_caches"][layer], case["v_caches"][layer], case["q_rows"],
                          case["block_table"], case["ctx_lens"], BLOCK_SIZE, HEAD_DIM**-0.5,
-                         case["splits"], case["out"], config=cfg)
+                         case["splits"], case["out"], config=cfg, new_kv=case["new_kv"])
 
     call()
     torch.cuda.synchronize()
