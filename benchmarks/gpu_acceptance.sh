@@ -11,9 +11,10 @@
 # default, async on CUDA, `served-in-step` without it). Default: all but served-in-step and
 # suite, past the device tool's 10 minutes a call, so run it in two or three calls. On an H200
 # decode,fp8,tests,thr32,thr128 took 3.5 minutes, served 1, suite 2 (kv: its limit is 4). With
-# 15 device minutes in all: kernels,decode,fp8,tests,suite first (the float8 decode loop was
-# rebuilt without a GPU: `kernels` checks its numbers natively, `fp8` its speed), then
-# thr32,thr128,served, then kv,copy; the sweeps only when time is left. Each step has its own time limit, so one that hangs or crashes
+# 15 device minutes in all, two calls: kernels,sweep,decode,sweep8,fp8,tests (about 8 minutes:
+# the decode kernels were changed without a GPU, so `kernels` checks their numbers natively
+# first, and the sweeps pick the configs the decode steps then use), then
+# thr32,thr128,served,suite (about 5.5); kv,copy when time is left. Each step has its own time limit, so one that hangs or crashes
 # does not cost the others; the last lines of every log are printed at the end.
 set -u
 cd "$(dirname "$0")/.."
