@@ -27,7 +27,7 @@ BF16 = torch.bfloat16
 @pytest.fixture(scope="module", autouse=True)
 def _toolchain() -> None:
     try:
-        ks._tool("cuobjdump")
+        ks.nvidia_tool("cuobjdump")
     except FileNotFoundError as exc:  # a triton without its NVIDIA backend
         pytest.skip(str(exc))
 

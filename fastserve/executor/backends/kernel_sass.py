@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from fastserve.executor.backends import triton_ops as ops
 from fastserve.executor.backends.triton_configs import DecodeConfig
@@ -92,9 +94,6 @@ def _arg_type(value: Any) -> str:
 def compile_launch(launch: Launch, arch: int = 90) -> Any:
     """`launch` compiled for CUDA compute capability `arch` (90: H100/H200), specialised as
     Triton's launcher would: pointers and integers divisible by 16 marked so."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     signature: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], Any] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
@@ -129,7 +128,8 @@ class KernelReport:
         return sum(n for op, n in self.loop_ops.items() if op.startswith(prefixes))
 
 
-def _tool(name: str) -> str:
+def nvidia_tool(name: str) -> str:
+    """The path of one of Triton's bundled NVIDIA tools (ptxas, cuobjdump), else of PATH's."""
     bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     found = bundled if os.path.isfile(bundled) else shutil.which(name)
     if found is None:
@@ -142,7 +142,7 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        return subprocess.run([_tool("cuobjdump"), flag, path], capture_output=True, text=True,
+        return subprocess.run([nvidia_tool("cuobjdump"), flag, path], capture_output=True, text=True,
                               check=True).stdout
 
 
