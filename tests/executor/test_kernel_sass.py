@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels are then Python functio
 import torch  # noqa: E402
 
 from fastserve.executor.backends import kernel_sass as ks  # noqa: E402
+from fastserve.executor.backends import triton_layers as layers  # noqa: E402
 from fastserve.executor.backends import triton_ops as ops  # noqa: E402
 from fastserve.executor.backends.triton_configs import DecodeConfig  # noqa: E402
 
@@ -79,10 +80,10 @@ def test_store_and_fused_layer_kernels_compile_for_the_gpu() -> None:
     qkv = torch.empty(64, 48, 128, dtype=BF16, device=meta)
     cos = torch.empty(64, 1, 64, dtype=BF16, device=meta)
     launches = [
-        *ks.record("_store_kv_kernel", lambda: ops.store_kv(k, k, cache, cache, slots)),
-        *ks.record("_rms_norm_kernel", lambda: ops.rms_norm(x, x, x[0], 1e-5)),
-        *ks.record("_silu_and_mul_kernel", lambda: ops.silu_and_mul(x)),
-        *ks.record("_rotary_kernel", lambda: ops.rotary(qkv[:, :32], cos, cos)),
+        *ks.record(ops, "_store_kv_kernel", lambda: ops.store_kv(k, k, cache, cache, slots)),
+        *ks.record(layers, "_rms_norm_kernel", lambda: layers.rms_norm(x, x, x[0], 1e-5)),
+        *ks.record(layers, "_silu_and_mul_kernel", lambda: layers.silu_and_mul(x)),
+        *ks.record(layers, "_rotary_kernel", lambda: layers.rotary(qkv[:, :32], cos, cos)),
     ]
     assert len(launches) == 4
     for launch in launches:

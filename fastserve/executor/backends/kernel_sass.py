@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -67,15 +68,15 @@ class _Recorder:
         return launch
 
 
-def record(kernel_name: str, call: Callable[[], object]) -> list[Launch]:
-    """The launches of `triton_ops.<kernel_name>` that `call()` makes (on meta tensors)."""
-    kernel = getattr(ops, kernel_name)
+def record(module: ModuleType, kernel_name: str, call: Callable[[], object]) -> list[Launch]:
+    """The launches of `module.<kernel_name>` that `call()` makes (on meta tensors)."""
+    kernel = getattr(module, kernel_name)
     recorder = _Recorder(kernel)
-    setattr(ops, kernel_name, recorder)
+    setattr(module, kernel_name, recorder)
     try:
         call()
     finally:
-        setattr(ops, kernel_name, kernel)
+        setattr(module, kernel_name, kernel)
     return recorder.launches
 
 
@@ -203,7 +204,7 @@ def decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch
     qkv = torch.empty(32, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=meta)
     new_kv = (qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:],
               rows) if store_new else None
-    (launch,) = record("_decode_split_kernel", lambda: ops.paged_decode(
+    (launch,) = record(ops, "_decode_split_kernel", lambda: ops.paged_decode(
         q, k_cache, v_cache, rows, table, lens, block_size, head_dim**-0.5, num_splits,
         torch.empty_like(q), config=config, new_kv=new_kv))
     return launch
@@ -219,7 +220,7 @@ def prefill_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
     starts = torch.empty(4, dtype=torch.long, device=meta)
     lens = torch.empty(4, dtype=torch.int32, device=meta)
     table = torch.empty(4, 64, dtype=torch.int32, device=meta)
-    (launch,) = record("_prefill_kernel", lambda: ops.paged_prefill(
+    (launch,) = record(ops, "_prefill_kernel", lambda: ops.paged_prefill(
         q, k_cache, torch.empty_like(k_cache), starts, lens, lens, table, 128, block_size,
         head_dim**-0.5, torch.empty_like(q)))
     return launch

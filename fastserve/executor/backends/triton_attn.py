@@ -1,4 +1,5 @@
-"""The CUDA backend: Triton kernels (`triton_ops`), a fixed number of launches per layer.
+"""The CUDA backend: Triton kernels (`triton_ops` for attention, `triton_layers` for the small
+layers), a fixed number of launches per layer.
 
 Per layer: one KV store for every new token, one paged decode (split-KV, plus its merge) for
 all decodes, one varlen paged prefill for all prefills and chunks; an iteration of decodes
@@ -18,6 +19,7 @@ import torch
 
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
+from fastserve.executor.backends import triton_layers as layers
 from fastserve.executor.backends import triton_ops as ops
 from fastserve.model.layers import ApplyRotary, RMSNorm, SiluAndMul
 
@@ -168,11 +170,11 @@ class TritonAttention(PagedAttention):
         four to a dozen), with the plain layers' roundings."""
         for m in model.modules():
             if isinstance(m, RMSNorm):
-                m.fused = ops.rms_norm
+                m.fused = layers.rms_norm
             elif isinstance(m, SiluAndMul):
-                m.fused = ops.silu_and_mul
+                m.fused = layers.silu_and_mul
             elif isinstance(m, ApplyRotary):
-                m.fused = ops.rotary
+                m.fused = layers.rotary
 
     # -- CUDA graphs ----------------------------------------------------------------------
 
