@@ -2,8 +2,8 @@
 that matter, timed side by side, the best per batch size written where the engine reads it.
 
 For each attention shape (Llama-2-7B: 32 heads, MHA; Llama-3-8B: GQA 32/8; head_dim 128) it
-times `paged_decode` as a CUDA graph's decode iteration runs it (each decode storing its own
-token) through scattered block tables at batch 32 with 128 and 2048 tokens of context and
+times `paged_decode` as a CUDA graph's decode iteration runs it (each decode rotating q and k
+and storing its own token) through scattered block tables at batch 32 with 128 and 2048 tokens of context and
 batch 128 with 128, for each `DecodeConfig` (keys per tile, warps, pipeline stages,
 tensor-core dot or not, a register cap), and prints the KV bytes read per second. Per batch
 size it keeps the config whose times are closest to each shape's best (the sum of time / best
@@ -65,6 +65,7 @@ def _case(batch: int, ctx: int, heads: int, kv_heads: int, dtype: torch.dtype,
         ctx_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
         out=torch.empty(batch, heads, HEAD_DIM, device="cuda", dtype=dtype),
         new_kv=(kv[:, :kv_heads], kv[:, kv_heads:], new_slots.cuda()),
+        rotary=torch.randn(batch, 1, HEAD_DIM, device="cuda", dtype=dtype).chunk(2, dim=-1),
         splits=ops.decode_splits(batch, kv_heads, ctx,
                                  torch.cuda.get_device_properties(0).multi_processor_count),
         kv_bytes=2 * batch * ctx * kv_heads * HEAD_DIM * cache_dtype.itemsize,
@@ -75,7 +76,8 @@ def _time_ms(case: dict, cfg: DecodeConfig, reps: int) -> float:
     def call(layer: int = 0) -> None:
         ops.paged_decode(case["q"], case["k_caches"][layer], case["v_caches"][layer], case["q_rows"],
                          case["block_table"], case["ctx_lens"], BLOCK_SIZE, HEAD_DIM**-0.5,
-                         case["splits"], case["out"], config=cfg, new_kv=case["new_kv"])
+                         case["splits"], case["out"], config=cfg, new_kv=case["new_kv"],
+                         rotary=case["rotary"])
 
     call()
     torch.cuda.synchronize()

@@ -191,7 +191,7 @@ def decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch
                   num_splits: int = 1, store_new: bool = True) -> Launch:
     """The paged-decode kernel as `paged_decode` launches it for these shapes and dtypes;
     `store_new` as in an iteration of decodes only (every CUDA graph's), which stores each
-    decode's own K/V in the same launch."""
+    decode's own K/V and applies the rotary embedding in the same launch."""
     meta = torch.device("meta")
     num_slots = 1024 * block_size
     q = torch.empty(32, num_heads, head_dim, dtype=dtype, device=meta)
@@ -204,9 +204,11 @@ def decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch
     qkv = torch.empty(32, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=meta)
     new_kv = (qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:],
               rows) if store_new else None
+    cos_sin = torch.empty(32, 1, head_dim, dtype=dtype, device=meta).chunk(2, dim=-1)
     (launch,) = record(ops, "_decode_split_kernel", lambda: ops.paged_decode(
         q, k_cache, v_cache, rows, table, lens, block_size, head_dim**-0.5, num_splits,
-        torch.empty_like(q), config=config, new_kv=new_kv))
+        torch.empty_like(q), config=config, new_kv=new_kv,
+        rotary=(cos_sin[0], cos_sin[1]) if store_new else None))
     return launch
 
 

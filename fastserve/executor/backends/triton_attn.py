@@ -2,13 +2,12 @@
 layers), a fixed number of launches per layer.
 
 Per layer: one KV store for every new token, one paged decode (split-KV, plus its merge) for
-all decodes, one varlen paged prefill for all prefills and chunks; an iteration of decodes
-only (every CUDA graph's) stores each new token inside the decode launch instead. Metadata is
-built on the host in pinned memory and copied once per iteration; nothing in `forward` syncs
-with the host,
-so a decode iteration can be captured as a CUDA graph over the static buffers of
-`init_cuda_graphs` and replayed at any batch size up to the captured one (padding rows store
-nothing and read slot 0 of block 0).
+all decodes, one varlen paged prefill for all prefills and chunks. An iteration of decodes only
+(every CUDA graph's) rotates q and k and stores each new token inside the decode launch
+instead: one launch a layer for attention. Metadata is built on the host in pinned memory and
+copied once per iteration; nothing in `forward` syncs with the host, so a decode iteration can
+be captured as a CUDA graph over the static buffers of `init_cuda_graphs` and replayed at any
+batch size up to the captured one (padding rows store nothing and read slot 0 of block 0).
 """
 
 from __future__ import annotations
@@ -94,6 +93,9 @@ class TritonAttention(PagedAttention):
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 1)
         self._graph: _GraphBuffers | None = None
+        # The rotary embedding's (cos, sin) a layer's `ApplyRotary` left for its `forward` in
+        # an iteration of decodes only (see `_rotary`); None: nothing to rotate.
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         # NOTE: the kernels also run on CPU tensors under Triton's interpreter (the tests);
         # only a real GPU gets pinned staging.
         self.pin_memory = device.type == "cuda"
@@ -146,13 +148,15 @@ class TritonAttention(PagedAttention):
         assert isinstance(md, TritonMetadata), "attention metadata must be set before the forward pass"
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if md.prefill is None and md.decode is not None:
-            # All decodes (a CUDA graph's batch too): each stores its own K/V in the decode
-            # launch, one launch a layer fewer.
+        if self._decodes_only():
+            # All decodes (a CUDA graph's batch too): the decode launch also rotates q and k
+            # and stores each new K/V, two launches a layer fewer.
             d = md.decode
+            assert d is not None
+            rotary, self._cos_sin = self._cos_sin, None
             ops.paged_decode(q, k_cache, v_cache, d.q_rows, d.block_table, d.ctx_lens,
                              self.block_size, self.scale, d.num_splits, out,
-                             new_kv=(k, v, md.slot_mapping))
+                             new_kv=(k, v, md.slot_mapping), rotary=rotary)
             return out
         ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         if md.decode is not None:
@@ -165,6 +169,18 @@ class TritonAttention(PagedAttention):
                               p.block_table, p.max_q_len, self.block_size, self.scale, out)
         return out
 
+    def _decodes_only(self) -> bool:
+        md = self.metadata
+        return isinstance(md, TritonMetadata) and md.prefill is None and md.decode is not None
+
+    def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`ApplyRotary`'s kernel. In an iteration of decodes only the decode launch rotates
+        q and the new k itself (`forward` takes cos, sin from here): x goes on as it is."""
+        if self._decodes_only():
+            self._cos_sin = (cos, sin)
+            return x
+        return layers.rotary(x, cos, sin)
+
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Fused add+RMSNorm, SiLU-and-mul and rotary kernels (one launch each instead of
         four to a dozen), with the plain layers' roundings."""
@@ -174,7 +190,7 @@ class TritonAttention(PagedAttention):
             elif isinstance(m, SiluAndMul):
                 m.fused = layers.silu_and_mul
             elif isinstance(m, ApplyRotary):
-                m.fused = layers.rotary
+                m.fused = self._rotary
 
     # -- CUDA graphs ----------------------------------------------------------------------
 

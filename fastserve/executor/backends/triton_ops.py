@@ -27,6 +27,7 @@ import triton.language as tl
 
 from fastserve.executor.attention import FP8_MAX, compute_dtype, is_fp8
 from fastserve.executor.backends.triton_configs import DecodeConfig, decode_config
+from fastserve.executor.backends.triton_layers import rotate_half
 
 # Whether these kernels run under Triton's interpreter (read when triton decorates them): then
 # they take CPU tensors, which is how the tests run them without a GPU.
@@ -173,14 +174,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, q_rows_ptr, block_table_ptr, ctx_lens_ptr,
-    o_part_ptr, lse_part_ptr, out_ptr, k_new_ptr, v_new_ptr, slot_ptr,
+    o_part_ptr, lse_part_ptr, out_ptr, k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     qk_scale,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
     DOT_DT: tl.constexpr, FP8_ASM: tl.constexpr, STORE_NEW: tl.constexpr, FP8_MAX: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -197,8 +199,23 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     dm = d < HEAD_DIM
     heads = kvh * GROUP + hs
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=hm[:, None] & dm[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    qm = hm[:, None] & dm[None, :]
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qm,
+                other=0.0)  # [BLOCK_H, BLOCK_D]
+    # ROTARY: q and the new k come unrotated; rotated here as the rotary kernel would.
+    half = HEAD_DIM // 2
+    first = d < half
+    partner = tl.where(first, d + half, d - half)  # the dim each rotates with
+    if ROTARY:
+        cos = tl.load(cos_ptr + row * stride_cos + d % half, mask=dm, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_sin + d % half, mask=dm, other=0.0).to(tl.float32)
+        qp = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + partner[None, :],
+                     mask=qm, other=0.0)
+        q = rotate_half(q.to(tl.float32), qp.to(tl.float32), cos[None, :], sin[None, :],
+                        first[None, :], q.dtype)
+    else:
+        cos = d.to(tl.float32)  # unused
+        sin = cos
     q = _query_as(q, DOT_DT) if USE_DOT else q.to(tl.float32)
     cache = kvh * stride_ch
     if STORE_NEW:
@@ -207,7 +224,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _new_token(
             q, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, row, cache + d,
             (start <= ctx - 1) & (ctx - 1 < end), kvh, stride_cs, stride_kt, stride_kh,
-            stride_vt, stride_vh, qk_scale, d, dm, FP8_MAX)
+            stride_vt, stride_vh, qk_scale, d, dm, FP8_MAX, ROTARY, cos, sin, first, partner)
         cached_end = tl.minimum(end, ctx - 1)
     else:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -255,7 +272,7 @@ def _decode_split_kernel(
 @triton.jit
 def _new_token(q, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, row, head_off, own,
                kvh, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, d, dm,
-               FP8_MAX: tl.constexpr):
+               FP8_MAX: tl.constexpr, ROTARY: tl.constexpr, cos, sin, first, partner):
     """The decode's own token, stored into the cache and attended to from registers: the KV
     store's work, done by the program whose split ends the context (`own`), so that a decode
     iteration needs no store launch. Returns the online softmax's starting state (m, l, acc):
@@ -264,8 +281,12 @@ def _new_token(q, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, row,
     loop, not after it: there its [BLOCK_H, BLOCK_D] temporaries would sit beside `acc` and
     cost registers (118 against 96 a thread, sm_90)."""
     slot = tl.load(slot_ptr + row)
-    kn = tl.load(k_new_ptr + row * stride_kt + kvh * stride_kh + d, mask=dm, other=0.0)
+    k_src = k_new_ptr + row * stride_kt + kvh * stride_kh
+    kn = tl.load(k_src + d, mask=dm, other=0.0)
     vn = tl.load(v_new_ptr + row * stride_vt + kvh * stride_vh + d, mask=dm, other=0.0)
+    if ROTARY:  # k comes unrotated (see the decode kernel)
+        kp = tl.load(k_src + partner, mask=dm, other=0.0)
+        kn = rotate_half(kn.to(tl.float32), kp.to(tl.float32), cos, sin, first, kn.dtype)
     if FP8_MAX > 0:  # a float8 cache saturates (see attention.FP8_MAX)
         kn = _to_e4m3_grid(kn.to(tl.float32), FP8_MAX)
         vn = _to_e4m3_grid(vn.to(tl.float32), FP8_MAX)
@@ -318,7 +339,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  q_rows: torch.Tensor, block_table: torch.Tensor, ctx_lens: torch.Tensor,
                  block_size: int, scale: float, num_splits: int, out: torch.Tensor,
                  config: DecodeConfig | None = None,
-                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One query token per decode: q[q_rows[i]] [num_heads, head_dim] against its context of
     ctx_lens[i] (>= 1) tokens through block_table[i] (int32); written to out[q_rows[i]].
 
@@ -327,6 +349,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     new_kv: (k, v, slot_mapping) of every row, [num_tokens, num_kv_heads, head_dim] and
     [num_tokens]: each decode's own token (its context's last) is stored at its slot (-1:
     nowhere) and attended to from k and v, instead of a `store_kv` launch before this one.
+    rotary: (cos, sin) [num_tokens, 1, head_dim // 2] of every row, with new_kv: q and k come
+    unrotated and are rotated here, as `triton_layers.rotary` would (one launch fewer).
     """
     num_decodes = q_rows.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -347,17 +371,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     dot_dt = _dot_dtype(k_cache, q)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, q_rows)  # unused without
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1
+    assert rotary is None or new_kv is not None, "rotary in the decode launch needs new_kv"
+    cos, sin = (c.squeeze(1) for c in rotary) if rotary is not None else (q[:, 0], q[:, 0])
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1
     _decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, k_cache, v_cache, q_rows, block_table, ctx_lens, o_part, lse_part, out,
-        k_new, v_new, slots,
+        k_new, v_new, slots, cos, sin,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), block_table.stride(0),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), scale * LOG2E,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
+        sin.stride(0), scale * LOG2E,
         BLOCK_SIZE=block_size, NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=_pow2(group) if use_dot else triton.next_power_of_2(group),
         BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
         PRECISION=_precision(k_cache, q), DOT_DT=dot_dt, FP8_ASM=_fp8_asm(k_cache, dot_dt),
         STORE_NEW=new_kv is not None, FP8_MAX=FP8_MAX if is_fp8(k_cache.dtype) else 0.0,
+        ROTARY=rotary is not None,
+        # float32: a multiply-add would skip a rounding of the rotation (see rotate_half).
+        enable_fp_fusion=not (rotary is not None and q.dtype == torch.float32),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
     )

@@ -22,6 +22,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from fastserve.config import CacheConfig, ModelConfig  # noqa: E402
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput  # noqa: E402
 from fastserve.executor.attention import PagedAttention  # noqa: E402
+from fastserve.executor.backends import triton_layers as layers  # noqa: E402
 from fastserve.executor.backends import triton_ops as ops  # noqa: E402
 from fastserve.executor.backends.torch_sdpa import TorchAttention  # noqa: E402
 from fastserve.executor.backends.triton_attn import TritonAttention  # noqa: E402
@@ -154,6 +155,43 @@ def test_decode_stores_its_own_token_as_the_store_kernel_would(
     tol = TOL[dtype] if cache_dtype == dtype else 2e-2
     torch.testing.assert_close(out[:3], out_ref[:3], rtol=tol, atol=tol)
     assert bool(out.isfinite().all()) and q_rows.numel() == 4
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype", "kv_heads", "splits"), [
+    (torch.float32, torch.float32, 2, 1),
+    (torch.bfloat16, torch.bfloat16, 4, 4),
+    (torch.bfloat16, torch.float8_e4m3fn, 1, 2),
+], ids=str)
+def test_decode_rotates_q_and_k_as_the_rotary_kernel_would(
+        dtype: torch.dtype, cache_dtype: torch.dtype, kv_heads: int, splits: int) -> None:
+    """`rotary`: unrotated q and k rotated inside the decode launch give, bit for bit, the
+    output and cache of the rotary kernel's q and k through the same launch."""
+    torch.manual_seed(kv_heads + splits)
+    heads, dim, bs = 4, 32, 4
+    k_cache = torch.randn(kv_heads, 48 * bs, dim, device=DEVICE).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, 48 * bs, dim, device=DEVICE).to(cache_dtype)
+    tables = [[3, 4, 5], [10, 2, 40, 7, 33, 21, 8, 9, 11, 12, 13], [47]]
+    lens = [11, 42, 1]
+    slots = torch.tensor([_slots(t, n, bs)[-1] for t, n in zip(tables, lens)], device=DEVICE)
+    qkv = torch.randn(3, heads + 2 * kv_heads, dim, device=DEVICE).to(dtype)
+    rope = RotaryEmbedding(dim, 64, 10000.0).to(DEVICE)
+    cos, sin = rope.get_cos_sin(torch.tensor(lens, device=DEVICE) - 1, dtype)
+    qk = qkv[:, : heads + kv_heads]  # a view, as the model hands it over
+    rotated = layers.rotary(qk, cos, sin)
+    args = (torch.arange(3, device=DEVICE), _padded(tables),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE), bs, dim**-0.5, splits)
+    v = qkv[:, heads + kv_heads :]
+    caches, outs = [], []
+    for q, k, rot in ((rotated[:, :heads], rotated[:, heads:], None),
+                      (qk[:, :heads], qk[:, heads:], (cos, sin))):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = torch.zeros(3, heads, dim, device=DEVICE, dtype=dtype)
+        ops.paged_decode(q, kc, vc, *args, out, new_kv=(k, v, slots), rotary=rot)
+        caches.append(kc.view(torch.uint8))
+        outs.append(out)
+    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(rotated, qk)  # (it did rotate)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
