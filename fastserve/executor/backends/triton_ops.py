@@ -131,6 +131,20 @@ def _to_e4m3_grid(x, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _as_cached(x, cache_ptr, FP8_MAX: tl.constexpr):
+    """`x` as the cache at `cache_ptr` holds it: a float8 cache (FP8_MAX > 0) saturates and
+    rounds to nearest even (see attention.FP8_MAX)."""
+    if FP8_MAX > 0:
+        x = _to_e4m3_grid(x.to(tl.float32), FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+def _fp8_max(cache: torch.Tensor) -> float:
+    """The kernels' FP8_MAX: where a float8 cache saturates, 0 for any other."""
+    return FP8_MAX if is_fp8(cache.dtype) else 0.0
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs,
@@ -145,12 +159,9 @@ def _store_kv_kernel(
     dm = d < HEAD_DIM
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
-    if FP8_MAX > 0:  # a float8 cache saturates (see attention.FP8_MAX)
-        k = _to_e4m3_grid(k.to(tl.float32), FP8_MAX)
-        v = _to_e4m3_grid(v.to(tl.float32), FP8_MAX)
     dst = h * stride_ch + slot * stride_cs + d
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dm)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dm)
+    tl.store(k_cache_ptr + dst, _as_cached(k, k_cache_ptr, FP8_MAX), mask=dm)
+    tl.store(v_cache_ptr + dst, _as_cached(v, v_cache_ptr, FP8_MAX), mask=dm)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -164,7 +175,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_MAX=FP8_MAX if is_fp8(k_cache.dtype) else 0.0,
+        FP8_MAX=_fp8_max(k_cache),
     )
 
 
@@ -287,11 +298,8 @@ def _new_token(q, k_cache_ptr, v_cache_ptr, k_new_ptr, v_new_ptr, slot_ptr, row,
     if ROTARY:  # k comes unrotated (see the decode kernel)
         kp = tl.load(k_src + partner, mask=dm, other=0.0)
         kn = rotate_half(kn.to(tl.float32), kp.to(tl.float32), cos, sin, first, kn.dtype)
-    if FP8_MAX > 0:  # a float8 cache saturates (see attention.FP8_MAX)
-        kn = _to_e4m3_grid(kn.to(tl.float32), FP8_MAX)
-        vn = _to_e4m3_grid(vn.to(tl.float32), FP8_MAX)
-    kn = kn.to(k_cache_ptr.dtype.element_ty)
-    vn = vn.to(v_cache_ptr.dtype.element_ty)
+    kn = _as_cached(kn, k_cache_ptr, FP8_MAX)
+    vn = _as_cached(vn, v_cache_ptr, FP8_MAX)
     # Slot -1: a CUDA-graph padding row stores nothing. NOTE: the test is on a vector:
     # Triton's interpreter takes no scalar condition into a store's mask.
     slot = tl.where(own, slot, -1)
@@ -385,7 +393,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_H=_pow2(group) if use_dot else triton.next_power_of_2(group),
         BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
         PRECISION=_precision(k_cache, q), DOT_DT=dot_dt, FP8_ASM=_fp8_asm(k_cache, dot_dt),
-        STORE_NEW=new_kv is not None, FP8_MAX=FP8_MAX if is_fp8(k_cache.dtype) else 0.0,
+        STORE_NEW=new_kv is not None, FP8_MAX=_fp8_max(k_cache),
         ROTARY=rotary is not None,
         # float32: a multiply-add would skip a rounding of the rotation (see rotate_half).
         enable_fp_fusion=not (rotary is not None and q.dtype == torch.float32),
