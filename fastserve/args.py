@@ -37,7 +37,8 @@ _HELP = {
                             "prediction",
     "load_format": "weights: auto (the checkpoint's safetensors) or dummy (random weights made "
                    "on the device for the checkpoint's config.json; for benchmarks)",
-    "kv_cache_dtype": "KV cache dtype: auto (the model's; float32 on CPU for half types), "
+    "kv_cache_dtype": "KV cache dtype: auto (the model's; float32 for half types on a CPU "
+                      "without the C++ kernels), "
                       "float32, bfloat16, float16, or fp8 (float8 E4M3, unit scale, saturating: "
                       "half a bf16 cache's bytes; for GPUs, sm89+ with the Triton backend)",
     "async_scheduling": "schedule the next iteration while this one runs on the device, "

@@ -67,7 +67,7 @@ class ModelConfig:
     # its config.json (production shapes without reading a 13 GB file; benchmarks only).
     load_format: str = "auto"
     # Attention kernels: auto = triton on CUDA (when installed), the C++ kernels on CPU
-    # (float32 cache), else per-request torch SDPA (`fastserve.executor.backends`).
+    # (float32 or half cache), else per-request torch SDPA (`fastserve.executor.backends`).
     attention_backend: str = "auto"
     # Run every iteration eagerly: no CUDA graphs for decode iterations (a CUDA backend
     # otherwise captures them at start-up). CPU never captures.
@@ -106,8 +106,8 @@ class CacheConfig:
     swap_space_gib: float = 4.0  # host pool (pinned on CUDA); unused by defer / recompute
     num_host_blocks: int | None = None
     kv_policy: str = "proactive"
-    # "auto": the model's dtype, except float32 on CPU for half types (CPU half-precision
-    # attention kernels cost ~7x more per decode call than float32 ones); "fp8": float8 E4M3,
+    # "auto": the model's dtype, except float32 for half types on a CPU without the C++
+    # kernels (torch's half-precision attention there costs ~7x a float32 call); "fp8": float8 E4M3,
     # values clamped to +-448 as stored, read back into the model's dtype (meant for GPUs: a
     # CPU reads it through the portable backend, slowly).
     kv_cache_dtype: str = "auto"

@@ -18,7 +18,8 @@ from fastserve.model.make_model import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+# One extension: the paged attention kernels (and its Python bindings) and the small layers.
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "cpu_layers.cpp")]
 
 # "0" switches off every CPU-specific fast path: the compiled attention kernels (built with
 # -march=native) and the oneDNN-packed weights (`cpu_linear`). What is left is the plain-torch
@@ -35,7 +36,8 @@ def cpu_kernels_enabled() -> bool:
 
 
 def decode_attention_kernel() -> ModuleType | None:
-    """The compiled CPU attention kernels, or None (switched off, or no compiler)."""
+    """The compiled CPU kernels (paged attention, KV store, the small layers), or None
+    (switched off, or no compiler)."""
     return _build_kernel() if cpu_kernels_enabled() else None
 
 
@@ -47,13 +49,14 @@ def _build_kernel() -> ModuleType | None:
         # One build folder per source version: checkouts of different versions sharing a
         # cache (old vs new in a benchmark, worktrees) neither rebuild over each other nor
         # load each other's kernel.
-        digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
         build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}"
         build.mkdir(parents=True, exist_ok=True)
         return load(
             name="fastserve_decode_attention",
-            sources=[str(_SRC)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            sources=[str(p) for p in _SOURCES],
+            # No implicit multiply-adds: the layer kernels round as the tensor ops do.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,

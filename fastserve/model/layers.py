@@ -277,7 +277,7 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _new_param(output_size)
             _set_loader(self.bias, self.weight_loader)
-        # Set by the executor (`pack_for_small_batches`): the same weight in a backend's
+        # Set by the executor (`cpu_linear.pack_weights`): the same weight in a backend's
         # pre-packed layout, used for calls of at most `packed.max_rows` rows.
         self.packed: PackedWeight | None = None
 

@@ -88,30 +88,47 @@ def test_torch_backend_decode_on_each_device(device: str) -> None:
 def test_mixed_batch_matches_reference(cls: type[PagedAttention]) -> None:
     """Decodes, a fresh prefill and a chunk after cached tokens in one iteration, in that
     interleaved order, each against its own reference."""
+    _check_mixed_batch(_backend(cls, 2, 32, 40, 4), torch.float32, tol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="no compiled CPU kernels (no C++ compiler, or "
+                    "FASTSERVE_CPU_KERNELS=0)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_backend_keeps_a_half_model_in_a_half_cache(dtype: torch.dtype) -> None:
+    """A half-precision model's K/V go into a cache of its dtype (half a float32 cache's
+    bytes) and the C++ kernels read them there: the same mixed iteration matches float32
+    attention over the same half values, up to the output's rounding to the model dtype."""
+    attn = CpuAttention(1, 2, 32, num_blocks=40, block_size=4, dtype=dtype,
+                        device=torch.device("cpu"))
+    assert attn.k_caches[0].dtype == dtype
+    _check_mixed_batch(attn, dtype, tol=1e-2)
+
+
+def _check_mixed_batch(attn: PagedAttention, dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(3)
-    heads, kv_heads, dim, bs = 8, 2, 32, 4
-    attn = _backend(cls, kv_heads, dim, 40, bs)
+    heads, kv_heads, dim = 8, 2, 32
     tables = {"d1": [7, 3, 30], "p": [11, 12], "c": [20, 1, 25, 2, 9], "d2": [5]}
     ctx = {"d1": 11, "p": 6, "c": 19, "d2": 3}
     new = {"d1": 1, "p": 6, "c": 12, "d2": 1}
-    k = {r: torch.randn(n, kv_heads, dim) for r, n in ctx.items()}
-    v = {r: torch.randn(n, kv_heads, dim) for r, n in ctx.items()}
+    k = {r: torch.randn(n, kv_heads, dim).to(dtype) for r, n in ctx.items()}
+    v = {r: torch.randn(n, kv_heads, dim).to(dtype) for r, n in ctx.items()}
     # The cached parts first, as one prefill each.
     cached = [r for r in ctx if ctx[r] > new[r]]
     _run(attn, [_req(r, ctx[r] - new[r], 0, tables[r]) for r in cached],
-         torch.randn(sum(ctx[r] - new[r] for r in cached), heads, dim),
+         torch.randn(sum(ctx[r] - new[r] for r in cached), heads, dim).to(dtype),
          torch.cat([k[r][: ctx[r] - new[r]] for r in cached]),
          torch.cat([v[r][: ctx[r] - new[r]] for r in cached]))
     order = ["d1", "p", "c", "d2"]
-    q = {r: torch.randn(new[r], heads, dim) for r in order}
+    q = {r: torch.randn(new[r], heads, dim).to(dtype) for r in order}
     out = _run(attn, [_req(r, new[r], ctx[r] - new[r], tables[r]) for r in order],
                torch.cat([q[r] for r in order]),
                torch.cat([k[r][ctx[r] - new[r]:] for r in order]),
                torch.cat([v[r][ctx[r] - new[r]:] for r in order]))
     row = 0
+    assert out.dtype == dtype
     for r in order:
-        ref = _causal_reference(q[r], k[r], v[r])
-        torch.testing.assert_close(out[row : row + new[r]], ref, rtol=1e-5, atol=1e-5)
+        ref = _causal_reference(q[r].float(), k[r].float(), v[r].float())
+        torch.testing.assert_close(out[row : row + new[r]].float(), ref, rtol=tol, atol=tol)
         row += new[r]
 
 
@@ -119,8 +136,10 @@ def test_registry_picks_one_backend_per_device_and_dtype() -> None:
     cpu = torch.device("cpu")
     expected = CpuAttention if HAS_CPU_KERNEL else TorchAttention
     assert attention_backend("auto", cpu, torch.float32) is expected
-    # The C++ kernels read float32 caches only: a bf16 cache takes the portable backend.
-    assert attention_backend("auto", cpu, torch.bfloat16) is TorchAttention
+    # The C++ kernels read float32, bfloat16 and float16 caches; float8 takes the portable one.
+    for half in (torch.bfloat16, torch.float16):
+        assert attention_backend("auto", cpu, half) is expected
+    assert attention_backend("auto", cpu, torch.float8_e4m3fn) is TorchAttention
     assert attention_backend("torch", cpu, torch.float32) is TorchAttention
     with pytest.raises(ValueError, match="attention_backend='triton'"):
         attention_backend("triton", cpu, torch.float32)
@@ -133,19 +152,24 @@ def test_registry_picks_one_backend_per_device_and_dtype() -> None:
         assert not triton_cls.is_supported(cpu, torch.float32)
 
 
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("dim,bs", [(32, 4), (64, 4), (64, 16), (128, 8)])
-def test_cpu_decode_kernel_matches_reference(dim: int, bs: int) -> None:
+def test_cpu_decode_kernel_matches_reference(dim: int, bs: int, cache_dtype: torch.dtype) -> None:
     """The one-call CPU kernel reads ragged, scattered contexts exactly like the reference
     (head_dim 64 and 128 take its vectorised path, others the plain loops; contexts end
-    mid-block and inside the last four-row group)."""
+    mid-block and inside the last four-row group), from a float32 or a half-precision cache
+    (the reference reads the same half values, widened)."""
     kernel = decode_attention_kernel()
     if kernel is None:
         pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
                     "path is covered above")
     torch.manual_seed(0)
     heads, kv_heads = 8, 2
-    k_cache = torch.randn(kv_heads, 64 * bs, dim)
-    v_cache = torch.randn(kv_heads, 64 * bs, dim)
+    k_cache = torch.randn(kv_heads, 64 * bs, dim).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, 64 * bs, dim).to(cache_dtype)
     tables = [[3, 4, 5], [10, 2, 40, 7], [60]]
     lens = [11, 14, 1]
     q = torch.randn(3, heads, dim)
@@ -157,7 +181,8 @@ def test_cpu_decode_kernel_matches_reference(dim: int, bs: int) -> None:
     )
     for i, (table, n) in enumerate(zip(tables, lens)):
         slots = (torch.tensor(table).unsqueeze(1) * bs + torch.arange(bs)).flatten()[:n]
-        ref = _reference(q[i : i + 1], k_cache[:, slots].transpose(0, 1), v_cache[:, slots].transpose(0, 1))
+        ref = _reference(q[i : i + 1], k_cache[:, slots].transpose(0, 1).float(),
+                         v_cache[:, slots].transpose(0, 1).float())
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
 
 
@@ -183,11 +208,13 @@ def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     (48, 6, 3, 16),  # head_dim not a multiple of 32: the plain-loop accumulate
 ])
 @pytest.mark.parametrize("start,q_len", [(3, 17), (40, 33), (100, 1), (16, 70), (200, 130)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
 def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs: int,
-                                        start: int, q_len: int) -> None:
+                                        start: int, q_len: int, cache_dtype: torch.dtype) -> None:
     """A prefill chunk after `start` cached tokens, read through a scattered block table by
     the CPU extend kernel, matches masked SDPA over the gathered context: chunk offsets that
-    start and end mid-block, one-token chunks, chunks longer than the cached part."""
+    start and end mid-block, one-token chunks, chunks longer than the cached part; from a
+    float32 or a half-precision cache."""
     kernel = decode_attention_kernel()
     if kernel is None:
         pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
@@ -196,13 +223,14 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
     ctx = start + q_len
     num_blocks = -(-ctx // bs)
     table = torch.randperm(3 * num_blocks)[:num_blocks]  # scattered, out of order
-    k_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim)
-    v_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim)
+    k_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim).to(cache_dtype)
     q = torch.randn(q_len, heads, dim)
     out = kernel.extend_attention(q, k_cache, v_cache, table.to(torch.int32), start, bs,
                                   dim**-0.5)
     slots = (table.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]
-    ref = _causal_reference(q, k_cache[:, slots].transpose(0, 1), v_cache[:, slots].transpose(0, 1))
+    ref = _causal_reference(q, k_cache[:, slots].transpose(0, 1).float(),
+                            v_cache[:, slots].transpose(0, 1).float())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -5,7 +5,8 @@
 
 - triton (`triton_attn.py`): CUDA; needs the `triton` package (it ships with torch's CUDA
   builds). Captures decode iterations as CUDA graphs.
-- cpu (`cpu.py`): the C++ kernels of `executor/cpu_kernels.py`, a float32 cache on CPU.
+- cpu (`cpu.py`): the C++ kernels of `executor/cpu_kernels.py`, a float32, bfloat16 or
+  float16 cache on CPU.
 - torch (`torch_sdpa.py`): per-request SDPA on any device (on CUDA without cuDNN's SDPA).
 """
 
@@ -21,6 +22,7 @@ from fastserve.config import ATTENTION_BACKENDS
 from fastserve.executor.attention import PagedAttention
 from fastserve.executor.backends.cpu import CpuAttention
 from fastserve.executor.backends.torch_sdpa import TorchAttention, TorchCudaAttention
+from fastserve.executor.cpu_kernels import decode_attention_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +63,13 @@ KV_TORCH_DTYPES = {**TORCH_DTYPES, "fp8": torch.float8_e4m3fn}
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: `name` (CacheConfig.kv_cache_dtype), or for `auto` the model's,
-    except that a half-precision model on CPU keeps a float32 cache (what the CPU kernels
-    read; CPU half-precision attention is slow)."""
+    except that a half-precision model on a CPU without the C++ kernels keeps a float32 cache
+    (the portable path's half-precision attention is several times slower per call; the
+    kernels read a half cache directly, at half the bytes)."""
     if name != "auto":
         return KV_TORCH_DTYPES[name]
-    if device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16):
+    if (device.type == "cpu" and model_dtype in (torch.bfloat16, torch.float16)
+            and decode_attention_kernel() is None):
         return torch.float32
     return model_dtype
 

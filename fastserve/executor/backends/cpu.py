@@ -1,4 +1,7 @@
-"""The CPU backend: the C++ paged kernels of `executor/cpu_kernels.py` (float32 cache).
+"""The CPU backend: the C++ paged kernels of `executor/cpu_kernels.py`.
+
+The cache is float32, bfloat16 or float16 (`CPU_CACHE_DTYPES`); queries and the kernels' math
+are float32 (half-precision K/V rows are widened as they are read).
 
 One kernel call per layer for all decodes (`decode_attention`), and one per prefill chunk after
 cached tokens (`extend_attention`); both follow the block tables themselves, so nothing is
@@ -17,7 +20,8 @@ import torch.nn.functional as F
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.cpu_kernels import decode_attention_kernel
-from fastserve.executor.cpu_linear import pack_for_small_batches
+from fastserve.executor.cpu_linear import pack_weights
+from fastserve.model.layers import FusedNorm, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,18 @@ class CpuMetadata(AttentionMetadata):
     prefills: list[PrefillSlice]
 
 
+def _fused_norm(kernel: ModuleType) -> FusedNorm:
+    def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        outs = kernel.rms_norm(x, residual, weight, eps)
+        return outs[0] if residual is None else (outs[0], outs[1])
+    return norm
+
+
+# The cache dtypes the C++ kernels read.
+CPU_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class CpuAttention(PagedAttention):
     """The C++ kernels; see the module docstring."""
 
@@ -52,19 +68,29 @@ class CpuAttention(PagedAttention):
 
     @classmethod
     def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
-        return (device.type == "cpu" and cache_dtype == torch.float32
+        return (device.type == "cpu" and cache_dtype in CPU_CACHE_DTYPES
                 and decode_attention_kernel() is not None)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device)
         kernel = decode_attention_kernel()
-        if kernel is None or dtype != torch.float32:
-            raise ValueError("the cpu attention backend needs its C++ kernels and a float32 cache")
+        if kernel is None or dtype not in CPU_CACHE_DTYPES:
+            raise ValueError("the cpu attention backend needs its C++ kernels and a float32, "
+                             "bfloat16 or float16 cache")
         self.kernel: ModuleType = kernel
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        pack_for_small_batches(model)  # decode's small matmuls read weights packed once
+        """Weights packed once for oneDNN; in half types, add + RMSNorm as one C++ call
+        (bit for bit the tensor ops' result in bfloat16, up to a rare last place in float16).
+        A float32 model keeps torch's norm: there its sum's order differs in the last place,
+        which could flip a greedy near-tie against HF."""
+        pack_weights(model)
+        if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
+            norm = _fused_norm(self.kernel)
+            for m in model.modules():
+                if isinstance(m, RMSNorm):
+                    m.fused = norm
 
     def build_metadata(self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor) -> CpuMetadata:
         bs = self.block_size
@@ -101,7 +127,8 @@ class CpuAttention(PagedAttention):
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         md = self.metadata
         assert isinstance(md, CpuMetadata), "attention metadata must be set before the forward pass"
-        k_cache, v_cache = self.store_kv(layer_idx, k, v, md.slot_mapping)
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        self.kernel.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
         dec = md.decodes
         if dec is not None and not md.prefills and dec.token_idx.shape[0] == q.shape[0]:
             # Decodes only: the kernel's output is the whole batch's.

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastserve.core.block_pool import is_contiguous
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention, compute_dtype
-from fastserve.executor.cpu_linear import pack_for_small_batches
+from fastserve.executor.cpu_linear import pack_weights
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ class TorchAttention(PagedAttention):
         return True
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        # On CPU (float32) decode's small matmuls read weights packed once; elsewhere a no-op.
-        pack_for_small_batches(model)
+        # On CPU (float32, bfloat16) the matmuls read weights packed once; elsewhere a no-op.
+        pack_weights(model)
 
     def build_metadata(
         self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor

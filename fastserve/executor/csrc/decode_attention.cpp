@@ -11,6 +11,10 @@
 // read once, and nothing beyond ctx_len. With AVX2 + FMA and head_dim 64 or 128 the dot
 // products run four K rows at a time in registers (independent FMA chains instead of one
 // latency-bound chain per row) and the output accumulates in registers across a block.
+//
+// The cache may be float32, bfloat16 or float16 (`CacheT`): half-precision rows are widened to
+// float32 as they are loaded (a shift for bfloat16, F16C for float16), so the math and the
+// query stay in float32 and a half cache reads half the bytes, which is what decode waits on.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,205 +28,27 @@
 #include <limits>
 #include <vector>
 
-// q:           [num_reqs, num_heads, head_dim]           float32
-// k/v_cache:   [num_kv_heads, num_slots, head_dim]      float32
-// block_table: [num_reqs, max_blocks]                   int32
-// ctx_lens:    [num_reqs]                               int32
-// returns      [num_reqs, num_heads, head_dim]          float32
 namespace {
 
-struct Task {
-  const float* q;        // [group, head_dim] query heads sharing this kv head
-  const float* k;        // this kv head's K: [num_slots, head_dim]
-  const float* v;        // this kv head's V: [num_slots, head_dim]
-  const int32_t* table;  // the request's block table
-  int64_t ctx, block_size, group, head_dim;
-  float scale;
-  float* out;            // [group, head_dim]
-};
+using BF16 = c10::BFloat16;
+using F16 = c10::Half;
 
-// Scores of one query row against rows [0, n) of a block: s[t] = q . k[t] * scale.
-template <int D>
-inline void block_scores(const float* q, const float* kblk, int64_t n, float scale, float* s) {
 #ifdef FS_HAVE_AVX2
-  constexpr int V = D / 8;
-  __m256 qv[V];
-  for (int i = 0; i < V; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), _mm256_set1_ps(scale));
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {  // four rows: four independent FMA chains
-    const float* k0 = kblk + t * D;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int i = 0; i < V; ++i) {
-      a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 8 * i), a0);
-      a1 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + D + 8 * i), a1);
-      a2 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 2 * D + 8 * i), a2);
-      a3 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 3 * D + 8 * i), a3);
-    }
-    // Horizontal sums of the four accumulators at once: [s0 s1 s2 s3].
-    __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
-    __m256 h = _mm256_hadd_ps(h01, h23);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(s + t, r);
-  }
-  for (; t < n; ++t) {
-    __m256 a = _mm256_setzero_ps();
-    for (int i = 0; i < V; ++i) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kblk + t * D + 8 * i), a);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    r = _mm_hadd_ps(r, r);
-    r = _mm_hadd_ps(r, r);
-    s[t] = _mm_cvtss_f32(r);
-  }
-#else
-  for (int64_t t = 0; t < n; ++t) {
-    float a = 0.f;
-    for (int d = 0; d < D; ++d) a += q[d] * kblk[t * D + d];
-    s[t] = a * scale;
-  }
+// Eight cache values from p as float32.
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8<BF16>(const BF16* p) {  // bfloat16 is float32's top half: shift it back
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+template <>
+inline __m256 load8<F16>(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #endif
-}
-
-// acc += sum_t p[t] v[t] over rows [0, n) of a block.
-template <int D>
-inline void block_accumulate(const float* p, const float* vblk, int64_t n, float* acc) {
-#ifdef FS_HAVE_AVX2
-  constexpr int V = D / 8;
-  __m256 av[V];
-  for (int i = 0; i < V; ++i) av[i] = _mm256_loadu_ps(acc + 8 * i);
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 pt = _mm256_set1_ps(p[t]);
-    for (int i = 0; i < V; ++i) av[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vblk + t * D + 8 * i), av[i]);
-  }
-  for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc + 8 * i, av[i]);
-#else
-  for (int64_t t = 0; t < n; ++t)
-    for (int d = 0; d < D; ++d) acc[d] += p[t] * vblk[t * D + d];
-#endif
-}
-
-inline void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
-  for (int64_t g = 0; g < rows; ++g) {
-    float* sg = scores + g * ctx;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sg[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
-  }
-}
-
-// One (request, kv head) with head_dim D known at compile time.
-template <int D>
-void attend(const Task& k, std::vector<float>& scores) {
-  const int64_t bs = k.block_size, ctx = k.ctx, group = k.group;
-  scores.resize(group * ctx);
-  for (int64_t b = 0; b * bs < ctx; ++b) {  // scores, block by block
-    const int64_t n = std::min(bs, ctx - b * bs);
-    const float* kblk = k.k + static_cast<int64_t>(k.table[b]) * bs * D;
-    for (int64_t g = 0; g < group; ++g)
-      block_scores<D>(k.q + g * D, kblk, n, k.scale, scores.data() + g * ctx + b * bs);
-  }
-  softmax_rows(scores.data(), group, ctx);
-  std::fill(k.out, k.out + group * D, 0.f);
-  for (int64_t b = 0; b * bs < ctx; ++b) {  // out[g] = sum_t p[g, t] v[t]
-    const int64_t n = std::min(bs, ctx - b * bs);
-    const float* vblk = k.v + static_cast<int64_t>(k.table[b]) * bs * D;
-    for (int64_t g = 0; g < group; ++g)
-      block_accumulate<D>(scores.data() + g * ctx + b * bs, vblk, n, k.out + g * D);
-  }
-}
-
-// Any head_dim: plain loops (the compiler vectorises the inner ones).
-void attend_generic(const Task& k, std::vector<float>& scores) {
-  const int64_t bs = k.block_size, ctx = k.ctx, group = k.group, D = k.head_dim;
-  scores.resize(group * ctx);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* krow = k.k + (static_cast<int64_t>(k.table[t / bs]) * bs + t % bs) * D;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = k.q + g * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * krow[d];
-      scores[g * ctx + t] = s * k.scale;
-    }
-  }
-  softmax_rows(scores.data(), group, ctx);
-  std::fill(k.out, k.out + group * D, 0.f);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const float* vrow = k.v + (static_cast<int64_t>(k.table[t / bs]) * bs + t % bs) * D;
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * ctx + t];
-      float* ag = k.out + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
-    }
-  }
-}
-
-}  // namespace
-
-// q:           [num_reqs, num_heads, head_dim]           float32
-// k/v_cache:   [num_kv_heads, num_slots, head_dim]      float32
-// block_table: [num_reqs, max_blocks]                   int32
-// ctx_lens:    [num_reqs]                               int32
-// returns      [num_reqs, num_heads, head_dim]          float32
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_table, torch::Tensor ctx_lens,
-                               int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32,
-              "decode_attention: float32 tensors expected");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && ctx_lens.scalar_type() == torch::kInt32,
-              "decode_attention: int32 block table and lengths expected");
-  q = q.contiguous();
-  block_table = block_table.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(0), num_slots = k_cache.size(1);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_table.size(1);
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int32_t* lens = ctx_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
-      const Task t{qp + (r * num_heads + kvh * group) * head_dim,
-                   kp + kvh * num_slots * head_dim,
-                   vp + kvh * num_slots * head_dim,
-                   bt + r * max_blocks,
-                   lens[r], block_size, group, head_dim, sc,
-                   op + (r * num_heads + kvh * group) * head_dim};
-      if (head_dim == 64) attend<64>(t, scores);
-      else if (head_dim == 128) attend<128>(t, scores);
-      else attend_generic(t, scores);
-    }
-  });
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Paged extend attention: a chunk of q_len new tokens after start_pos cached ones (a later chunk
-// of a long prompt, or the uncached rest of a prompt whose prefix was cached). Query i (position
-// start_pos + i) attends to keys 0 .. start_pos + i, read block by block through the block
-// table: no gather of the context and no [q_len, ctx_len] mask (the bottom-right causal limit
-// is a per-row key count). Flash-style online softmax, parallel over (kv head, query tile); a
-// tile's query rows (TQ queries x the group of query heads sharing the kv head) share every K/V
-// block read, so the context is read q_len / TQ times per kv head, not q_len times.
-namespace {
-
-constexpr int64_t kTileRows = 64;  // query rows (query x head) per tile of scores
-constexpr int64_t kKeys = 16;   // keys per inner step (the last may be partial)
 
 #ifdef FS_HAVE_AVX2
 // exp of 8 floats (Cephes polynomial, as in avx_mathfun): ~1 ulp over the range softmax uses
@@ -248,10 +74,254 @@ inline __m256 exp256(__m256 x) {
 }
 #endif
 
+}  // namespace
+
+// q:           [num_reqs, num_heads, head_dim]           float32
+// k/v_cache:   [num_kv_heads, num_slots, head_dim]      float32
+// block_table: [num_reqs, max_blocks]                   int32
+// ctx_lens:    [num_reqs]                               int32
+// returns      [num_reqs, num_heads, head_dim]          float32
+namespace {
+
+template <typename CacheT>
+struct Task {
+  const float* q;        // [group, head_dim] query heads sharing this kv head
+  const CacheT* k;       // this kv head's K: [num_slots, head_dim]
+  const CacheT* v;       // this kv head's V: [num_slots, head_dim]
+  const int32_t* table;  // the request's block table
+  int64_t ctx, block_size, group, head_dim;
+  float scale;
+  float* out;            // [group, head_dim]
+};
+
+// Scores of one query row against rows [0, n) of a block: s[t] = q . k[t] * scale.
+template <int D, typename CacheT>
+inline void block_scores(const float* q, const CacheT* kblk, int64_t n, float scale, float* s) {
+#ifdef FS_HAVE_AVX2
+  constexpr int V = D / 8;
+  __m256 qv[V];
+  for (int i = 0; i < V; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), _mm256_set1_ps(scale));
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {  // four rows: four independent FMA chains
+    const CacheT* k0 = kblk + t * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < V; ++i) {
+      a0 = _mm256_fmadd_ps(qv[i], load8(k0 + 8 * i), a0);
+      a1 = _mm256_fmadd_ps(qv[i], load8(k0 + D + 8 * i), a1);
+      a2 = _mm256_fmadd_ps(qv[i], load8(k0 + 2 * D + 8 * i), a2);
+      a3 = _mm256_fmadd_ps(qv[i], load8(k0 + 3 * D + 8 * i), a3);
+    }
+    // Horizontal sums of the four accumulators at once: [s0 s1 s2 s3].
+    __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+    __m256 h = _mm256_hadd_ps(h01, h23);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(s + t, r);
+  }
+  for (; t < n; ++t) {
+    __m256 a = _mm256_setzero_ps();
+    for (int i = 0; i < V; ++i) a = _mm256_fmadd_ps(qv[i], load8(kblk + t * D + 8 * i), a);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_hadd_ps(r, r);
+    r = _mm_hadd_ps(r, r);
+    s[t] = _mm_cvtss_f32(r);
+  }
+#else
+  for (int64_t t = 0; t < n; ++t) {
+    float a = 0.f;
+    for (int d = 0; d < D; ++d) a += q[d] * static_cast<float>(kblk[t * D + d]);
+    s[t] = a * scale;
+  }
+#endif
+}
+
+// acc += sum_t p[t] v[t] over rows [0, n) of a block.
+template <int D, typename CacheT>
+inline void block_accumulate(const float* p, const CacheT* vblk, int64_t n, float* acc) {
+#ifdef FS_HAVE_AVX2
+  constexpr int V = D / 8;
+  __m256 av[V];
+  for (int i = 0; i < V; ++i) av[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    for (int i = 0; i < V; ++i) av[i] = _mm256_fmadd_ps(pt, load8(vblk + t * D + 8 * i), av[i]);
+  }
+  for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc + 8 * i, av[i]);
+#else
+  for (int64_t t = 0; t < n; ++t)
+    for (int d = 0; d < D; ++d) acc[d] += p[t] * static_cast<float>(vblk[t * D + d]);
+#endif
+}
+
+inline void softmax_rows(float* scores, int64_t rows, int64_t ctx) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * ctx;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.f;
+    int64_t t = 0;
+#ifdef FS_HAVE_AVX2
+    // Eight exps at a time: a scalar exp per score cost as much as reading the K/V.
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= ctx; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+      _mm256_storeu_ps(sg + t, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_hadd_ps(h, h);
+    h = _mm_hadd_ps(h, h);
+    sum = _mm_cvtss_f32(h);
+#endif
+    for (; t < ctx; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
+  }
+}
+
+// One (request, kv head) with head_dim D known at compile time.
+template <int D, typename CacheT>
+void attend(const Task<CacheT>& k, std::vector<float>& scores) {
+  const int64_t bs = k.block_size, ctx = k.ctx, group = k.group;
+  scores.resize(group * ctx);
+  for (int64_t b = 0; b * bs < ctx; ++b) {  // scores, block by block
+    const int64_t n = std::min(bs, ctx - b * bs);
+    const CacheT* kblk = k.k + static_cast<int64_t>(k.table[b]) * bs * D;
+    for (int64_t g = 0; g < group; ++g)
+      block_scores<D>(k.q + g * D, kblk, n, k.scale, scores.data() + g * ctx + b * bs);
+  }
+  softmax_rows(scores.data(), group, ctx);
+  std::fill(k.out, k.out + group * D, 0.f);
+  for (int64_t b = 0; b * bs < ctx; ++b) {  // out[g] = sum_t p[g, t] v[t]
+    const int64_t n = std::min(bs, ctx - b * bs);
+    const CacheT* vblk = k.v + static_cast<int64_t>(k.table[b]) * bs * D;
+    for (int64_t g = 0; g < group; ++g)
+      block_accumulate<D>(scores.data() + g * ctx + b * bs, vblk, n, k.out + g * D);
+  }
+}
+
+// Any head_dim: plain loops (the compiler vectorises the inner ones).
+template <typename CacheT>
+void attend_generic(const Task<CacheT>& k, std::vector<float>& scores) {
+  const int64_t bs = k.block_size, ctx = k.ctx, group = k.group, D = k.head_dim;
+  scores.resize(group * ctx);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const CacheT* krow = k.k + (static_cast<int64_t>(k.table[t / bs]) * bs + t % bs) * D;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = k.q + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(krow[d]);
+      scores[g * ctx + t] = s * k.scale;
+    }
+  }
+  softmax_rows(scores.data(), group, ctx);
+  std::fill(k.out, k.out + group * D, 0.f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const CacheT* vrow = k.v + (static_cast<int64_t>(k.table[t / bs]) * bs + t % bs) * D;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * ctx + t];
+      float* ag = k.out + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(vrow[d]);
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The cache dtypes the kernels read, and a readable error for any other.
+void check_cache(const char* op, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf, op,
+              ": the KV cache must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(v_cache.scalar_type() == dt, op, ": K and V caches of different dtypes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": caches must be contiguous");
+}
+
+// Calls fn(CacheT{}) with the C++ type of the cache's dtype.
+template <typename Fn>
+void with_cache_type(torch::ScalarType dt, Fn&& fn) {
+  if (dt == torch::kBFloat16) fn(BF16{});
+  else if (dt == torch::kHalf) fn(F16{});
+  else fn(float{});
+}
+
+template <typename CacheT>
+void decode_all(const float* qp, const CacheT* kp, const CacheT* vp, const int32_t* bt,
+                const int32_t* lens, float* op, int64_t num_reqs, int64_t num_heads,
+                int64_t num_kv_heads, int64_t num_slots, int64_t head_dim, int64_t max_blocks,
+                int64_t block_size, float sc) {
+  const int64_t group = num_heads / num_kv_heads;
+  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
+      const Task<CacheT> t{qp + (r * num_heads + kvh * group) * head_dim,
+                           kp + kvh * num_slots * head_dim,
+                           vp + kvh * num_slots * head_dim,
+                           bt + r * max_blocks,
+                           lens[r], block_size, group, head_dim, sc,
+                           op + (r * num_heads + kvh * group) * head_dim};
+      if (head_dim == 64) attend<64>(t, scores);
+      else if (head_dim == 128) attend<128>(t, scores);
+      else attend_generic(t, scores);
+    }
+  });
+}
+
+}  // namespace
+
+// q:           [num_reqs, num_heads, head_dim]           float32
+// k/v_cache:   [num_kv_heads, num_slots, head_dim]      float32, bfloat16 or float16
+// block_table: [num_reqs, max_blocks]                   int32
+// ctx_lens:    [num_reqs]                               int32
+// returns      [num_reqs, num_heads, head_dim]          float32
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_table, torch::Tensor ctx_lens,
+                               int64_t block_size, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "decode_attention: a float32 query expected");
+  check_cache("decode_attention", k_cache, v_cache);
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && ctx_lens.scalar_type() == torch::kInt32,
+              "decode_attention: int32 block table and lengths expected");
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  auto out = torch::empty_like(q);
+  with_cache_type(k_cache.scalar_type(), [&](auto tag) {
+    using CacheT = decltype(tag);
+    decode_all<CacheT>(q.data_ptr<float>(), k_cache.data_ptr<CacheT>(), v_cache.data_ptr<CacheT>(),
+                       block_table.data_ptr<int32_t>(), ctx_lens.data_ptr<int32_t>(),
+                       out.data_ptr<float>(), q.size(0), q.size(1), k_cache.size(0),
+                       k_cache.size(1), q.size(2), block_table.size(1), block_size,
+                       static_cast<float>(scale));
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged extend attention: a chunk of q_len new tokens after start_pos cached ones (a later chunk
+// of a long prompt, or the uncached rest of a prompt whose prefix was cached). Query i (position
+// start_pos + i) attends to keys 0 .. start_pos + i, read block by block through the block
+// table: no gather of the context and no [q_len, ctx_len] mask (the bottom-right causal limit
+// is a per-row key count). Flash-style online softmax, parallel over (kv head, query tile); a
+// tile's query rows (TQ queries x the group of query heads sharing the kv head) share every K/V
+// block read, so the context is read q_len / TQ times per kv head, not q_len times.
+namespace {
+
+constexpr int64_t kTileRows = 64;  // query rows (query x head) per tile of scores
+constexpr int64_t kKeys = 16;   // keys per inner step (the last may be partial)
+
+
+template <typename CacheT>
 struct ExtendTask {
   const float* q;        // the chunk's queries: [q_len, num_heads, head_dim]
-  const float* k;        // this kv head's K: [num_slots, head_dim]
-  const float* v;        // this kv head's V: [num_slots, head_dim]
+  const CacheT* k;       // this kv head's K: [num_slots, head_dim]
+  const CacheT* v;       // this kv head's V: [num_slots, head_dim]
   const int32_t* table;  // the request's block table
   int64_t start_pos, q0, nq, num_heads, head0, group, head_dim, block_size;
   float scale;
@@ -317,7 +387,8 @@ inline void tile_scores(const float* qs, const float* kt, int64_t rows, int64_t 
 }
 
 // o[r] += sum_t p[r][t] v[t] for the rows in [r0, r1), keys [0, n).
-inline void tile_accumulate(const float* p, const float* vblk, int64_t r0, int64_t r1, int64_t n,
+template <typename CacheT>
+inline void tile_accumulate(const float* p, const CacheT* vblk, int64_t r0, int64_t r1, int64_t n,
                             int64_t d, float* o) {
 #ifdef FS_HAVE_AVX2
   if (d % 32 == 0) {
@@ -330,9 +401,8 @@ inline void tile_accumulate(const float* p, const float* vblk, int64_t r0, int64
                x3 = _mm256_loadu_ps(o0 + 24), y0 = _mm256_loadu_ps(o1), y1 = _mm256_loadu_ps(o1 + 8),
                y2 = _mm256_loadu_ps(o1 + 16), y3 = _mm256_loadu_ps(o1 + 24);
         for (int64_t t = 0; t < n; ++t) {
-          const float* vr = vblk + t * d + c;
-          const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8),
-                       v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+          const CacheT* vr = vblk + t * d + c;
+          const __m256 v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
           const __m256 pa = _mm256_set1_ps(p[r * kKeys + t]), pb = _mm256_set1_ps(p[(r + 1) * kKeys + t]);
           x0 = _mm256_fmadd_ps(pa, v0, x0); x1 = _mm256_fmadd_ps(pa, v1, x1);
           x2 = _mm256_fmadd_ps(pa, v2, x2); x3 = _mm256_fmadd_ps(pa, v3, x3);
@@ -351,10 +421,10 @@ inline void tile_accumulate(const float* p, const float* vblk, int64_t r0, int64
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t t = 0; t < n; ++t) {
       const float pt = p[r * kKeys + t];
-      const float* vr = vblk + t * d;
+      const CacheT* vr = vblk + t * d;
       float* orow = o + r * d;
 #pragma omp simd
-      for (int64_t j = 0; j < d; ++j) orow[j] += pt * vr[j];
+      for (int64_t j = 0; j < d; ++j) orow[j] += pt * static_cast<float>(vr[j]);
     }
 }
 
@@ -412,7 +482,8 @@ inline bool softmax_step(float* s, int64_t valid, float* m, float* l, float* oro
   return true;
 }
 
-void extend_task(const ExtendTask& t, TileBuffers& buf) {
+template <typename CacheT>
+void extend_task(const ExtendTask<CacheT>& t, TileBuffers& buf) {
   const int64_t d = t.head_dim, group = t.group, rows = t.nq * group, bs = t.block_size;
   buf.reset(rows, d);
   for (int64_t i = 0; i < t.nq; ++i)  // pre-scaled queries, rows (i, g)
@@ -427,10 +498,11 @@ void extend_task(const ExtendTask& t, TileBuffers& buf) {
     // Up to kKeys keys from k0, within k0's block and the task's causal reach.
     n = std::min({kKeys, last_lim - k0, bs - k0 % bs});
     const int64_t slot = static_cast<int64_t>(t.table[k0 / bs]) * bs + k0 % bs;
-    const float* kblk = t.k + slot * d;
-    const float* vblk = t.v + slot * d;
-    for (int64_t j = 0; j < d; ++j)  // transposed once, used by every row: kt[j][tt]
-      for (int64_t tt = 0; tt < kKeys; ++tt) buf.kt[j * kKeys + tt] = tt < n ? kblk[tt * d + j] : 0.f;
+    const CacheT* kblk = t.k + slot * d;
+    const CacheT* vblk = t.v + slot * d;
+    for (int64_t j = 0; j < d; ++j)  // transposed once (and widened), used by every row: kt[j][tt]
+      for (int64_t tt = 0; tt < kKeys; ++tt)
+        buf.kt[j * kKeys + tt] = tt < n ? static_cast<float>(kblk[tt * d + j]) : 0.f;
     // The rows that see key k0 are a suffix (queries sorted by position), taken a tile at a time
     // so a tile's queries, scores and outputs stay in L1 while the step's K/V are reused.
     const int64_t r_begin = std::max<int64_t>(0, (k0 - first_lim + 1) * group);
@@ -459,17 +531,16 @@ void extend_task(const ExtendTask& t, TileBuffers& buf) {
 }  // namespace
 
 // q:           [q_len, num_heads, head_dim]   float32: the chunk's queries
-// k/v_cache:   [num_kv_heads, num_slots, head_dim] float32, the chunk's own K/V written already
+// k/v_cache:   [num_kv_heads, num_slots, head_dim] float32, bfloat16 or float16, the chunk's
+//              own K/V written already
 // block_table: [>= ceil((start_pos + q_len) / block_size)] int32
 // returns      [q_len, num_heads, head_dim]   float32
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_table, int64_t start_pos, int64_t block_size,
                                double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32,
-              "extend_attention: float32 tensors expected");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "extend_attention: a float32 query expected");
+  check_cache("extend_attention", k_cache, v_cache);
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32, "extend_attention: int32 block table");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   q = q.contiguous();
   block_table = block_table.contiguous();
   const int64_t q_len = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -479,8 +550,6 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
               "extend_attention: block table shorter than the context");
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   // One task per (kv head, slice of the queries): each reads the context once. The slices
@@ -496,23 +565,37 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     while (i < q_len && i * (start_pos + i / 2.0) < want) ++i;
     bounds[sl] = std::max(i, bounds[sl - 1] + 1);
   }
-  at::parallel_for(0, num_kv_heads * num_slices, 1, [&](int64_t begin, int64_t end) {
-    TileBuffers buf;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kvh = task % num_kv_heads, sl = task / num_kv_heads;
-      const int64_t q0 = bounds[sl], nq = bounds[sl + 1] - q0;
-      if (nq <= 0) continue;
-      const ExtendTask t{qp, kp + kvh * num_slots * head_dim, vp + kvh * num_slots * head_dim, bt,
-                         start_pos, q0, nq, num_heads, kvh * group,
-                         group, head_dim, block_size, static_cast<float>(scale), op};
-      extend_task(t, buf);
-    }
+  with_cache_type(k_cache.scalar_type(), [&](auto tag) {
+    using CacheT = decltype(tag);
+    const CacheT* kp = k_cache.data_ptr<CacheT>();
+    const CacheT* vp = v_cache.data_ptr<CacheT>();
+    at::parallel_for(0, num_kv_heads * num_slices, 1, [&](int64_t begin, int64_t end) {
+      TileBuffers buf;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t kvh = task % num_kv_heads, sl = task / num_kv_heads;
+        const int64_t q0 = bounds[sl], nq = bounds[sl + 1] - q0;
+        if (nq <= 0) continue;
+        const ExtendTask<CacheT> t{qp, kp + kvh * num_slots * head_dim,
+                                   vp + kvh * num_slots * head_dim, bt, start_pos, q0, nq,
+                                   num_heads, kvh * group, group, head_dim, block_size,
+                                   static_cast<float>(scale), op};
+        extend_task(t, buf);
+      }
+    });
   });
   return out;
 }
 
+// cpu_layers.cpp
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                    torch::Tensor weight, double eps);
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "add + RMSNorm with the plain layer's roundings");
+  m.def("store_kv", &store_kv, "write new tokens' K/V at their cache slots");
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU; float32 query, float32/bfloat16/float16 cache)");
   m.def("extend_attention", &extend_attention,
-        "paged attention of a prefill chunk after cached tokens (CPU, float32)");
+        "paged attention of a prefill chunk after cached tokens (CPU; float32 query)");
 }
