@@ -457,7 +457,11 @@ def main() -> None:
                     "env as start_vllm gives it) instead of starting one: saves its start-up "
                     "(minutes) in every invocation")
     ap.add_argument("--vllm-start-timeout-s", type=float, default=900.0)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `fastserve serve` argument (repeatable, e.g. --server-arg=--num-threads=2)")
     args = ap.parse_args()
+    # vLLM here is its CPU build: fastserve serves on the CPU too, from the checkpoint's weights.
+    args.device, args.load_format = "cpu", "auto"
     # A SIGTERM (someone stopping the run) unwinds like Ctrl-C, so the `finally` blocks stop
     # the servers this run started instead of leaving them serving, orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

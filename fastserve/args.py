@@ -25,6 +25,9 @@ _ALIASES = {"policy": "scheduler"}
 _HELP = {
     "model": "Hugging Face model directory (default: the built-in tiny preset)",
     "policy": "scheduling policy",
+    "dtype": "model dtype: float32, bfloat16, float16, or auto (the checkpoint's half type on a "
+             "GPU; on a CPU the faster of float32 and bfloat16, timed at start-up; "
+             "`fastserve serve` defaults to auto)",
     "kv_cache_gib": "device KV cache size in GiB (num_device_blocks overrides it)",
     "max_batch_size": "most requests in one iteration",
     "max_waiting": "most queued requests before new ones get 429 (0 = unbounded)",

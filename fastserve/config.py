@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
+# A model may also ask for "auto": the faster dtype for the device, measured on a CPU
+# (`executor/dtype_choice.py`), resolved when the engine starts.
+MODEL_DTYPES = ("auto", *DTYPES)
 # A KV cache may also be 8-bit float (E4M3, unit scale, as vLLM's "fp8" without calibrated
 # scales): half the bytes of a bf16 cache, so twice the tokens and half the reads.
 KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8")
@@ -43,6 +46,8 @@ class ModelConfig:
     """Which checkpoint to run and how."""
 
     model: str | None = None  # HF directory; None = the built-in `tiny` preset
+    # float32 unless asked: reproducible tokens; "auto" (`fastserve serve`'s default) picks
+    # the faster dtype for this device.
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0  # default seed for sampling requests that give none
@@ -77,7 +82,7 @@ class ModelConfig:
     cuda_graph_max_batch_size: int = 256
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.dtype in MODEL_DTYPES, f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         _check(self.load_format in LOAD_FORMATS,
                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,

@@ -42,11 +42,13 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:  # type:
 def run_profile(args: argparse.Namespace) -> int:
     # Here, not above: torch and the engine load only when profiling (keeps `fastserve -h` fast).
     from fastserve.bench.through_engine import EngineLoad, measure_through_engine
+    from fastserve.executor.dtype_choice import resolve_config
     from fastserve.model.make_model import resolve_model_path
     from fastserve.profiling.cache import save_profile
     from fastserve.profiling.measure import ProfileGrid, build_runner, measure, with_copies
 
     config = engine_config_from_args(args)
+    config, _ = resolve_config(config, resolve_model_path(config.model.model))  # dtype "auto"
     start = time.perf_counter()
     if args.through_engine:
         samples, block_bytes = measure_through_engine(

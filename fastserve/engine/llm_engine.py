@@ -20,6 +20,7 @@ from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
+from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
@@ -61,11 +62,13 @@ class LLMEngine:
     """Add requests, call `step()`, get `RequestOutput`s. Not thread-safe (AsyncLLM wraps it)."""
 
     def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
-        self.config = config
         self.clock = clock or WallClock()
         path = resolve_model_path(config.model.model)
         if config.model.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
+        # "auto" becomes a dtype here, before anything (profile cache, workers) reads it.
+        config, self.dtype_choice = resolve_config(config, path)
+        self.config = config
         self.model_path = path
         if config.model.num_threads:
             torch.set_num_threads(config.model.num_threads)
@@ -336,9 +339,17 @@ class LLMEngine:
         req.finish_reason = FinishReason.ERROR  # NOTE: also when it had just finished by length
         req.error = error
 
+    def executor_info(self) -> dict[str, str]:
+        """What the executor runs, as chosen at start-up: device, dtype (and why, for
+        "auto"), KV cache dtype, attention backend, and the backend's own choices."""
+        base = self.runner.info if isinstance(self.runner, ModelRunner) else {
+            "device": self.config.model.device.split(":")[0], "dtype": self.config.model.dtype}
+        return {**base, "dtype_reason": self.dtype_choice.reason}
+
     def stats(self) -> dict[str, object]:
         s = self.scheduler
         return {
+            "executor": self.executor_info(),
             "queue_lengths": s.queue_lengths(),
             "num_running": s.count(RequestStatus.RUNNING),
             "num_waiting": s.count(RequestStatus.WAITING),

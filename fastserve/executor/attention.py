@@ -130,6 +130,11 @@ class PagedAttention(ABC):
         """Give the model's layers this device's fused kernels, if the backend has any (the
         runner calls it once, before any forward pass)."""
 
+    def describe(self) -> dict[str, str]:
+        """What this backend chose to run, beyond its name (logged at start-up and shown in
+        /metrics as `fastserve_executor_info`): e.g. the CPU's vector path."""
+        return {}
+
     # -- CUDA-graph hooks (backends with `supports_cuda_graphs` override them) ------------
 
     def init_cuda_graphs(self, max_batch_size: int, max_blocks_per_seq: int) -> None:

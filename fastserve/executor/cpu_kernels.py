@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from fastserve.model.make_model import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,22 @@ def cpu_kernels_enabled() -> bool:
             and os.environ.get("FASTSERVE_NO_CPU_KERNELS") != "1")
 
 
+# Instruction sets that matter to the kernels and to oneDNN's bfloat16 matmuls, best first.
+_ISAS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+@functools.cache
+def cpu_isa() -> str:
+    """The best of `_ISAS` this CPU has (from /proc/cpuinfo's flags), else "generic"."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: what torch's own dispatch found
+        return torch.backends.cpu.get_cpu_capability().lower()
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return next((isa for isa in _ISAS if isa in flags), "generic")
+
+
 def decode_attention_kernel() -> ModuleType | None:
     """The compiled CPU kernels (paged attention, KV store, the small layers), or None
     (switched off, or no compiler)."""
@@ -50,7 +68,8 @@ def _build_kernel() -> ModuleType | None:
         # cache (old vs new in a benchmark, worktrees) neither rebuild over each other nor
         # load each other's kernel.
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
-        build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}"
+        # -march=native: a cache shared by machines of other CPUs keeps a build per kind.
+        build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}-{cpu_isa()}"
         build.mkdir(parents=True, exist_ok=True)
         return load(
             name="fastserve_decode_attention",

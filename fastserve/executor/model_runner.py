@@ -9,6 +9,7 @@ stage differs (what it receives, how far its forward pass goes, who samples).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from fastserve.model.llama import LlamaForCausalLM
 from fastserve.request import TokenLogprobs
 
 __all__ = ["TORCH_DTYPES", "BatchInputs", "ModelRunner", "kv_block_bytes", "kv_cache_dtype"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,12 @@ class ModelRunner:
                                        max_blocks_per_seq=-(-max_len // self.block_size))
         self._last_draft: SampleDraft | None = None  # the latest launch's tokens
         self._last_finish_s = 0.0
+        # What runs, as chosen at start-up (logged; /metrics shows it as fastserve_executor_info).
+        self.info: dict[str, str] = {
+            "device": self.device.type, "dtype": model_config.dtype,
+            "kv_cache_dtype": str(self.cache_dtype).removeprefix("torch."),
+            "attention_backend": self.attn.name, **self.attn.describe()}
+        logger.info("executor: %s", ", ".join(f"{k}={v}" for k, v in self.info.items()))
 
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         return self.finish(self.launch(plan))

@@ -17,6 +17,7 @@ from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
+from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model
 from fastserve.model.make_model import resolve_model_path
@@ -206,6 +207,7 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, Path]:
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)  # as the engine will run
     path = resolve_model_path(config.model.model)
+    config, _ = resolve_config(config, path)  # dtype "auto" as the engine resolves it
     model, arch = load_model(path, TORCH_DTYPES[config.model.dtype], config.model.device,
                              load_format=config.model.load_format)
     runner = ModelRunner(model, arch, config.model, config.cache, list(arch.eos_token_ids))

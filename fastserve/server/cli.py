@@ -88,7 +88,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request (default: on)")
     add_engine_args(p, skip=("model",))
-    p.set_defaults(func=_serve)
+    # A server runs the faster dtype for its machine unless told (measured on a CPU:
+    # executor/dtype_choice.py); the Python API stays float32 unless asked.
+    p.set_defaults(func=_serve, dtype="auto")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fastserve.engine.async_llm import AsyncLLM
@@ -67,6 +67,10 @@ class _EngineCollector(Collector):
             "the start-up profile's times are multiplied by this in the cost model the engine "
             "decides with (calibrated to the recent iterations; 1 = as profiled)",
             value=s.get("cost_model_scale", 1.0))
+        info = s.get("executor", {})
+        if info:  # what runs, as chosen at start-up (CPU instruction set, dtype, kernels)
+            yield InfoMetricFamily("fastserve_executor", "the executor's start-up choices",
+                                   value={k: str(v) for k, v in sorted(info.items())})
         healthy = GaugeMetricFamily("fastserve_engine_healthy", "1 while the engine loop runs")
         healthy.add_metric([], 1.0 if self.llm.is_healthy else 0.0)
         yield healthy

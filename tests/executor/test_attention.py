@@ -172,7 +172,9 @@ def test_cpu_decode_kernel_matches_reference(dim: int, bs: int, cache_dtype: tor
     v_cache = torch.randn(kv_heads, 64 * bs, dim).to(cache_dtype)
     tables = [[3, 4, 5], [10, 2, 40, 7], [60]]
     lens = [11, 14, 1]
-    q = torch.randn(3, heads, dim)
+    # A half cache's queries come from a model of that dtype: half values, widened (the
+    # AVX-512 BF16 path takes bfloat16 queries as they are; a float32 one it would round).
+    q = torch.randn(3, heads, dim).to(cache_dtype).float()
     width = max(map(len, tables))
     out = kernel.decode_attention(
         q, k_cache, v_cache,

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from fastserve import LLM, SamplingParams
+from fastserve.cli import build_parser
 from fastserve.executor.backends import kv_cache_dtype
 from fastserve.executor.backends.cpu import CpuAttention
 from fastserve.executor.cpu_kernels import decode_attention_kernel
 from fastserve.executor.cpu_linear import pack_weights
+from fastserve.executor.dtype_choice import resolve_dtype
 from fastserve.model.layers import RMSNorm
 from tests.greedy import GreedyReference
 
@@ -123,3 +125,34 @@ def test_bf16_engine_on_cpu_generates_the_float32_greedy_path(tiny_model_path: P
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert len(o.token_ids) == 24
         ref.assert_near_greedy(p, o.token_ids, f"output {i}")
+
+
+def test_dtype_auto_takes_the_faster_dtype_measured_here(tiny_model_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` on a CPU times a decode-sized matmul in float32 and (where oneDNN has bf16
+    instructions) bfloat16, and takes the faster; without the CPU kernels, float32. On a GPU
+    it is the checkpoint's half type, with nothing timed."""
+    choice = resolve_dtype("auto", tiny_model_path, "cpu")
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported() and KERNEL is not None:
+        assert set(choice.probe_ms) == {"float32", "bfloat16"}
+        assert choice.dtype == min(choice.probe_ms, key=choice.probe_ms.__getitem__)
+    else:
+        assert choice.dtype == "float32" and choice.probe_ms == {}
+    assert resolve_dtype("float16", tiny_model_path, "cpu").reason == "asked for"
+    gpu = resolve_dtype("auto", tiny_model_path, "cuda")
+    assert gpu.dtype in ("bfloat16", "float16") and gpu.probe_ms == {}
+    monkeypatch.setenv("FASTSERVE_CPU_KERNELS", "0")
+    assert resolve_dtype("auto", tiny_model_path, "cpu").dtype == "float32"
+
+
+def test_the_server_defaults_to_auto_and_the_engine_resolves_it(tiny_model_path: Path) -> None:
+    """`fastserve serve` asks for `auto` unless told; the engine's config then holds the
+    dtype it chose (what the profile cache and the workers read), and says why."""
+    args = build_parser().parse_args(["serve"])
+    assert args.dtype == "auto"
+    assert build_parser().parse_args(["serve", "--dtype", "float32"]).dtype == "float32"
+    llm = LLM(model=str(tiny_model_path), dtype="auto", warmup=False, startup_profile=False)
+    info = llm.engine.executor_info()
+    assert llm.engine.config.model.dtype == info["dtype"] in ("float32", "bfloat16")
+    assert llm.engine.runner.dtype == getattr(torch, info["dtype"])
+    assert info["dtype_reason"] != "asked for"

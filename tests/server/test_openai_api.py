@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.conftest import TEST_DTYPE
 from tests.server.helpers import ServerProcess, managed, start_server, validate
 
 API_KEY = "sk-fastserve-test"
@@ -518,3 +519,11 @@ def test_metrics_exposition(server: ServerProcess) -> None:
     # The default scheduler is a multi-level queue: one gauge per level, not one for all.
     levels = {k for k in m if k.startswith("fastserve_queue_length{")}
     assert len(levels) >= 2, levels
+    # What the executor chose at start-up: one info sample naming the device, the dtype asked
+    # for (and why), the kernels' backend and, on CPU, the instruction set they use.
+    (info,) = [k for k in m if k.startswith("fastserve_executor_info{")]
+    assert m[info] == 1.0
+    assert 'device="cpu"' in info and f'dtype="{TEST_DTYPE}"' in info
+    assert 'dtype_reason="asked for"' in info and 'attention_backend="' in info
+    if 'attention_backend="cpu"' in info:
+        assert 'cpu_isa="' in info and 'weights="' in info

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
-from fastserve.executor.cpu_kernels import decode_attention_kernel
+from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
 from fastserve.executor.cpu_linear import pack_weights
 from fastserve.model.layers import FusedNorm, RMSNorm
 
@@ -57,6 +57,7 @@ def _fused_norm(kernel: ModuleType) -> FusedNorm:
     return norm
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The cache dtypes the C++ kernels read.
 CPU_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -79,18 +80,29 @@ class CpuAttention(PagedAttention):
             raise ValueError("the cpu attention backend needs its C++ kernels and a float32, "
                              "bfloat16 or float16 cache")
         self.kernel: ModuleType = kernel
+        self._info: dict[str, str] = {"cpu_isa": cpu_isa(), "kernels": kernel.isa()}
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Weights packed once for oneDNN; in half types, add + RMSNorm as one C++ call
         (bit for bit the tensor ops' result in bfloat16, up to a rare last place in float16).
         A float32 model keeps torch's norm: there its sum's order differs in the last place,
         which could flip a greedy near-tie against HF."""
-        pack_weights(model)
-        if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
+        dtype = next(model.parameters()).dtype
+        packed = pack_weights(model)
+        self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
+                      "weights": f"onednn-{_DTYPE_NAMES[dtype]}" if packed else "plain",
+                      "norm": "torch"}
+        if dtype in (torch.bfloat16, torch.float16):
             norm = _fused_norm(self.kernel)
             for m in model.modules():
                 if isinstance(m, RMSNorm):
                     m.fused = norm
+            self._info["norm"] = "fused"
+
+    def describe(self) -> dict[str, str]:
+        """The CPU's best instruction set, the kernels' vector path, the weights' layout
+        (oneDNN-packed or plain) and whether the norm is the fused kernel."""
+        return dict(self._info)
 
     def build_metadata(self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor) -> CpuMetadata:
         bs = self.block_size
