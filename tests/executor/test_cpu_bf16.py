@@ -57,6 +57,27 @@ def test_norm_kernel_rounds_as_the_layer(dtype: torch.dtype, with_residual: bool
             torch.testing.assert_close(g.float(), w.float(), rtol=4 * eps, atol=4 * eps)
 
 
+@pytest.mark.skipif(KERNEL is None or not hasattr(KERNEL, "rotary"),
+                    reason="the bfloat16 SiLU and rotary kernels need AVX-512 BF16 (elsewhere "
+                    "torch's ops run)")
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_bf16_silu_and_rotary_kernels_round_as_the_layers(rows: int) -> None:
+    """SiLU-and-mul and rotary in one call each: bit for bit the layers' tensor ops in
+    bfloat16, from the strided q/k views of the fused QKV output, head_dim 64 and 128."""
+    from fastserve.model.layers import SiluAndMul, apply_rotary
+
+    assert KERNEL is not None
+    torch.manual_seed(rows)
+    y = (torch.randn(rows, 2 * 1000) * 4).to(torch.bfloat16)  # 1000: a partial last vector
+    assert torch.equal(KERNEL.silu_and_mul(y), SiluAndMul()(y))
+    for dim in (64, 128):
+        qkv = (torch.randn(rows, 20, dim) * 3).to(torch.bfloat16)
+        cos_sin = torch.randn(rows, dim).to(torch.bfloat16)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        for x in (qkv[:, :12], qkv[:, 12:16]):  # q and k: views with the QKV row stride
+            assert torch.equal(KERNEL.rotary(x, cos, sin), apply_rotary(x, cos, sin))
+
+
 @needs_kernels
 @pytest.mark.parametrize("src,cache", [(torch.bfloat16, torch.bfloat16),
                                        (torch.float32, torch.bfloat16),

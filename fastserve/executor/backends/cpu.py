@@ -11,8 +11,10 @@ backend does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
 from fastserve.executor.cpu_linear import pack_weights
-from fastserve.model.layers import FusedNorm, RMSNorm
+from fastserve.model.layers import ApplyRotary, FusedNorm, RMSNorm, SiluAndMul
 
 
 @dataclass(frozen=True)
@@ -83,25 +85,30 @@ class CpuAttention(PagedAttention):
         self._info: dict[str, str] = {"cpu_isa": cpu_isa(), "kernels": kernel.isa()}
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Weights packed once for oneDNN; in half types, add + RMSNorm as one C++ call
-        (bit for bit the tensor ops' result in bfloat16, up to a rare last place in float16).
-        A float32 model keeps torch's norm: there its sum's order differs in the last place,
-        which could flip a greedy near-tie against HF."""
+        """Weights packed once for oneDNN, and the small layers as one C++ call each where
+        they round as the tensor ops do: add + RMSNorm in half types (bit for bit in
+        bfloat16, up to a rare last place in float16); SiLU-and-mul and rotary in bfloat16
+        where the kernels have AVX-512 BF16 (bit for bit; elsewhere torch's). A float32 model
+        keeps torch's layers: a different sum order there moves the last place, which could
+        flip a greedy near-tie against HF."""
         dtype = next(model.parameters()).dtype
         packed = pack_weights(model)
+        fused: dict[type[torch.nn.Module], Callable[..., Any]] = {}
+        if dtype in (torch.bfloat16, torch.float16):
+            fused[RMSNorm] = _fused_norm(self.kernel)
+        if dtype == torch.bfloat16 and hasattr(self.kernel, "rotary"):
+            fused[SiluAndMul] = self.kernel.silu_and_mul
+            fused[ApplyRotary] = self.kernel.rotary
+        for m in model.modules():
+            if type(m) in fused:
+                m.fused = fused[type(m)]  # type: ignore[assignment]
         self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
                       "weights": f"onednn-{_DTYPE_NAMES[dtype]}" if packed else "plain",
-                      "norm": "torch"}
-        if dtype in (torch.bfloat16, torch.float16):
-            norm = _fused_norm(self.kernel)
-            for m in model.modules():
-                if isinstance(m, RMSNorm):
-                    m.fused = norm
-            self._info["norm"] = "fused"
+                      "fused_layers": ",".join(sorted(c.__name__ for c in fused)) or "none"}
 
     def describe(self) -> dict[str, str]:
         """The CPU's best instruction set, the kernels' vector path, the weights' layout
-        (oneDNN-packed or plain) and whether the norm is the fused kernel."""
+        (oneDNN-packed or plain) and which layers run as one C++ call."""
         return dict(self._info)
 
     def build_metadata(self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor) -> CpuMetadata:

@@ -8,13 +8,17 @@
 // as torch's CPU kernels for half types); built with -ffp-contract=off, so that no a*b + c is
 // fused into a multiply-add the tensor ops do not make. Only its sum's order differs: the
 // result is bit for bit torch's in bfloat16, within a last place in float16 and float32.
-// (SiLU-and-mul and rotary written the same way, as scalar loops, were no faster than torch's
-// vectorised ops, and are left to them.)
+// With AVX-512 BF16, bfloat16 SiLU-and-mul and rotary too (below; elsewhere torch's ops).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define FS_LAYERS_AVX512_BF16 1
+#endif
 
 namespace {
 
@@ -82,6 +86,87 @@ void store_rows(const Src* src, Dst* cache, const int64_t* slots, int64_t tokens
   });
 }
 
+#ifdef FS_LAYERS_AVX512_BF16
+// bfloat16 SiLU-and-mul and rotary, sixteen lanes at a time, for CPUs with AVX-512 BF16 (where
+// bfloat16 models run). As scalar loops they were no faster than torch's vectorised ops; as
+// these, one pass each. Every product and sum is rounded to bfloat16 where torch rounds it
+// (`_mm512_cvtneps_pbh`: to nearest even, as torch's cast); silu's exp is a Cephes polynomial
+// (~1 ulp in float32, as torch's), so its bfloat16 result is torch's but at rare ties.
+inline __m512 widen16(const BF16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 round16(__m512 x) {  // to bfloat16 and back
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(BF16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+inline __m512 exp512(__m512 x) {  // as decode_attention.cpp's exp256, sixteen lanes
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f));
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+}
+
+void silu_mul_bf16(const BF16* x, BF16* out, int64_t rows, int64_t inter, int64_t sx) {
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      const BF16* g = x + r * sx;
+      const BF16* u = g + inter;
+      BF16* o = out + r * inter;
+      int64_t j = 0;
+      for (; j + 16 <= inter; j += 16) {
+        const __m512 gf = widen16(g + j);
+        const __m512 act = round16(_mm512_div_ps(gf, _mm512_add_ps(one, exp512(_mm512_sub_ps(
+                                                          _mm512_setzero_ps(), gf)))));
+        store16(o + j, _mm512_mul_ps(act, widen16(u + j)));
+      }
+      for (; j < inter; ++j) {
+        const float gf = static_cast<float>(g[j]);
+        const float act = static_cast<float>(static_cast<BF16>(gf / (1.f + std::exp(-gf))));
+        o[j] = static_cast<BF16>(act * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+// half % 16 == 0 (head_dim 32, 64, 128, ...).
+void rotary_bf16(const BF16* x, const BF16* cos, const BF16* sin, BF16* out, int64_t tokens,
+                 int64_t heads, int64_t half, int64_t sx0, int64_t sx1, int64_t sc) {
+  at::parallel_for(0, tokens, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const BF16* x1 = x + t * sx0 + h * sx1;
+        BF16* o = out + (t * heads + h) * 2 * half;
+        for (int64_t j = 0; j < half; j += 16) {
+          const __m512 a = widen16(x1 + j), b = widen16(x1 + half + j);
+          const __m512 c = widen16(cos + t * sc + j), s = widen16(sin + t * sc + j);
+          store16(o + j, _mm512_sub_ps(round16(_mm512_mul_ps(a, c)), round16(_mm512_mul_ps(b, s))));
+          store16(o + half + j,
+                  _mm512_add_ps(round16(_mm512_mul_ps(b, c)), round16(_mm512_mul_ps(a, s))));
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // x, residual: [num_tokens, hidden] (unit last stride); weight [hidden]. Returns
@@ -137,3 +222,33 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
     });
   }
 }
+
+#ifdef FS_LAYERS_AVX512_BF16
+// x: [num_tokens, 2 * inter] = [gate | up], bfloat16, unit last stride -> silu(gate) * up.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.size(1) % 2 == 0,
+              "silu_and_mul: bfloat16 x [num_tokens, 2 * inter], unit stride");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = torch::empty({rows, inter}, x.options());
+  silu_mul_bf16(x.data_ptr<BF16>(), out.data_ptr<BF16>(), rows, inter, x.stride(0));
+  return out;
+}
+
+// x: [num_tokens, num_heads, head_dim] bfloat16 (unit last stride); cos, sin:
+// [num_tokens, 1, head_dim / 2] bfloat16 (unit last stride). Returns the rotated x, contiguous.
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 &&
+                  x.size(2) % 32 == 0,
+              "rotary: bfloat16 x [num_tokens, num_heads, head_dim % 32 == 0], unit stride");
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+                  cos.size(0) == tokens && cos.size(-1) == half && cos.stride(-1) == 1 &&
+                  sin.stride(-1) == 1 && cos.stride(0) == sin.stride(0),
+              "rotary: cos and sin [num_tokens, 1, head_dim / 2] of x's dtype");
+  auto out = torch::empty(x.sizes(), x.options());
+  rotary_bf16(x.data_ptr<BF16>(), cos.data_ptr<BF16>(), sin.data_ptr<BF16>(), out.data_ptr<BF16>(),
+              tokens, heads, half, x.stride(0), x.stride(1), cos.stride(0));
+  return out;
+}
+#endif

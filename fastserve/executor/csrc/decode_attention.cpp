@@ -676,6 +676,10 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
                                     torch::Tensor weight, double eps);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+#endif
 
 // Which vector path this build took (it is compiled for the CPU it runs on: -march=native).
 std::string isa() {
@@ -692,6 +696,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the vector path this build of the kernels takes");
   m.def("rms_norm", &rms_norm, "add + RMSNorm with the plain layer's roundings");
   m.def("store_kv", &store_kv, "write new tokens' K/V at their cache slots");
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up, the plain layer's roundings");
+  m.def("rotary", &rotary, "bfloat16 rotary embedding, the plain layer's roundings");
+#endif
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU; float32 query, float32/bfloat16/float16 cache)");
   m.def("extend_attention", &extend_attention,
         "paged attention of a prefill chunk after cached tokens (CPU; float32 query)");
