@@ -170,7 +170,8 @@ async def serve_and_replay(args: argparse.Namespace) -> None:
     from fastserve.server.app import build_app
 
     config = engine_config(model=args.model, dtype=args.dtype, policy=args.policy,
-                           max_batch_size=args.max_batch_size, record_iterations=1 << 16)
+                           max_batch_size=args.max_batch_size, record_iterations=1 << 16,
+                           num_threads=args.num_threads)
     llm = AsyncLLM(config)
     clock = PhaseClock()
     clock.instrument(llm)
@@ -255,6 +256,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF checkpoint directory (default: small preset)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--capacity", type=float, default=None,
                     help="output tok/s that --load is a fraction of (vs_vllm.py prints vLLM's); "
                          "default: this server's own, measured first")
