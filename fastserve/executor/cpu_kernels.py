@@ -21,7 +21,9 @@ from fastserve.model.make_model import cache_dir
 logger = logging.getLogger(__name__)
 
 # One extension: the paged attention kernels (and its Python bindings) and the small layers.
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "cpu_layers.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("decode_attention.cpp", "cpu_layers.cpp")]
+_HEADERS = [_CSRC / "vec.h"]
 
 # "0" switches off every CPU-specific fast path: the compiled attention kernels (built with
 # -march=native) and the oneDNN-packed weights (`cpu_linear`). What is left is the plain-torch
@@ -67,7 +69,7 @@ def _build_kernel() -> ModuleType | None:
         # One build folder per source version: checkouts of different versions sharing a
         # cache (old vs new in a benchmark, worktrees) neither rebuild over each other nor
         # load each other's kernel.
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
         # -march=native: a cache shared by machines of other CPUs keeps a build per kind.
         build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}-{cpu_isa()}"
         build.mkdir(parents=True, exist_ok=True)

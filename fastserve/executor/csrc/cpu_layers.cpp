@@ -15,15 +15,9 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define FS_LAYERS_AVX512_BF16 1
-#endif
+#include "vec.h"
 
 namespace {
-
-using BF16 = c10::BFloat16;
-using F16 = c10::Half;
 
 // Rows per parallel chunk: a decode batch's few rows stay on the calling thread.
 constexpr int64_t kGrainRows = 16;
@@ -86,41 +80,18 @@ void store_rows(const Src* src, Dst* cache, const int64_t* slots, int64_t tokens
   });
 }
 
-#ifdef FS_LAYERS_AVX512_BF16
+#ifdef FS_HAVE_AVX512_BF16
 // bfloat16 SiLU-and-mul and rotary, sixteen lanes at a time, for CPUs with AVX-512 BF16 (where
 // bfloat16 models run). As scalar loops they were no faster than torch's vectorised ops; as
 // these, one pass each. Every product and sum is rounded to bfloat16 where torch rounds it
 // (`_mm512_cvtneps_pbh`: to nearest even, as torch's cast); silu's exp is a Cephes polynomial
 // (~1 ulp in float32, as torch's), so its bfloat16 result is torch's but at rare ties.
-inline __m512 widen16(const BF16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 inline __m512 round16(__m512 x) {  // to bfloat16 and back
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store16(BF16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
-}
-
-inline __m512 exp512(__m512 x) {  // as decode_attention.cpp's exp256, sixteen lanes
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f));
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
 }
 
 void silu_mul_bf16(const BF16* x, BF16* out, int64_t rows, int64_t inter, int64_t sx) {
@@ -223,7 +194,7 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
-#ifdef FS_LAYERS_AVX512_BF16
+#ifdef FS_HAVE_AVX512_BF16
 // x: [num_tokens, 2 * inter] = [gate | up], bfloat16, unit last stride -> silu(gate) * up.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&

@@ -21,10 +21,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define FS_HAVE_AVX2 1
-#endif
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -35,53 +32,7 @@
 
 namespace {
 
-using BF16 = c10::BFloat16;
-using F16 = c10::Half;
-
-#ifdef FS_HAVE_AVX2
-// Eight cache values from p as float32.
-template <typename T>
-inline __m256 load8(const T* p);
-template <>
-inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
-template <>
-inline __m256 load8<BF16>(const BF16* p) {  // bfloat16 is float32's top half: shift it back
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-}
-template <>
-inline __m256 load8<F16>(const F16* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
-
-#ifdef FS_HAVE_AVX2
-// exp of 8 floats (Cephes polynomial, as in avx_mathfun): ~1 ulp over the range softmax uses
-// (inputs <= 0; anything below -87 underflows to ~0 and is masked by the caller anyway).
-inline __m256 exp256(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, one));
-  __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
-}
-#endif
-
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(FS_NO_AVX512_BF16)
-#define FS_HAVE_AVX512_BF16 1
+#ifdef FS_HAVE_AVX512_BF16
 // With AVX-512 BF16 (and a bfloat16 cache), decode's scores are bfloat16 dot products: each
 // instruction multiplies 32 pairs exactly and adds them in float32, against eight float32
 // multiply-adds (and the widening of K) on the AVX2 path. The query is rounded to bfloat16
@@ -676,7 +627,7 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
                                     torch::Tensor weight, double eps);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef FS_HAVE_AVX512_BF16
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 #endif
@@ -696,7 +647,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the vector path this build of the kernels takes");
   m.def("rms_norm", &rms_norm, "add + RMSNorm with the plain layer's roundings");
   m.def("store_kv", &store_kv, "write new tokens' K/V at their cache slots");
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef FS_HAVE_AVX512_BF16
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up, the plain layer's roundings");
   m.def("rotary", &rotary, "bfloat16 rotary embedding, the plain layer's roundings");
 #endif

@@ -1,0 +1,83 @@
+// Vector helpers shared by the CPU kernels (decode_attention.cpp, cpu_layers.cpp), which are
+// compiled with -march=native: the paths below exist where this CPU has the instructions.
+//   FS_HAVE_AVX2         AVX2 + FMA: eight float32 lanes.
+//   FS_HAVE_AVX512_BF16  AVX-512 F + BF16: bfloat16 dot products and conversions, sixteen lanes
+//                        (FS_NO_AVX512_BF16 builds without it, for side-by-side timing).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FS_HAVE_AVX2 1
+#endif
+
+#if defined(FS_HAVE_AVX2) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    !defined(FS_NO_AVX512_BF16)
+#define FS_HAVE_AVX512_BF16 1
+#endif
+
+namespace {
+
+using BF16 = c10::BFloat16;
+using F16 = c10::Half;
+
+#ifdef FS_HAVE_AVX2
+// Eight cache values from p as float32.
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8<BF16>(const BF16* p) {  // bfloat16 is float32's top half: shift it back
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+template <>
+inline __m256 load8<F16>(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+#ifdef FS_HAVE_AVX2
+// exp of 8 floats (Cephes polynomial, as in avx_mathfun): ~1 ulp over the range softmax uses
+// (inputs <= 0; anything below -87 underflows to ~0 and is masked by the caller anyway).
+inline __m256 exp256(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, one));
+  __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+#endif
+
+#ifdef FS_HAVE_AVX512_BF16
+// Sixteen bfloat16 values from p as float32.
+inline __m512 widen16(const BF16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp of 16 floats: exp256 on each half (the same polynomial, the same results).
+inline __m512 exp512(__m512 x) {
+  const __m256 lo = exp256(_mm512_castps512_ps256(x));
+  const __m256 hi = exp256(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                             _mm256_castps_pd(hi), 1));
+}
+#endif
+
+}  // namespace
