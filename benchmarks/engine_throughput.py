@@ -169,6 +169,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def engine_args(pairs: list[str]) -> dict[str, Any]:
+    """`--engine-arg KEY=VALUE` pairs as LLM keywords (ints, floats and true/false parsed)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg wants KEY=VALUE, got {pair!r}")
+        value: Any = {"true": True, "false": False}.get(text.lower(), text)
+        for kind in (int, float):
+            try:
+                value = kind(text)
+                break
+            except ValueError:
+                pass
+        out[key] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF checkpoint (default: --preset)")
@@ -188,7 +206,10 @@ def main() -> None:
     ap.add_argument("--async-scheduling", choices=["off", "on", "both"], default=None,
                     help="fastserve scheduling the next iteration while one runs: both runs "
                          "an engine each way, side by side (default: both on CUDA, else off)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra LLM option for fastserve, e.g. kv_cache_dtype=fp8 (repeatable)")
     args = ap.parse_args()
+    extra = engine_args(args.engine_arg)
     # The in-step engine last: it stays for the decode step figures.
     modes = {"off": [False], "on": [True], "both": [True, False]}[
         args.async_scheduling or ("both" if args.device.startswith("cuda") else "off")]
@@ -204,7 +225,7 @@ def main() -> None:
     for mode in modes:  # one engine at a time: two 7B engines and HF's overflow an 80 GB GPU
         llm = LLM(model=str(path), dtype=args.dtype, device=args.device,
                   max_batch_size=args.batch, kv_cache_gib=args.kv_cache_gib, policy="fcfs",
-                  load_format=load_format, async_scheduling=mode)
+                  load_format=load_format, async_scheduling=mode, **extra)
         g = torch.Generator().manual_seed(0)
         vocab = llm.engine.arch.vocab_size
         # Fresh prompts for the warm-up and each repetition (the same in both modes): a prompt

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from engine_throughput import decode_blocks, decode_step_ahead_ms, decode_step_ms
+from engine_throughput import decode_blocks, decode_step_ahead_ms, decode_step_ms, engine_args
 
 from fastserve import LLM
 from fastserve.model.make_model import PRESETS, cache_dir, make_model
@@ -109,7 +109,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     path, load_format = _checkpoint(args)
-    extra = {k: _value(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+    extra = engine_args(args.engine_arg)
     gib = args.kv_cache_gib or (40.0 if args.device.startswith("cuda") else 2.0)
     llm = LLM(model=str(path), dtype=args.dtype, device=args.device, load_format=load_format,
               max_batch_size=max(batches), kv_cache_gib=gib, policy="fcfs",
@@ -167,15 +167,6 @@ def kernel_table(llm: LLM, batch: int, ctx: int, top: int = 14) -> str:
 
 def _verdict(ratio: float, target: float) -> str:
     return "met" if ratio <= target else "MISSED"
-
-
-def _value(text: str) -> object:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 if __name__ == "__main__":
