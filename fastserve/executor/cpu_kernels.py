@@ -61,8 +61,17 @@ def decode_attention_kernel() -> ModuleType | None:
     return _build_kernel() if cpu_kernels_enabled() else None
 
 
+def avx2_kernel_variant() -> ModuleType | None:
+    """The same kernels built without their AVX-512 BF16 paths (the AVX2 ones that CPUs
+    without those instructions take), for checking both on a CPU that has them; None where
+    the CPU has no AVX-512 BF16 (the kernels above are that variant already), or no build."""
+    if cpu_isa() not in ("amx_bf16", "avx512_bf16") or not cpu_kernels_enabled():
+        return None
+    return _build_kernel(avx2_only=True)
+
+
 @functools.cache
-def _build_kernel() -> ModuleType | None:
+def _build_kernel(avx2_only: bool = False) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
@@ -71,13 +80,15 @@ def _build_kernel() -> ModuleType | None:
         # load each other's kernel.
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
         # -march=native: a cache shared by machines of other CPUs keeps a build per kind.
-        build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}-{cpu_isa()}"
+        variant = "-avx2" if avx2_only else ""
+        build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}-{cpu_isa()}{variant}"
         build.mkdir(parents=True, exist_ok=True)
         return load(
-            name="fastserve_decode_attention",
+            name="fastserve_decode_attention" + variant.replace("-", "_"),
             sources=[str(p) for p in _SOURCES],
             # No implicit multiply-adds: the layer kernels round as the tensor ops do.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
+                          *(["-DFS_NO_AVX512_BF16"] if avx2_only else [])],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,

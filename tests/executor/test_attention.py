@@ -3,6 +3,8 @@ and match plain SDPA; the registry picks one per device and cache dtype."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from fastserve.executor.attention import PagedAttention
 from fastserve.executor.backends import attention_backend, backend_classes
 from fastserve.executor.backends.cpu import CpuAttention
 from fastserve.executor.backends.torch_sdpa import TorchAttention, TorchCudaAttention
-from fastserve.executor.cpu_kernels import decode_attention_kernel
+from fastserve.executor.cpu_kernels import avx2_kernel_variant, decode_attention_kernel
 from fastserve.executor.model_runner import flatten
 from fastserve.request import SamplingParams
 
@@ -153,19 +155,31 @@ def test_registry_picks_one_backend_per_device_and_dtype() -> None:
 
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The kernels this CPU runs, and on a CPU with AVX-512 BF16 also their AVX2 build (what CPUs
+# without it run): each variant is checked against the same references.
+KERNEL_VARIANTS = ["native", "avx2"]
 
 
+def _kernel(variant: str) -> ModuleType:
+    kernel = decode_attention_kernel() if variant == "native" else avx2_kernel_variant()
+    if kernel is None:
+        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the "
+                    "PyTorch path is covered by the backend tests" if variant == "native" else
+                    "this CPU has no AVX-512 BF16: the native kernels are the AVX2 build")
+    assert variant == "native" or kernel.isa() == "avx2"
+    return kernel
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("dim,bs", [(32, 4), (64, 4), (64, 16), (128, 8)])
-def test_cpu_decode_kernel_matches_reference(dim: int, bs: int, cache_dtype: torch.dtype) -> None:
+def test_cpu_decode_kernel_matches_reference(dim: int, bs: int, cache_dtype: torch.dtype,
+                                             variant: str) -> None:
     """The one-call CPU kernel reads ragged, scattered contexts exactly like the reference
     (head_dim 64 and 128 take its vectorised path, others the plain loops; contexts end
     mid-block and inside the last four-row group), from a float32 or a half-precision cache
     (the reference reads the same half values, widened)."""
-    kernel = decode_attention_kernel()
-    if kernel is None:
-        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
-                    "path is covered above")
+    kernel = _kernel(variant)
     torch.manual_seed(0)
     heads, kv_heads = 8, 2
     k_cache = torch.randn(kv_heads, 64 * bs, dim).to(cache_dtype)
@@ -211,16 +225,15 @@ def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 ])
 @pytest.mark.parametrize("start,q_len", [(3, 17), (40, 33), (100, 1), (16, 70), (200, 130)])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
 def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs: int,
-                                        start: int, q_len: int, cache_dtype: torch.dtype) -> None:
+                                        start: int, q_len: int, cache_dtype: torch.dtype,
+                                        variant: str) -> None:
     """A prefill chunk after `start` cached tokens, read through a scattered block table by
     the CPU extend kernel, matches masked SDPA over the gathered context: chunk offsets that
     start and end mid-block, one-token chunks, chunks longer than the cached part; from a
     float32 or a half-precision cache."""
-    kernel = decode_attention_kernel()
-    if kernel is None:
-        pytest.skip("no compiled kernel (no C++ compiler, or FASTSERVE_CPU_KERNELS=0): the PyTorch "
-                    "path is covered by the engine tests")
+    kernel = _kernel(variant)
     torch.manual_seed(start * 1000 + q_len)
     ctx = start + q_len
     num_blocks = -(-ctx // bs)
