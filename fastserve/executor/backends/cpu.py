@@ -59,7 +59,6 @@ def _fused_norm(kernel: ModuleType) -> FusedNorm:
     return norm
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The cache dtypes the C++ kernels read.
 CPU_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -82,7 +81,7 @@ class CpuAttention(PagedAttention):
             raise ValueError("the cpu attention backend needs its C++ kernels and a float32, "
                              "bfloat16 or float16 cache")
         self.kernel: ModuleType = kernel
-        self._info: dict[str, str] = {"cpu_isa": cpu_isa(), "kernels": kernel.isa()}
+        self._info: dict[str, str] = {}  # set by prepare_model (see describe)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Weights packed once for oneDNN, and the small layers as one C++ call each where
@@ -103,7 +102,7 @@ class CpuAttention(PagedAttention):
             if type(m) in fused:
                 m.fused = fused[type(m)]  # type: ignore[assignment]
         self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
-                      "weights": f"onednn-{_DTYPE_NAMES[dtype]}" if packed else "plain",
+                      "weights": "onednn-" + str(dtype).removeprefix("torch.") if packed else "plain",
                       "fused_layers": ",".join(sorted(c.__name__ for c in fused)) or "none"}
 
     def describe(self) -> dict[str, str]:
