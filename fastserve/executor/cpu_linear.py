@@ -28,8 +28,15 @@ logger = logging.getLogger(__name__)
 F32_PACKED_MAX_ROWS = 64
 
 
-def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x W^T (+ b) with W packed by `pack`."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def pack(weight: Tensor) -> Tensor:
+    """`weight` [out, in] in oneDNN's layout for `onednn_linear`, packed for a decode batch's
+    rows (the layout suits larger calls too)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), F32_PACKED_MAX_ROWS // 2)
 
 
 def _packed_max_rows(dtype: torch.dtype) -> int | None:
@@ -60,10 +67,7 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> int:
     layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
     try:
         for m in layers:
-            # The batch size oneDNN packs for: a decode batch's (its layout suits larger too).
-            packed = torch.ops.mkldnn._reorder_linear_weight(
-                m.weight.detach(), min(rows, F32_PACKED_MAX_ROWS) // 2)
-            m.packed = PackedWeight(packed, _onednn_linear, rows)
+            m.packed = PackedWeight(pack(m.weight), onednn_linear, rows)
     except (RuntimeError, AttributeError) as exc:  # an ATen built without the op: plain weights
         logger.warning("oneDNN weight packing unavailable (%s); using plain matmuls", exc)
         for m in layers:

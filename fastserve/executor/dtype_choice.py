@@ -23,6 +23,7 @@ import torch
 
 from fastserve.config import EngineConfig
 from fastserve.executor.cpu_kernels import cpu_kernels_enabled
+from fastserve.executor.cpu_linear import onednn_linear, pack
 from fastserve.model.arch import ArchConfig
 from fastserve.model.loader import read_arch_config
 
@@ -59,10 +60,10 @@ def _probe_ms(arch: ArchConfig, dtype: torch.dtype, reps: int = 9) -> float:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(arch.intermediate_size, arch.hidden_size, generator=g).to(dtype)
     x = torch.randn(PROBE_ROWS, arch.hidden_size, generator=g).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, PROBE_ROWS)
+    packed = pack(w)  # as the CPU backend packs its weights
 
     def run() -> None:
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        onednn_linear(x, packed, None)
 
     run()
     times = []
