@@ -5,7 +5,7 @@ nothing). On a CPU the faster of float32 and bfloat16 depends on the instruction
 with AVX-512 BF16 or AMX, oneDNN multiplies bfloat16 at 2-3x float32's speed; without them
 bfloat16 is emulated and several times slower. So rather than guess from flag names, the
 choice times one decode-sized matmul of this model's shape (a batch of 32 rows through its
-MLP's up projection, each dtype's weights packed for oneDNN as the CPU backend packs them) in
+MLP's up projection, each dtype's weights packed as the CPU backend packs them) in
 both dtypes, a few milliseconds, and takes the faster; bfloat16 is not tried where oneDNN
 reports no bf16 support, or with the CPU kernels off (FASTSERVE_CPU_KERNELS=0).
 """
@@ -23,7 +23,7 @@ import torch
 
 from fastserve.config import EngineConfig
 from fastserve.executor.cpu_kernels import cpu_kernels_enabled
-from fastserve.executor.cpu_linear import onednn_linear, pack
+from fastserve.executor.cpu_linear import packed_weight
 from fastserve.model.arch import ArchConfig
 from fastserve.model.loader import read_arch_config
 
@@ -60,10 +60,15 @@ def _probe_ms(arch: ArchConfig, dtype: torch.dtype, reps: int = 9) -> float:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(arch.intermediate_size, arch.hidden_size, generator=g).to(dtype)
     x = torch.randn(PROBE_ROWS, arch.hidden_size, generator=g).to(dtype)
-    packed = pack(w)  # as the CPU backend packs its weights
+    got = packed_weight(w)  # as the CPU backend packs its weights
+    if got is None:  # no fast path for this dtype: what the model would run
+        def run() -> None:
+            torch.nn.functional.linear(x, w)
+    else:
+        packed = got[0]
 
-    def run() -> None:
-        onednn_linear(x, packed, None)
+        def run() -> None:
+            packed.matmul(x, packed.weight, None)
 
     run()
     times = []

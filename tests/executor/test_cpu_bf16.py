@@ -1,5 +1,6 @@
 """A half-precision model on CPU: its KV cache in its own dtype, the norm and KV store as one C++
-call each, bfloat16 weights packed for oneDNN, and greedy tokens still the float32 model's."""
+call each, bfloat16 weights packed (our AVX-512 BF16 matmul, or oneDNN), and greedy tokens still
+the float32 model's."""
 
 from __future__ import annotations
 
@@ -123,10 +124,42 @@ def test_bf16_packed_weights_give_the_plain_logits(tiny_model_path: Path) -> Non
             return model.compute_logits(model(ids, pos, DenseCausalAttention([30, 10]))).float()
 
     ref = logits()
-    assert pack_weights(model) > 0 and model.lm_head.packed is not None
+    assert pack_weights(model) != "plain" and model.lm_head.packed is not None
     got = logits()
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.skipif(KERNEL is None or not hasattr(KERNEL, "bf16_linear"),
+                    reason="the bfloat16 matmul kernel needs AVX-512 BF16 (the kernels on this "
+                    "CPU are built without it, or are off)")
+@pytest.mark.parametrize("n,k", [(768, 768), (2304, 768), (100, 33), (130, 2048), (1, 8)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 48, 49, 130])
+def test_bf16_matmul_kernel_is_the_exact_product_rounded(n: int, k: int, rows: int) -> None:
+    """`bf16_linear` (the CPU backend's bfloat16 matmul): every output the float32 product of
+    the bfloat16 inputs (+ bias) rounded to bfloat16, up to the sum's order, for row counts
+    across register tiles and row panels, an output count off the 64-wide blocks and an odd
+    input width; a strided and a 3-D input; bad input named."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    wide = torch.randn(rows, k + 10, generator=g).to(torch.bfloat16)
+    packed = KERNEL.bf16_pack_weight(w)
+    for x in (wide[:, :k].contiguous(), wide[:, 3:3 + k]):  # contiguous and strided rows
+        for b in (None, bias):
+            exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            got = KERNEL.bf16_linear(x, packed, b, n)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            # one rounding to bfloat16 (half a unit in the 8th bit), plus float32 sums
+            bound = exact.abs() * 2.0**-8 + 1e-5 * (x.double().abs() @ w.double().abs().T)
+            assert ((got.double() - exact).abs() <= bound).all()
+    x3 = wide[:, :k].reshape(1, rows, k)
+    assert torch.equal(KERNEL.bf16_linear(x3, packed, None, n), KERNEL.bf16_linear(x3[0], packed, None, n)[None])
+    with pytest.raises(RuntimeError, match="bfloat16 input"):
+        KERNEL.bf16_linear(wide[:, :k].float(), packed, None, n)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        KERNEL.bf16_linear(wide, packed, None, n)
 
 
 @needs_kernels

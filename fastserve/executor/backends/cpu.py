@@ -84,14 +84,14 @@ class CpuAttention(PagedAttention):
         self._info: dict[str, str] = {}  # set by prepare_model (see describe)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Weights packed once for oneDNN, and the small layers as one C++ call each where
-        they round as the tensor ops do: add + RMSNorm in half types (bit for bit in
+        """Weights packed once for this CPU's fastest matmul (`cpu_linear`), and the small
+        layers as one C++ call each where they round as the tensor ops do: add + RMSNorm in half types (bit for bit in
         bfloat16, up to a rare last place in float16); SiLU-and-mul and rotary in bfloat16
         where the kernels have AVX-512 BF16 (bit for bit; elsewhere torch's). A float32 model
         keeps torch's layers: a different sum order there moves the last place, which could
         flip a greedy near-tie against HF."""
         dtype = next(model.parameters()).dtype
-        packed = pack_weights(model)
+        weights = pack_weights(model)
         fused: dict[type[torch.nn.Module], Callable[..., Any]] = {}
         if dtype in (torch.bfloat16, torch.float16):
             fused[RMSNorm] = _fused_norm(self.kernel)
@@ -102,12 +102,12 @@ class CpuAttention(PagedAttention):
             if type(m) in fused:
                 m.fused = fused[type(m)]  # type: ignore[assignment]
         self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
-                      "weights": "onednn-" + str(dtype).removeprefix("torch.") if packed else "plain",
+                      "weights": weights,
                       "fused_layers": ",".join(sorted(c.__name__ for c in fused)) or "none"}
 
     def describe(self) -> dict[str, str]:
         """The CPU's best instruction set, the kernels' vector path, the weights' layout
-        (oneDNN-packed or plain) and which layers run as one C++ call."""
+        (`cpu_linear.pack_weights`'s name for it) and which layers run as one C++ call."""
         return dict(self._info)
 
     def build_metadata(self, reqs: list[ScheduledRequest], slot_mapping: torch.Tensor) -> CpuMetadata:

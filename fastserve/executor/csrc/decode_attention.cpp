@@ -630,6 +630,10 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 #ifdef FS_HAVE_AVX512_BF16
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+// cpu_gemm.cpp
+torch::Tensor bf16_pack_weight(torch::Tensor w);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t n);
 #endif
 
 // Which vector path this build took (it is compiled for the CPU it runs on: -march=native).
@@ -650,6 +654,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef FS_HAVE_AVX512_BF16
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up, the plain layer's roundings");
   m.def("rotary", &rotary, "bfloat16 rotary embedding, the plain layer's roundings");
+  m.def("bf16_pack_weight", &bf16_pack_weight, "a [N, K] bfloat16 weight in bf16_linear's layout");
+  m.def("bf16_linear", &bf16_linear, "x W^T (+ b) in bfloat16, W packed by bf16_pack_weight");
 #endif
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU; float32 query, float32/bfloat16/float16 cache)");
   m.def("extend_attention", &extend_attention,
