@@ -84,6 +84,11 @@ class PagedAttention(ABC):
         # blocks across every layer is one index away (the swaps move them in one op).
         return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
 
+    @staticmethod
+    def new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The zero-filled KV cache tensor (a backend may place it in memory of its own)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def __init__(
         self,
         num_layers: int,
@@ -94,9 +99,9 @@ class PagedAttention(ABC):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.kv_cache = torch.zeros(
+        self.kv_cache = self.new_cache(
             self.kv_cache_shape(num_layers, num_kv_heads, num_blocks, block_size, head_dim),
-            dtype=dtype, device=device,
+            dtype, device,
         )
         slots = (num_kv_heads, num_blocks * block_size, head_dim)
         self.k_caches = [self.kv_cache[i, 0].view(slots) for i in range(num_layers)]

@@ -12,7 +12,8 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
 - bfloat16 elsewhere oneDNN supports it (AMX tiles, or a build of the kernels without
   AVX-512 BF16): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
   batches, a few percent for prefills). A CPU without bf16 instructions keeps the plain weights.
-The packed copies double the weights' memory.
+The packed copies double the weights' memory; our kernel's are kept in huge pages
+(`cpu_memory`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from fastserve.executor.cpu_kernels import cpu_isa, cpu_kernels_enabled, decode_attention_kernel
+from fastserve.executor.cpu_memory import to_huge_pages
 from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
 
 logger = logging.getLogger(__name__)
+
+KERNEL_LAYOUT = "avx512bf16-kernel"  # the name of `csrc/cpu_gemm.cpp`'s layout
 
 # Up to this many rows a float32 packed weight wins (decode batches); prefills use the plain one.
 F32_PACKED_MAX_ROWS = 64
@@ -70,7 +74,7 @@ def packed_weight(weight: Tensor, max_rows: int | None = None) -> tuple[PackedWe
     if weight.dtype == torch.bfloat16 and (kernel := _bf16_kernel()) is not None:
         packed = kernel.bf16_pack_weight(weight.detach())
         return (PackedWeight(packed, _kernel_matmul(kernel, weight.shape[0]), max_rows or sys.maxsize),
-                "avx512bf16-kernel")
+                KERNEL_LAYOUT)
     if not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.float32:
@@ -94,6 +98,10 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
         for m in layers:
             got = packed_weight(m.weight, max_rows)
             m.packed, name = (got[0], got[1]) if got is not None else (None, "plain")
+        if name == KERNEL_LAYOUT:  # one region of huge pages for them all (`cpu_memory`)
+            packed = [m.packed for m in layers if m.packed is not None]
+            for p, moved in zip(packed, to_huge_pages([p.weight for p in packed])):
+                p.weight = moved
     except (RuntimeError, AttributeError) as exc:  # an ATen built without the op: plain weights
         logger.warning("weight packing unavailable (%s); using plain matmuls", exc)
         for m in layers:

@@ -23,6 +23,7 @@ from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
 from fastserve.executor.cpu_linear import pack_weights
+from fastserve.executor.cpu_memory import huge_page_zeros
 from fastserve.model.layers import ApplyRotary, FusedNorm, RMSNorm, SiluAndMul
 
 
@@ -72,6 +73,12 @@ class CpuAttention(PagedAttention):
     def is_supported(cls, device: torch.device, cache_dtype: torch.dtype) -> bool:
         return (device.type == "cpu" and cache_dtype in CPU_CACHE_DTYPES
                 and decode_attention_kernel() is not None)
+
+    @staticmethod
+    def new_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """In transparent huge pages where Linux grants them (`cpu_memory`): a decode step's
+        reads of scattered blocks then miss no TLB entry per block."""
+        return huge_page_zeros(shape, dtype)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -1,0 +1,89 @@
+"""Host memory in transparent huge pages, for what a CPU decode step reads: the KV cache and
+the packed weights.
+
+A decode step reads a few hundred MB spread over the KV cache's blocks and the weights. With
+4 KiB pages every few KiB read is a TLB miss, and the hardware prefetchers stop at each page's
+end; in 2 MiB pages neither happens. Measured on 2 Zen 4 cores (a VM, where a TLB miss walks
+two page tables): the `small` preset's 49 bfloat16 matmuls 7-12% faster at 1-16 rows, the KV
+store 2x and decode attention over scattered blocks 1.2x.
+
+Linux grants huge pages to a region advised with MADV_HUGEPAGE when its transparent huge page
+mode is `madvise` (the common default) or `always`; elsewhere, or with the CPU kernels off
+(FASTSERVE_CPU_KERNELS=0), these are plain torch tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import sys
+from pathlib import Path
+
+import torch
+
+from fastserve.executor.cpu_kernels import cpu_kernels_enabled
+
+HUGE_PAGE = 2 << 20
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def huge_pages_available() -> bool:
+    """Whether advised memory gets transparent huge pages here."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        mode = _THP_MODE.read_text()
+    except OSError:
+        return False
+    return "[madvise]" in mode or "[always]" in mode
+
+
+def _use_huge_pages(nbytes: int) -> bool:
+    return nbytes >= HUGE_PAGE and huge_pages_available() and cpu_kernels_enabled()
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor in memory advised for huge pages (touched now, so the pages are
+    faulted in at start-up, not in the first iterations that reach them), or `torch.zeros`
+    where huge pages are not available or the tensor is smaller than one."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not _use_huge_pages(nbytes):
+        return torch.zeros(shape, dtype=dtype)
+    # One huge page more than needed, so that the tensor can start on a 2 MiB boundary.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    out = raw[start : start + nbytes].view(dtype).view(shape)
+    out.zero_()
+    return out
+
+
+def to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (contiguous CPU tensors of one dtype) packed one after another into a
+    single huge-page region, so that even ones smaller than a page share huge pages; the
+    tensors themselves where huge pages are not available."""
+    if not tensors:
+        return tensors
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        raise ValueError("to_huge_pages: tensors of one dtype expected")
+    # Each copy starts on a 64-byte line, as torch's own allocations do.
+    align = max(1, 64 // tensors[0].element_size())
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() // align) * align
+    if not _use_huge_pages(total * tensors[0].element_size()):
+        return tensors
+    arena = huge_page_zeros((total,), dtype)
+    out = []
+    for t, off in zip(tensors, offsets):
+        dst = arena[off : off + t.numel()].view(t.shape)
+        dst.copy_(t)
+        out.append(dst)
+    return out
