@@ -73,6 +73,12 @@ def avx2_kernel_variant() -> ModuleType | None:
 
 
 @functools.cache
+def kernel_sources_digest() -> str:
+    """A short hash of the kernels' C++ sources: what a build, or a timing of one, is of."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
+
+
+@functools.cache
 def _build_kernel(avx2_only: bool = False) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
@@ -80,7 +86,7 @@ def _build_kernel(avx2_only: bool = False) -> ModuleType | None:
         # One build folder per source version: checkouts of different versions sharing a
         # cache (old vs new in a benchmark, worktrees) neither rebuild over each other nor
         # load each other's kernel.
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
+        digest = kernel_sources_digest()
         # -march=native: a cache shared by machines of other CPUs keeps a build per kind.
         variant = "-avx2" if avx2_only else ""
         build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}-{cpu_isa()}{variant}"

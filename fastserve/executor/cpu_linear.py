@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from fastserve.executor.cpu_kernels import cpu_isa, cpu_kernels_enabled, decode_attention_kernel
-from fastserve.executor.cpu_memory import to_huge_pages
+from fastserve.executor.cpu_memory import huge_page_views
 from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
 
 logger = logging.getLogger(__name__)
@@ -64,47 +64,63 @@ def _kernel_matmul(kernel: ModuleType, n: int) -> Callable[[Tensor, Tensor, Tens
     return matmul
 
 
-def packed_weight(weight: Tensor, max_rows: int | None = None) -> tuple[PackedWeight, str] | None:
-    """`weight` [out, in] packed for this CPU's fastest matmul of its dtype (see the module
-    docstring), used for calls of up to `max_rows` rows (default: per dtype), and the layout's
-    name; None where the plain weight is what runs (not on CPU, kernels off, no oneDNN or no
-    fast path for the dtype)."""
-    if not cpu_kernels_enabled() or weight.device.type != "cpu":
-        return None
-    if weight.dtype == torch.bfloat16 and (kernel := _bf16_kernel()) is not None:
-        packed = kernel.bf16_pack_weight(weight.detach())
-        return (PackedWeight(packed, _kernel_matmul(kernel, weight.shape[0]), max_rows or sys.maxsize),
-                KERNEL_LAYOUT)
+def weight_layout(dtype: torch.dtype, device: torch.device) -> str:
+    """Which packed layout weights of this dtype take here (see the module docstring):
+    KERNEL_LAYOUT, "onednn-<dtype>", or "plain" (not on CPU, the CPU kernels switched off:
+    FASTSERVE_CPU_KERNELS=0, no oneDNN, or no fast path for the dtype on this CPU)."""
+    if not cpu_kernels_enabled() or device.type != "cpu":
+        return "plain"
+    if dtype == torch.bfloat16 and _bf16_kernel() is not None:
+        return KERNEL_LAYOUT
     if not torch.backends.mkldnn.is_available():
+        return "plain"
+    if dtype == torch.float32 or (dtype == torch.bfloat16
+                                  and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return "onednn-" + str(dtype).removeprefix("torch.")
+    return "plain"
+
+
+def packed_weight(weight: Tensor, max_rows: int | None = None,
+                  out: Tensor | None = None) -> PackedWeight | None:
+    """`weight` [out, in] packed in its `weight_layout` (into `out`, of `packed_shape`, for the
+    kernel's layout when given), used for calls of up to `max_rows` rows (default: per dtype);
+    None where the plain weight is what runs."""
+    layout = weight_layout(weight.dtype, weight.device)
+    if layout == KERNEL_LAYOUT:
+        kernel = _bf16_kernel()
+        assert kernel is not None
+        packed = kernel.bf16_pack_weight(weight.detach(), out)
+        return PackedWeight(packed, _kernel_matmul(kernel, weight.shape[0]), max_rows or sys.maxsize)
+    if layout == "plain":
         return None
-    if weight.dtype == torch.float32:
-        rows = F32_PACKED_MAX_ROWS
-    elif weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        rows = sys.maxsize
-    else:
-        return None
-    name = "onednn-" + str(weight.dtype).removeprefix("torch.")
-    return PackedWeight(pack(weight), onednn_linear, max_rows or rows), name
+    rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize
+    return PackedWeight(pack(weight), onednn_linear, max_rows or rows)
+
+
+def packed_shape(weight: Tensor) -> tuple[int, ...]:
+    """The shape of `weight` packed in KERNEL_LAYOUT."""
+    kernel = _bf16_kernel()
+    assert kernel is not None
+    return tuple(kernel.bf16_packed_shape(*weight.shape))
 
 
 def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
     """Give every linear layer of a CPU model its weight packed by `packed_weight` (for calls
-    of up to `max_rows` rows; default per dtype); returns the layout's name, or "plain" where
-    nothing was packed (not on CPU, the CPU kernels switched off: FASTSERVE_CPU_KERNELS=0, no
-    oneDNN, or no fast path for the dtype on this CPU)."""
+    of up to `max_rows` rows; default per dtype); returns the `weight_layout` used. The
+    kernel's layout is packed straight into one region of huge pages (`cpu_memory`)."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
-    name = "plain"
+    if not layers:
+        return "plain"
+    layout = weight_layout(layers[0].weight.dtype, layers[0].weight.device)
     try:
-        for m in layers:
-            got = packed_weight(m.weight, max_rows)
-            m.packed, name = (got[0], got[1]) if got is not None else (None, "plain")
-        if name == KERNEL_LAYOUT:  # one region of huge pages for them all (`cpu_memory`)
-            packed = [m.packed for m in layers if m.packed is not None]
-            for p, moved in zip(packed, to_huge_pages([p.weight for p in packed])):
-                p.weight = moved
+        outs: list[Tensor | None] = [None] * len(layers)
+        if layout == KERNEL_LAYOUT:
+            outs = list(huge_page_views([packed_shape(m.weight) for m in layers], torch.bfloat16))
+        for m, out in zip(layers, outs):
+            m.packed = packed_weight(m.weight, max_rows, out)
     except (RuntimeError, AttributeError) as exc:  # an ATen built without the op: plain weights
         logger.warning("weight packing unavailable (%s); using plain matmuls", exc)
         for m in layers:
             m.packed = None
         return "plain"
-    return name
+    return layout

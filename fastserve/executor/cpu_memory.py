@@ -15,6 +15,7 @@ mode is `madvise` (the common default) or `always`; elsewhere, or with the CPU k
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import sys
 from pathlib import Path
@@ -47,10 +48,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor in memory advised for huge pages (touched now, so the pages are
     faulted in at start-up, not in the first iterations that reach them), or `torch.zeros`
     where huge pages are not available or the tensor is smaller than one."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if not _use_huge_pages(nbytes):
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than needed, so that the tensor can start on a 2 MiB boundary.
@@ -63,27 +61,18 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` (contiguous CPU tensors of one dtype) packed one after another into a
-    single huge-page region, so that even ones smaller than a page share huge pages; the
-    tensors themselves where huge pages are not available."""
-    if not tensors:
-        return tensors
-    dtype = tensors[0].dtype
-    if any(t.dtype != dtype for t in tensors):
-        raise ValueError("to_huge_pages: tensors of one dtype expected")
-    # Each copy starts on a 64-byte line, as torch's own allocations do.
-    align = max(1, 64 // tensors[0].element_size())
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() // align) * align
-    if not _use_huge_pages(total * tensors[0].element_size()):
-        return tensors
-    arena = huge_page_zeros((total,), dtype)
-    out = []
-    for t, off in zip(tensors, offsets):
-        dst = arena[off : off + t.numel()].view(t.shape)
-        dst.copy_(t)
-        out.append(dst)
-    return out
+def huge_page_views(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero-filled contiguous tensors of these shapes, one after another in a single region of
+    huge pages (so that even ones smaller than a page share huge pages; each starts on a
+    64-byte line, as torch's own allocations do); plain `torch.zeros` each where huge pages
+    are not available."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    align = max(1, 64 // elem)
+    sizes = [math.prod(shape) for shape in shapes]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + -(-n // align) * align)
+    if not _use_huge_pages(offsets[-1] * elem):
+        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    arena = huge_page_zeros((offsets[-1],), dtype)
+    return [arena[off : off + n].view(shape) for off, n, shape in zip(offsets, sizes, shapes)]

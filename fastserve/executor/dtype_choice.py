@@ -60,14 +60,12 @@ def _probe_ms(arch: ArchConfig, dtype: torch.dtype, reps: int = 9) -> float:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(arch.intermediate_size, arch.hidden_size, generator=g).to(dtype)
     x = torch.randn(PROBE_ROWS, arch.hidden_size, generator=g).to(dtype)
-    got = packed_weight(w)  # as the CPU backend packs its weights
-    if got is None:  # no fast path for this dtype: what the model would run
-        def run() -> None:
-            torch.nn.functional.linear(x, w)
-    else:
-        packed = got[0]
+    packed = packed_weight(w)  # as the CPU backend packs its weights
 
-        def run() -> None:
+    def run() -> None:
+        if packed is None:  # no fast path for this dtype: what the model would run
+            torch.nn.functional.linear(x, w)
+        else:
             packed.matmul(x, packed.weight, None)
 
     run()

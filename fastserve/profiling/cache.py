@@ -11,6 +11,7 @@ from pathlib import Path
 from fastserve.clock import Timer
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
+from fastserve.executor.cpu_kernels import cpu_kernels_enabled, kernel_sources_digest
 from fastserve.executor.model_runner import ModelRunner
 from fastserve.profiling.fit import fit_cost_model
 from fastserve.profiling.measure import ProfileGrid, measure
@@ -71,11 +72,15 @@ FIT_VERSION = 5
 
 def profile_cache_key(model_path: str | Path, config: EngineConfig) -> str:
     """What the timings depend on: the checkpoint, dtypes, device, CPU threads, parallelism
-    and KV block size; and the fit's version."""
+    and KV block size; the fit's version; and on a CPU, which build of its kernels runs (a
+    faster kernel makes the old timings stale)."""
     m, c, p = config.model, config.cache, config.parallel
+    kernels = ""
+    if m.device.startswith("cpu"):
+        kernels = f"|kernels-{kernel_sources_digest()}" if cpu_kernels_enabled() else "|kernels-off"
     return (f"{Path(model_path).resolve()}|{m.dtype}|kv-{c.kv_cache_dtype}|{m.device}"
             f"|threads{m.num_threads}|tp{p.tensor_parallel_size}|pp{p.pipeline_parallel_size}"
-            f"|bs{c.block_size}|fit{FIT_VERSION}")
+            f"|bs{c.block_size}|fit{FIT_VERSION}{kernels}")
 
 
 def save_profile(cost: CostModel, path: str | Path, **meta: object) -> None:

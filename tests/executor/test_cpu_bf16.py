@@ -154,6 +154,11 @@ def test_bf16_matmul_kernel_is_the_exact_product_rounded(n: int, k: int, rows: i
             # one rounding to bfloat16 (half a unit in the 8th bit), plus float32 sums
             bound = exact.abs() * 2.0**-8 + 1e-5 * (x.double().abs() @ w.double().abs().T)
             assert ((got.double() - exact).abs() <= bound).all()
+    into = torch.full(tuple(KERNEL.bf16_packed_shape(n, k)), 5.0, dtype=torch.bfloat16)
+    assert KERNEL.bf16_pack_weight(w, into).data_ptr() == into.data_ptr()
+    assert torch.equal(into, packed)
+    with pytest.raises(RuntimeError, match="out must be"):
+        KERNEL.bf16_pack_weight(w, into[:, :1])
     x3 = wide[:, :k].reshape(1, rows, k)
     assert torch.equal(KERNEL.bf16_linear(x3, packed, None, n), KERNEL.bf16_linear(x3[0], packed, None, n)[None])
     with pytest.raises(RuntimeError, match="bfloat16 input"):

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from fastserve.executor.cpu_kernels import cpu_kernels_enabled
-from fastserve.executor.cpu_memory import HUGE_PAGE, huge_page_zeros, huge_pages_available, to_huge_pages
+from fastserve.executor.cpu_memory import (
+    HUGE_PAGE,
+    huge_page_views,
+    huge_page_zeros,
+    huge_pages_available,
+)
 
 needs_thp = pytest.mark.skipif(
     not (huge_pages_available() and cpu_kernels_enabled()),
@@ -40,15 +45,19 @@ def test_huge_page_zeros_are_zero_aligned_and_in_huge_pages() -> None:
     assert int(t.sum()) == 7
 
 
-def test_small_tensors_stay_plain_and_copies_keep_their_values() -> None:
+def test_views_share_one_region_each_zeroed_aligned_and_apart() -> None:
     small = huge_page_zeros((10, 10), torch.float32)
     assert small.shape == (10, 10) and not small.any()
-    tensors = [torch.randn(n, 768).to(torch.bfloat16) for n in (768, 100, 3)] * 4
-    moved = to_huge_pages(tensors)
-    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(tensors, moved))
-    assert all(m.data_ptr() % 64 == 0 for m in moved)
-    with pytest.raises(ValueError, match="one dtype"):
-        to_huge_pages([torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)])
+    shapes = [(768, 768), (100, 7), (3,), (2304, 768)]
+    views = huge_page_views(shapes, torch.bfloat16)
+    assert [v.shape for v in views] == [torch.Size(s) for s in shapes]
+    assert all(v.is_contiguous() and v.data_ptr() % 64 == 0 and not v.any() for v in views)
+    for i, v in enumerate(views):
+        v.fill_(i + 1)
+    assert all(bool((v == i + 1).all()) for i, v in enumerate(views))  # no two overlap
+    if huge_pages_available() and cpu_kernels_enabled():  # one region, in huge pages
+        assert views[0].untyped_storage().data_ptr() == views[3].untyped_storage().data_ptr()
+        assert _huge_kib_at(views[3].data_ptr()) > 0
 
 
 @needs_thp

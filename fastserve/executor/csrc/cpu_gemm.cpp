@@ -111,14 +111,26 @@ void panel(const Gemm& g, int64_t r0, int64_t r1, int64_t nb, bool prefetch_next
 
 }  // namespace
 
-torch::Tensor bf16_pack_weight(torch::Tensor w) {
+// The packed shape of an [n, k] weight: [blocks of 64 outputs, pairs, 64, 2] (zero-padded).
+std::vector<int64_t> bf16_packed_shape(int64_t n, int64_t k) {
+  return {(n + kBlockN - 1) / kBlockN, (k + 1) / 2, kBlockN, 2};
+}
+
+// w [n, k] bfloat16 packed into `out` (contiguous, of bf16_packed_shape) when given, else new.
+torch::Tensor bf16_pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16,
               "bf16_pack_weight: a [N, K] bfloat16 weight expected, got ", w.scalar_type(),
               " of shape ", w.sizes());
   const int64_t n = w.size(0), k = w.size(1);
-  const int64_t np = (n + kBlockN - 1) / kBlockN * kBlockN, kp = (k + 1) / 2 * 2;
-  const auto padded = at::constant_pad_nd(w, {0, kp - k, 0, np - n});
-  return padded.view({np / kBlockN, kBlockN, kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  const auto shape = bf16_packed_shape(n, k);
+  const auto padded = at::constant_pad_nd(w, {0, shape[1] * 2 - k, 0, shape[0] * kBlockN - n});
+  const auto packed = padded.view({shape[0], kBlockN, shape[1], 2}).permute({0, 2, 1, 3});
+  if (!out.has_value()) return packed.contiguous();
+  TORCH_CHECK(out->sizes() == c10::IntArrayRef(shape) && out->is_contiguous() &&
+                  out->scalar_type() == torch::kBFloat16,
+              "bf16_pack_weight: out must be a contiguous bfloat16 tensor of shape ", shape);
+  out->copy_(packed);
+  return *out;
 }
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,

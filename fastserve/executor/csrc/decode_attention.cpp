@@ -631,7 +631,8 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // cpu_gemm.cpp
-torch::Tensor bf16_pack_weight(torch::Tensor w);
+std::vector<int64_t> bf16_packed_shape(int64_t n, int64_t k);
+torch::Tensor bf16_pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t n);
 #endif
@@ -654,7 +655,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef FS_HAVE_AVX512_BF16
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up, the plain layer's roundings");
   m.def("rotary", &rotary, "bfloat16 rotary embedding, the plain layer's roundings");
-  m.def("bf16_pack_weight", &bf16_pack_weight, "a [N, K] bfloat16 weight in bf16_linear's layout");
+  m.def("bf16_packed_shape", &bf16_packed_shape, "the shape bf16_pack_weight gives an [N, K] weight");
+  m.def("bf16_pack_weight", &bf16_pack_weight, "a [N, K] bfloat16 weight in bf16_linear's layout",
+        py::arg("w"), py::arg("out") = py::none());
   m.def("bf16_linear", &bf16_linear, "x W^T (+ b) in bfloat16, W packed by bf16_pack_weight");
 #endif
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU; float32 query, float32/bfloat16/float16 cache)");
