@@ -5,10 +5,12 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
 - float32 (AVX2): oneDNN's linear on a packed weight is 1.3-2x faster at 16-64 rows, the
   32000-row LM head 2x, and no gain for prefills of hundreds of rows, which keep the plain
   weight (`F32_PACKED_MAX_ROWS`).
-- bfloat16 with AVX-512 BF16 and no AMX: our kernel (`csrc/cpu_gemm.cpp`), every row count.
-  On the small preset's matmuls (2-core Zen 4, medians) it is 1.37x faster than oneDNN's
-  packed bf16 at 1 row, 1.8x at 10, 1.2x at 16-32, 1.05x at 256: a decode batch's matmuls
-  are bound by reading the weights, which the kernel streams near the memory's speed.
+- bfloat16 with AVX-512 BF16 and no AMX: our kernel (`csrc/cpu_gemm.cpp`) up to 2048 rows
+  (`KERNEL_MAX_ROWS`). On the small preset's 49 matmuls (2-core Zen 4, medians,
+  `benchmarks/cpu_matmul.py`) it is 1.8x oneDNN's packed bf16 at 1-16 rows, 1.35x at 32,
+  1.2x at 64, 1.07x at 256 and 1.0x at 2048: a decode batch's matmuls are bound by reading
+  the weights, which the kernel streams near the memory's speed. At 4096 rows it was 0.91x
+  oneDNN's and 0.94x `F.linear`'s, so larger calls take `F.linear` on the plain weights.
 - bfloat16 elsewhere oneDNN supports it (AMX tiles, or a build of the kernels without
   AVX-512 BF16): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
   batches, a few percent for prefills). A CPU without bf16 instructions keeps the plain weights.
@@ -33,6 +35,9 @@ from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
 logger = logging.getLogger(__name__)
 
 KERNEL_LAYOUT = "avx512bf16-kernel"  # the name of `csrc/cpu_gemm.cpp`'s layout
+# Up to this many rows the kernel wins; larger calls (prefills of over 2048 tokens: the input
+# no longer stays in cache while each block is read) take the plain weights' F.linear.
+KERNEL_MAX_ROWS = 2048
 
 # Up to this many rows a float32 packed weight wins (decode batches); prefills use the plain one.
 F32_PACKED_MAX_ROWS = 64
@@ -90,7 +95,7 @@ def packed_weight(weight: Tensor, max_rows: int | None = None,
         kernel = _bf16_kernel()
         assert kernel is not None
         packed = kernel.bf16_pack_weight(weight.detach(), out)
-        return PackedWeight(packed, _kernel_matmul(kernel, weight.shape[0]), max_rows or sys.maxsize)
+        return PackedWeight(packed, _kernel_matmul(kernel, weight.shape[0]), max_rows or KERNEL_MAX_ROWS)
     if layout == "plain":
         return None
     rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize

@@ -3,17 +3,19 @@
 // Why our own: oneDNN's bf16 matmul with a packed weight reached 16-21 GB/s of weight reads at
 // decode batches on a 2-core Zen 4, where a plain sum over memory reaches 28-36 GB/s; a decode
 // step of the small preset streams 219 MB of weights, so the matmuls set the step's time.
-// Measured side by side on the small preset's 49 matmuls (2 cores, medians): 1.37x faster at 1
-// row, 1.8x at 10, 1.2x at 16-32, 1.05x at 256 (compute-bound there, ~85% of the
-// `vdpbf16ps` peak). Where the CPU has AMX, oneDNN's tiles are left to do it (cpu_linear.py).
+// Measured side by side on the small preset's 49 matmuls (2 cores, medians,
+// benchmarks/cpu_matmul.py): 1.8x oneDNN at 1-16 rows, 1.35x at 32, 1.07x at 256 (compute-bound
+// there, ~85% of the `vdpbf16ps` peak), 1.0x at 2048 and 0.91x at 4096 (the input no longer
+// stays in cache; cpu_linear.py sends such calls elsewhere). Where the CPU has AMX, oneDNN's
+// tiles are left to do it (cpu_linear.py).
 //
 // Layout: the weight [N, K] is packed once into blocks of 64 outputs, each [K/2][64][2]: one
 // 64-byte load is 16 outputs x 2 consecutive k, which `vdpbf16ps` multiplies by a broadcast
 // pair (x[m, k], x[m, k+1]) and adds into 16 float32 sums, so no sum is ever reduced across
 // lanes. A register tile is up to 6 rows x 64 outputs (24 accumulators + 4 weight registers).
-// Memory: each block is read from memory once per panel of rows (48), by the panel's first
-// tile; the tiles after it read it from L2. So that memory is not idle while they do, every
-// tile also prefetches its share of the next block into L2.
+// Memory: each block is read from memory once, by its first tile; the tiles (and 48-row
+// panels) after it read it from L2. So that memory is not idle while they do, the tiles of
+// the block's last panel also prefetch their shares of the next block into L2.
 // Sums are float32 (the products of two bfloat16 are exact), rounded once to bfloat16 (nearest
 // even), as torch's matmul does; only the order of the sums differs from it.
 #include <torch/extension.h>
@@ -163,11 +165,13 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
                bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
                reinterpret_cast<uint16_t*>(y.data_ptr()), n, n};
   const int64_t panels = (m + kPanelRows - 1) / kPanelRows;
+  // Block-major: a thread runs every panel of a block before the next block, so the block is
+  // read from memory once and from L2 for the other panels; the last panel prefetches the next.
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t p = t / blocks, nb = t % blocks;
+      const int64_t nb = t / panels, p = t % panels;
       panel(g, p * kPanelRows, std::min(m, (p + 1) * kPanelRows), nb,
-            t + 1 < end && nb + 1 < blocks);
+            p + 1 == panels && t + 1 < end && nb + 1 < blocks);
     }
   });
   return y.view(out_shape);
