@@ -92,11 +92,11 @@ class CpuAttention(PagedAttention):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Weights packed once for this CPU's fastest matmul (`cpu_linear`), and the small
-        layers as one C++ call each where they round as the tensor ops do: add + RMSNorm in half types (bit for bit in
-        bfloat16, up to a rare last place in float16); SiLU-and-mul and rotary in bfloat16
-        where the kernels have AVX-512 BF16 (bit for bit; elsewhere torch's). A float32 model
-        keeps torch's layers: a different sum order there moves the last place, which could
-        flip a greedy near-tie against HF."""
+        layers as one C++ call each where they round as the tensor ops do: add + RMSNorm in
+        half types (bit for bit in bfloat16, up to a rare last place in float16); SiLU-and-mul
+        and rotary in bfloat16 where the kernels have AVX-512 BF16 (bit for bit; elsewhere
+        torch's). A float32 model keeps torch's layers: a different sum order there moves the
+        last place, which could flip a greedy near-tie against HF."""
         dtype = next(model.parameters()).dtype
         weights = pack_weights(model)
         fused: dict[type[torch.nn.Module], Callable[..., Any]] = {}
