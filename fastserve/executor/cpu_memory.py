@@ -48,7 +48,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor in memory advised for huge pages (touched now, so the pages are
     faulted in at start-up, not in the first iterations that reach them), or `torch.zeros`
     where huge pages are not available or the tensor is smaller than one."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not _use_huge_pages(nbytes):
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than needed, so that the tensor can start on a 2 MiB boundary.
@@ -66,7 +66,7 @@ def huge_page_views(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[t
     huge pages (so that even ones smaller than a page share huge pages; each starts on a
     64-byte line, as torch's own allocations do); plain `torch.zeros` each where huge pages
     are not available."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     align = max(1, 64 // elem)
     sizes = [math.prod(shape) for shape in shapes]
     offsets = [0]
