@@ -6,9 +6,10 @@ already in the paged KV cache (128 and 512 by default), timed `--steps` times pe
 the contexts take turns within each repetition and the ratio to the first context is the
 median of per-repetition ratios (issue #16's target: ctx 512 / ctx 128 <= 1.5x at batch 32).
 
-Block tables are laid out two ways: `contiguous` (each request's blocks adjacent, what a fresh
-pool hands out) and `interleaved` (request i owns blocks i, i + batch, i + 2 x batch, ...: a
-pool after churn), since attention may take a shortcut for the first.
+Block tables are laid out three ways: `contiguous` (each request's blocks adjacent, what a fresh
+pool hands out), `interleaved` (request i owns blocks i, i + batch, i + 2 x batch, ...) and
+`scattered` (the blocks of a seeded random permutation of the cache: a pool after churn, which
+the hardware prefetcher cannot follow), since attention may take a shortcut for the first.
 
     flock /tmp/fastserve-bench.lock .venv/bin/python benchmarks/decode_context.py \\
         [--batch 32] [--contexts 128,512] [--dtype float32] [--reps 5]
@@ -17,6 +18,7 @@ pool after churn), since attention may take a shortcut for the first.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from pathlib import Path
@@ -27,19 +29,23 @@ from fastserve import LLM, SamplingParams
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.model.make_model import cached_model_path
 
-LAYOUTS = ("contiguous", "interleaved")
+LAYOUTS = ("contiguous", "interleaved", "scattered")
 
 
-def decode_plan(batch: int, ctx: int, block_size: int, layout: str) -> SchedulerOutput:
+def decode_plan(batch: int, ctx: int, block_size: int, layout: str,
+                num_blocks: int) -> SchedulerOutput:
     """`batch` requests decoding their token at position `ctx` (ctx + 1 tokens of context)."""
     per = -(-(ctx + 1) // block_size)
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    shuffled = random.Random(0).sample(range(num_blocks), batch * per)
     scheduled = []
     for i in range(batch):
         if layout == "contiguous":
             table = list(range(i * per, (i + 1) * per))
-        else:
+        elif layout == "interleaved":
             table = [i + k * batch for k in range(per)]
+        else:
+            table = shuffled[i * per:(i + 1) * per]
         scheduled.append(ScheduledRequest(f"d{i}", [17], ctx, table, params, 1))
     return SchedulerOutput(scheduled=scheduled)
 
@@ -79,7 +85,9 @@ def main() -> None:
     if need > llm.engine.runner.num_blocks:
         llm = LLM(model=str(path), dtype=args.dtype, device=args.device, max_batch_size=args.batch,
                   policy="fcfs", startup_profile=False, num_device_blocks=need)
-    plans = {(lay, c): decode_plan(args.batch, c, bs, lay) for lay in layouts for c in contexts}
+    num_blocks = llm.engine.runner.num_blocks
+    plans = {(lay, c): decode_plan(args.batch, c, bs, lay, num_blocks) for lay in layouts
+             for c in contexts}
     for plan in plans.values():  # warm-up: every shape once
         step_ms(llm, plan, 2)
     ms: dict[tuple[str, int], list[float]] = {k: [] for k in plans}
