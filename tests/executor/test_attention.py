@@ -96,13 +96,21 @@ def test_mixed_batch_matches_reference(cls: type[PagedAttention]) -> None:
 @pytest.mark.skipif(not HAS_CPU_KERNEL, reason="no compiled CPU kernels (no C++ compiler, or "
                     "FASTSERVE_CPU_KERNELS=0)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cpu_backend_keeps_a_half_model_in_a_half_cache(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("prepared", [False, True], ids=["bare", "model-prepared"])
+def test_cpu_backend_keeps_a_half_model_in_a_half_cache(dtype: torch.dtype, prepared: bool) -> None:
     """A half-precision model's K/V go into a cache of its dtype (half a float32 cache's
     bytes) and the C++ kernels read them there: the same mixed iteration matches float32
-    attention over the same half values, up to the output's rounding to the model dtype."""
+    attention over the same half values, up to the output's rounding to the model dtype.
+    Prepared for a bfloat16 model where the kernels have AVX-512 BF16, fresh prefills read
+    the cache through the extend kernel too, instead of SDPA, and match as well."""
     attn = CpuAttention(1, 2, 32, num_blocks=40, block_size=4, dtype=dtype,
                         device=torch.device("cpu"))
     assert attn.k_caches[0].dtype == dtype
+    if prepared:
+        attn.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 64)).to(dtype))
+        expected = ("kernel" if dtype == torch.bfloat16 and attn.kernel.isa() == "avx512_bf16"
+                    else "sdpa")
+        assert attn.describe()["prefill_attention"] == expected
     _check_mixed_batch(attn, dtype, tol=1e-2)
 
 
@@ -240,7 +248,9 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
     table = torch.randperm(3 * num_blocks)[:num_blocks]  # scattered, out of order
     k_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim).to(cache_dtype)
     v_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim).to(cache_dtype)
-    q = torch.randn(q_len, heads, dim)
+    # Half-precision queries, as a model of the cache's dtype makes them (the AVX-512 BF16
+    # path's scores are bfloat16 products, exact for such queries), widened.
+    q = torch.randn(q_len, heads, dim).to(cache_dtype).float()
     out = kernel.extend_attention(q, k_cache, v_cache, table.to(torch.int32), start, bs,
                                   dim**-0.5)
     slots = (table.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]

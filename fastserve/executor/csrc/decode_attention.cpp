@@ -400,7 +400,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // table: no gather of the context and no [q_len, ctx_len] mask (the bottom-right causal limit
 // is a per-row key count). Flash-style online softmax, parallel over (kv head, query tile); a
 // tile's query rows (TQ queries x the group of query heads sharing the kv head) share every K/V
-// block read, so the context is read q_len / TQ times per kv head, not q_len times.
+// block read, so the context is read q_len / TQ times per kv head, not q_len times. With a
+// bfloat16 cache and AVX-512 BF16 the scores are bfloat16 dot products (tile_scores_dp), which
+// also make it faster than SDPA for a bfloat16 model's fresh prefills (backends/cpu.py).
 namespace {
 
 constexpr int64_t kTileRows = 64;  // query rows (query x head) per tile of scores
@@ -421,12 +423,16 @@ struct ExtendTask {
 // Per-tile state, rows r = query i * group + g: running max, running sum, unnormalised output.
 struct TileBuffers {
   std::vector<float> qs, o, m, l, kt, p;
-  void reset(int64_t rows, int64_t d) {
-    qs.assign(rows * d, 0.f);
+  std::vector<BF16> qh;        // bfloat16 path: unscaled queries, [rows][d]
+  std::vector<uint32_t> kt2;   // bfloat16 path: K as bfloat16 pairs, transposed: [d / 2][kKeys]
+  void reset(int64_t rows, int64_t d, bool dp) {
+    qs.assign(dp ? 0 : rows * d, 0.f);
+    qh.assign(dp ? rows * d : 0, BF16(0.f));
+    kt2.assign(dp ? d / 2 * kKeys : 0, 0u);
     o.assign(rows * d, 0.f);
     m.assign(rows, -std::numeric_limits<float>::infinity());
     l.assign(rows, 0.f);
-    kt.assign(d * kKeys, 0.f);
+    kt.assign(dp ? 0 : d * kKeys, 0.f);
     p.assign(kTileRows * kKeys, 0.f);
   }
 };
@@ -475,6 +481,42 @@ inline void tile_scores(const float* qs, const float* kt, int64_t rows, int64_t 
     }
 #endif
 }
+
+#ifdef FS_HAVE_AVX512_BF16
+// tile_scores for a bfloat16 cache as bfloat16 dot products, scaled after: s[r][t] =
+// scale * q[r] . k[t], with kt2 holding K's bfloat16 pairs transposed ([d / 2][kKeys] words)
+// and each query's pair broadcast, as the matmul kernel does (cpu_gemm.cpp): one instruction
+// multiplies 16 keys x 2 dims, twice the multiply-adds of float32 FMAs per instruction, and K
+// is transposed as words, not widened. The queries are rounded to bfloat16 once (exact for a
+// bfloat16 model's queries), as decode's are.
+inline void tile_scores_dp(const BF16* qh, const uint32_t* kt2, int64_t rows, int64_t d, float scale,
+                           float* s) {
+  constexpr int R = 8;  // rows per register tile: eight accumulators, one K load per pair
+  const int64_t pairs = d / 2;
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qh + r * d);
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt2 + j * kKeys);
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(int(q32[i * pairs + j])), kv);
+    }
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(s + (r + i) * kKeys, _mm512_mul_ps(acc[i], sc));
+  }
+  for (; r < rows; ++r) {
+    __m512 acc = _mm512_setzero_ps();
+    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qh + r * d);
+    for (int64_t j = 0; j < pairs; ++j)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(int(q32[j])),
+                             (__m512bh)_mm512_loadu_si512(kt2 + j * kKeys));
+    _mm512_storeu_ps(s + r * kKeys, _mm512_mul_ps(acc, sc));
+  }
+}
+
+#endif
 
 // o[r] += sum_t p[r][t] v[t] for the rows in [r0, r1), keys [0, n).
 template <typename CacheT>
@@ -575,31 +617,61 @@ inline bool softmax_step(float* s, int64_t valid, float* m, float* l, float* oro
 template <typename CacheT>
 void extend_task(const ExtendTask<CacheT>& t, TileBuffers& buf) {
   const int64_t d = t.head_dim, group = t.group, rows = t.nq * group, bs = t.block_size;
-  buf.reset(rows, d);
-  for (int64_t i = 0; i < t.nq; ++i)  // pre-scaled queries, rows (i, g)
+#ifdef FS_HAVE_AVX512_BF16
+  const bool dp = std::is_same_v<CacheT, BF16> && d % 2 == 0;  // bfloat16 scores (tile_scores_dp)
+#else
+  constexpr bool dp = false;
+#endif
+  buf.reset(rows, d, dp);
+  for (int64_t i = 0; i < t.nq; ++i)  // pre-scaled queries (or bfloat16 ones), rows (i, g)
     for (int64_t g = 0; g < group; ++g) {
       const float* src = t.q + ((t.q0 + i) * t.num_heads + t.head0 + g) * d;
-      float* dst = buf.qs.data() + (i * group + g) * d;
-      for (int64_t j = 0; j < d; ++j) dst[j] = src[j] * t.scale;
+      const int64_t r = i * group + g;
+      if (dp)
+        for (int64_t j = 0; j < d; ++j) buf.qh[r * d + j] = BF16(src[j]);
+      else
+        for (int64_t j = 0; j < d; ++j) buf.qs[r * d + j] = src[j] * t.scale;
     }
   // Query i of the task sees keys [0, first_lim + i); the task needs keys [0, last_lim).
   const int64_t first_lim = t.start_pos + t.q0 + 1, last_lim = first_lim + t.nq - 1;
+  // A short chunk after a long cached prefix (a conversation's next turn) reads the prefix's
+  // scattered blocks with little work per block: fetched ahead as decode's are.
+  const int64_t num_blocks = (last_lim + bs - 1) / bs;
+  const BlockPrefetch<CacheT> kpf(t.k, t.table, num_blocks, bs * d), vpf(t.v, t.table, num_blocks, bs * d);
+  kpf.start();
+  vpf.start();
   for (int64_t k0 = 0, n = 0; k0 < last_lim; k0 += n) {
     // Up to kKeys keys from k0, within k0's block and the task's causal reach.
     n = std::min({kKeys, last_lim - k0, bs - k0 % bs});
+    if (k0 % bs == 0) {
+      kpf.on_block(k0 / bs);
+      vpf.on_block(k0 / bs);
+    }
     const int64_t slot = static_cast<int64_t>(t.table[k0 / bs]) * bs + k0 % bs;
     const CacheT* kblk = t.k + slot * d;
     const CacheT* vblk = t.v + slot * d;
-    for (int64_t j = 0; j < d; ++j)  // transposed once (and widened), used by every row: kt[j][tt]
-      for (int64_t tt = 0; tt < kKeys; ++tt)
-        buf.kt[j * kKeys + tt] = tt < n ? static_cast<float>(kblk[tt * d + j]) : 0.f;
+    if (dp) {  // transposed once as bfloat16 pairs (32-bit words): kt2[j][tt]
+      for (int64_t tt = 0; tt < kKeys; ++tt) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(kblk + tt * d);
+        for (int64_t j = 0; j < d / 2; ++j) buf.kt2[j * kKeys + tt] = tt < n ? row[j] : 0u;
+      }
+    } else {
+      for (int64_t j = 0; j < d; ++j)  // transposed once (and widened), used by every row: kt[j][tt]
+        for (int64_t tt = 0; tt < kKeys; ++tt)
+          buf.kt[j * kKeys + tt] = tt < n ? static_cast<float>(kblk[tt * d + j]) : 0.f;
+    }
     // The rows that see key k0 are a suffix (queries sorted by position), taken a tile at a time
     // so a tile's queries, scores and outputs stay in L1 while the step's K/V are reused.
     const int64_t r_begin = std::max<int64_t>(0, (k0 - first_lim + 1) * group);
     for (int64_t r0 = r_begin; r0 < rows; r0 += kTileRows) {
       const int64_t r1 = std::min(rows, r0 + kTileRows);
       float* s = buf.p.data();
-      tile_scores(buf.qs.data() + r0 * d, buf.kt.data(), r1 - r0, d, s);
+#ifdef FS_HAVE_AVX512_BF16
+      if (dp)
+        tile_scores_dp(buf.qh.data() + r0 * d, buf.kt2.data(), r1 - r0, d, t.scale, s);
+      else
+#endif
+        tile_scores(buf.qs.data() + r0 * d, buf.kt.data(), r1 - r0, d, s);
       int64_t first = r1;  // the first row that sees one of these keys (a suffix again)
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t valid = std::min(n, first_lim + r / group - k0);
