@@ -13,9 +13,9 @@
 // prefetcher has ramped up, so decode read scattered blocks at a third of the speed it read
 // adjacent ones (10-12 against 28-30 GB/s on 2 Zen 4 cores); the task therefore asks for its
 // blocks into L2 ahead of use (`BlockPrefetch`): 1.7-1.9x on scattered blocks, 20-23 GB/s.
-// With AVX2 + FMA and head_dim 64 or 128 the dot
-// products run four K rows at a time in registers (independent FMA chains instead of one
-// latency-bound chain per row) and the output accumulates in registers across a block.
+// With AVX2 + FMA and head_dim 64 or 128 the dot products run four K rows at a time in
+// registers (independent FMA chains instead of one latency-bound chain per row) and the output
+// accumulates in registers across a block.
 //
 // The cache may be float32, bfloat16 or float16 (`CacheT`): half-precision rows are widened to
 // float32 as they are loaded (a shift for bfloat16, F16C for float16), so the math and the
