@@ -93,7 +93,6 @@ class CpuAttention(PagedAttention):
                              "bfloat16 or float16 cache")
         self.kernel: ModuleType = kernel
         self._info: dict[str, str] = {}  # set by prepare_model (see describe)
-        self._cache_dtype = dtype
         # Fresh prefills through extend_attention too (module docstring); set by prepare_model.
         self._is_prefill_through_cache = False
 
@@ -105,7 +104,7 @@ class CpuAttention(PagedAttention):
         torch's). A float32 model keeps torch's layers: a different sum order there moves the
         last place, which could flip a greedy near-tie against HF."""
         dtype = next(model.parameters()).dtype
-        self._is_prefill_through_cache = (dtype == self._cache_dtype == torch.bfloat16
+        self._is_prefill_through_cache = (dtype == self.kv_cache.dtype == torch.bfloat16
                                           and self.kernel.isa() == "avx512_bf16")
         weights = pack_weights(model)
         fused: dict[type[torch.nn.Module], Callable[..., Any]] = {}

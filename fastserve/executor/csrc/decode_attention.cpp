@@ -244,7 +244,8 @@ void attend(const Task<CacheT>& k, std::vector<float>& scores) {
   const int64_t bs = k.block_size, ctx = k.ctx, group = k.group;
   scores.resize(group * ctx);
   const int64_t num_blocks = (ctx + bs - 1) / bs;
-  const BlockPrefetch<CacheT> kpf(k.k, k.table, num_blocks, bs * D), vpf(k.v, k.table, num_blocks, bs * D);
+  const BlockPrefetch<CacheT> kpf(k.k, k.table, num_blocks, bs * D);
+  const BlockPrefetch<CacheT> vpf(k.v, k.table, num_blocks, bs * D);
   kpf.start();
   vpf.start();
 #ifdef FS_HAVE_AVX512_BF16
@@ -489,8 +490,8 @@ inline void tile_scores(const float* qs, const float* kt, int64_t rows, int64_t 
 // multiplies 16 keys x 2 dims, twice the multiply-adds of float32 FMAs per instruction, and K
 // is transposed as words, not widened. The queries are rounded to bfloat16 once (exact for a
 // bfloat16 model's queries), as decode's are.
-inline void tile_scores_dp(const BF16* qh, const uint32_t* kt2, int64_t rows, int64_t d, float scale,
-                           float* s) {
+inline void tile_scores_dp(const BF16* qh, const uint32_t* kt2, int64_t rows, int64_t d,
+                           float scale, float* s) {
   constexpr int R = 8;  // rows per register tile: eight accumulators, one K load per pair
   const int64_t pairs = d / 2;
   const __m512 sc = _mm512_set1_ps(scale);
@@ -637,7 +638,8 @@ void extend_task(const ExtendTask<CacheT>& t, TileBuffers& buf) {
   // A short chunk after a long cached prefix (a conversation's next turn) reads the prefix's
   // scattered blocks with little work per block: fetched ahead as decode's are.
   const int64_t num_blocks = (last_lim + bs - 1) / bs;
-  const BlockPrefetch<CacheT> kpf(t.k, t.table, num_blocks, bs * d), vpf(t.v, t.table, num_blocks, bs * d);
+  const BlockPrefetch<CacheT> kpf(t.k, t.table, num_blocks, bs * d);
+  const BlockPrefetch<CacheT> vpf(t.v, t.table, num_blocks, bs * d);
   kpf.start();
   vpf.start();
   for (int64_t k0 = 0, n = 0; k0 < last_lim; k0 += n) {
@@ -656,7 +658,7 @@ void extend_task(const ExtendTask<CacheT>& t, TileBuffers& buf) {
         for (int64_t j = 0; j < d / 2; ++j) buf.kt2[j * kKeys + tt] = tt < n ? row[j] : 0u;
       }
     } else {
-      for (int64_t j = 0; j < d; ++j)  // transposed once (and widened), used by every row: kt[j][tt]
+      for (int64_t j = 0; j < d; ++j)  // transposed once (and widened) for every row: kt[j][tt]
         for (int64_t tt = 0; tt < kKeys; ++tt)
           buf.kt[j * kKeys + tt] = tt < n ? static_cast<float>(kblk[tt * d + j]) : 0.f;
     }
