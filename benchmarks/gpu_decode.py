@@ -36,7 +36,7 @@ import torch
 from engine_throughput import decode_blocks, decode_step_ahead_ms, decode_step_ms, engine_args
 
 from fastserve import LLM
-from fastserve.model.make_model import PRESETS, cache_dir, make_model
+from fastserve.model.make_model import PRESETS, cached_model_path
 
 TARGETS = {(32, 128): 1.3, (128, 128): 1.8, (32, 2048): 2.5}
 
@@ -82,7 +82,7 @@ def _time_ms(fn: Callable[[], None], device: torch.device, reps: int) -> float:
 def _checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model:
         return Path(args.model), args.load_format or "auto"
-    path = make_model(args.preset, cache_dir() / "models" / f"{args.preset}-seed0")
+    path = cached_model_path(args.preset)
     has_weights = any(path.glob("*.safetensors"))
     return path, args.load_format or ("auto" if has_weights else "dummy")
 

@@ -270,9 +270,15 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fastserve"
 
 
+# Bumped whenever what make-model writes changes, so that a cache made by an older version is
+# not served as if it were current (2: the chat template renders tools and tool calls).
+CHECKPOINT_REVISION = 2
+
+
 def cached_model_path(preset: str = "tiny", seed: int = 0) -> Path:
-    """Path of `<cache>/models/<preset>-seed<seed>`, generating it on first use."""
-    return make_model(preset, cache_dir() / "models" / f"{preset}-seed{seed}", seed)
+    """Path of `<cache>/models/<preset>-seed<seed>-r<revision>`, generating it on first use."""
+    name = f"{preset}-seed{seed}-r{CHECKPOINT_REVISION}"
+    return make_model(preset, cache_dir() / "models" / name, seed)
 
 
 def default_model_path() -> Path:

@@ -21,10 +21,31 @@ from tokenizers.decoders import DecodeStream
 
 from fastserve.request import InvalidRequestError
 
-# Used when the checkpoint ships no template: role-tagged turns, each closed by EOS.
+# Used when the checkpoint ships no template: role-tagged turns, each closed by EOS. With
+# `tools`, a system turn lists them and asks for Hermes-style calls (Hermes 2/3's and Qwen
+# 2.5/3's format, which the server's tool-call parser reads), and an assistant turn's
+# `tool_calls` are written back in that format. Without tools it renders as it always has.
+# NOTE: a newline right after a block tag would be eaten (trim_blocks): hence `{{ '\n' }}`.
+_TOOLS_PREAMBLE = (
+    "{% if tools %}<|system|>\n# Tools\n\nYou may call one or more functions to assist with "
+    "the user query. The functions, as JSON schemas:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    "For each call, answer with a JSON object of the function's name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "{{ eos_token }}\n{% endif %}"
+)
+_TOOL_CALLS = (
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    '<tool_call>\n{"name": {{ call[\'function\'][\'name\'] | tojson }}, "arguments": '
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}"
+)
 DEFAULT_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{{ bos_token }}" + _TOOLS_PREAMBLE + "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}" + _TOOL_CALLS + "{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -375,6 +375,39 @@ def test_tokenizer_agrees_with_transformers(tiny: Path, tokenizer: Tokenizer) ->
     )
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Today's weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_chat_template_with_tools_agrees_with_transformers(tiny: Path, tokenizer: Tokenizer) -> None:
+    """Tools, an assistant's tool calls (arguments as an object, as transformers and vLLM pass
+    them) and a tool's answer render as transformers renders the same template; without tools
+    the text is what the template always gave."""
+    hf = transformers.AutoTokenizer.from_pretrained(tiny)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    conversations = [
+        [{"role": "user", "content": "Weather in Paris?"}],
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": "", "tool_calls": [call, call]},
+         {"role": "tool", "content": '{"celsius": 21}', "tool_call_id": "call_1"}],
+        [{"role": "user", "content": "And Rome?"},
+         {"role": "assistant", "content": "Looking.", "tool_calls": [call]}],
+    ]
+    for messages in conversations:
+        ours = tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL])
+        assert ours == hf.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False,
+                                              add_generation_prompt=True)
+        assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in ours
+    ours = tokenizer.apply_chat_template(conversations[1], tools=[WEATHER_TOOL])
+    assert ('<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n') in ours
+    assert '<|tool|>\n{"celsius": 21}</s>\n<|assistant|>\n' in ours
+    assert tokenizer.apply_chat_template(conversations[0]) == (
+        "<s><|user|>\nWeather in Paris?</s>\n<|assistant|>\n")
+
+
 @pytest.mark.parametrize("text", PROMPTS + ["naïve café — 日本語 🚀🙂 done"])
 def test_incremental_detokenizer_matches_full_decode(tokenizer: Tokenizer, text: str) -> None:
     ids = tokenizer.encode(text)
