@@ -65,7 +65,7 @@ class FinishReason(str, enum.Enum):
 
 
 # What a structured output's `spec` holds, by kind (see `StructuredOutputParams`).
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,11 @@ class StructuredOutputParams:
     `(kind, spec)`), and the scheduler and simulator can carry it without the library.
     """
 
-    # "json": a JSON schema; "json_object": any JSON object; "regex"; "choice": one of strings.
+    # "json": a JSON schema; "json_object": any JSON object; "regex"; "choice": one of strings;
+    # "structural_tag": xgrammar's tagged formats (tool calls: `fastserve.server.tool_calls`).
     kind: str
-    # The JSON schema's text (json), the regex (regex), the strings (choice); "" (json_object).
+    # The JSON schema's text (json), the regex (regex), the strings (choice), the structural
+    # tag's JSON text (structural_tag); "" (json_object).
     spec: str | tuple[str, ...] = ""
     # The request field it came from: a 400 for an invalid grammar names it.
     param: str = "structured_output"

@@ -31,7 +31,7 @@ from fastserve.cluster.asgi import ForwardedRequest, ResponseStart
 from fastserve.cluster.metrics import FleetMetrics
 from fastserve.fleet.router import RouteRequest
 from fastserve.server.metrics import CONTENT_TYPE
-from fastserve.server.schemas import APIError
+from fastserve.server.schemas import APIError, ChatCompletionRequest
 from fastserve.server.streaming import sse_data
 
 logger = logging.getLogger(__name__)
@@ -79,22 +79,13 @@ class RouteHints:
             if not isinstance(prompt, str):
                 return None
             return await _off_loop(lambda: list(self.tokenizer.encode(prompt)), len(prompt))
-        messages = [{"role": m["role"], "content": _text(m.get("content"))} for m in data["messages"]]
+        messages, kwargs = ChatCompletionRequest.model_validate(data).template_args()
 
         def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, **(data.get("chat_template_kwargs") or {}))
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
             return list(self.tokenizer.encode(text))
 
         return await _off_loop(render, sum(len(m["content"]) for m in messages))
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: the text ones, as the server joins them
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
 
 
 async def _off_loop(work: Callable[[], list[int]], num_chars: int) -> list[int]:

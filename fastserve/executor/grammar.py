@@ -69,6 +69,8 @@ def build_grammar(params: StructuredOutputParams) -> Any:
                                                 strict_mode=False)
         if params.kind == "regex":
             return xgr.Grammar.from_regex(str(params.spec))
+        if params.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(str(params.spec))
         # choice: EBNF literals take JSON's escapes
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.spec)
         return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
@@ -78,7 +80,7 @@ def build_grammar(params: StructuredOutputParams) -> Any:
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-               "choice": "list of choices"}
+               "choice": "list of choices", "structural_tag": "structural tag"}
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> Any:

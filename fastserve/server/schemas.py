@@ -51,6 +51,7 @@ from fastserve.request import (
     SamplingParams,
     StructuredOutputParams,
 )
+from fastserve.server import tool_calls
 
 # -- errors ---------------------------------------------------------------------------------
 
@@ -267,6 +268,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
+MAX_TOOLS = 128  # as OpenAI
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
@@ -487,21 +489,129 @@ Content = Annotated[
 ]
 
 
-class ChatMessage(BaseModel):
-    """A message; `content` may be a string or a list of text parts (joined by newlines)."""
+# -- tool calling ------------------------------------------------------------------------
+
+FunctionName = Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: FunctionName
+    description: Text | None = None
+    # The JSON schema of the arguments; absent: any JSON object.
+    parameters: dict[Text, Any] | None = None
+    strict: StrictBool | None = Field(
+        None, description="true: the arguments always match `parameters` (even with "
+                          "tool_choice auto).")
+
+
+class Tool(BaseModel):
+    """A function the model may call (OpenAI's `tools[]`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Text
+    arguments: Text  # a JSON object's text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made: in a response, and in an assistant message sent back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    """A message; `content` may be a string or a list of text parts (joined by newlines).
+    An assistant message may carry the `tool_calls` it made, and a `tool` message answers one
+    of them (`tool_call_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="Only in assistant messages.")
+    tool_call_id: Text | None = Field(None, description="Required in (and only in) tool messages.")
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """One shape per role, as OpenAI's reference has them (one model validates them all,
+        so that an error's `param` reads `messages[0].content`, with no role in the path)."""
+        props = handler.resolve_ref_schema(handler(schema))["properties"]
+
+        def shape(roles: list[str], *fields: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+            keys = ("content", "name", *fields)
+            return {"type": "object", "additionalProperties": False,
+                    "required": ["role", *required],
+                    "properties": {"role": {"type": "string", "enum": roles},
+                                   **{k: props[k] for k in keys}}}
+
+        return {"anyOf": [shape(["system", "developer", "user"]),
+                          shape(["assistant"], "tool_calls"),
+                          {**(tool := shape(["tool"], required=("tool_call_id",))),
+                           "properties": {**tool["properties"], "tool_call_id": {"type": "string"}}}]}
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "tool_calls is only allowed in assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("tool_call_id", "tool_call_id is given exactly in tool messages")
+        return self
 
     def text(self) -> str:
         return self.content or ""
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's conventions): a tool call's
+        arguments as an object, the id a tool message answers."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name,
+                              "arguments": tool_calls.template_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
-# What the chat template is always given; chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+# What the chat template is given by the server (`tools`: from the request's field);
+# chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
 def _check_template_kwargs(value: Any) -> Any:
@@ -530,10 +640,14 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: PositiveInt | None = Field(
         None, description="Default: what the model's context leaves after the prompt."
     )
-    tools: Annotated[Any, Only(([],))] = Field(None, description="Not supported.")
-    tool_choice: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
-    parallel_tool_calls: Annotated[Any, Only((True, False))] = Field(
-        None, description="Accepted; no tools are called.")
+    tools: list[Tool] | None = Field(
+        None, max_length=MAX_TOOLS, description="Functions the model may call (Hermes-style "
+        "<tool_call> blocks in the output, returned as tool_calls).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none: no calls; auto (the default with tools): the model decides; "
+        "required: one call or more; a named function: exactly one call of it.")
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="false: at most one call per choice.")
     functions: Annotated[Any, Only(([],))] = Field(None, description="Not supported.")
     function_call: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
     modalities: Annotated[Any, Only((["text"],))] = Field(None, description="Only ['text'] is supported.")
@@ -547,6 +661,65 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool | None = Field(None, description="Log-probabilities of the output tokens.")
     top_logprobs: NumLogprobs | None = Field(
         None, description="With logprobs: this many most likely alternatives per token.")
+
+    def template_args(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The chat template's messages and further variables (the tools, and
+        chat_template_kwargs): what a replica renders, and the fleet's router with it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        return [m.template_dict() for m in self.messages], kwargs
+
+    @property
+    def tool_mode(self) -> str:
+        """"none" (no calls are read out of the output), "auto", "required", or "named" (a
+        call of `named_function`)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
+    @property
+    def named_function(self) -> str | None:
+        """The function tool_choice names, if it names one."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The tool calls' grammar, or the output format's; refuses both at once."""
+        other = super().structured_output()
+        spec = self._tool_grammar()
+        if spec is None:
+            return other
+        if other is not None:
+            field = other.param.split(".")[0]
+            raise InvalidRequestError(
+                f"{field}: cannot be combined with tool_choice {self.tool_mode!r} (nor with strict "
+                "tools or parallel_tool_calls false): both would constrain the whole output", field)
+        return StructuredOutputParams("structural_tag", spec, "tool_choice")
+
+    def _tool_grammar(self) -> str | None:
+        mode, tools = self.tool_mode, self.tools or []
+        if mode == "none":
+            return None
+        if not tools:
+            raise InvalidRequestError(f"tool_choice: {mode!r} needs tools", "tool_choice")
+        names = [t.function.name for t in tools]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise InvalidRequestError(
+                    f"tools[{i}].function.name: {name!r} is given twice", f"tools[{i}].function.name")
+        named = self.named_function
+        if named is not None and named not in names:
+            raise InvalidRequestError(
+                f"tool_choice: function {named!r} is not among the tools ({', '.join(names)})",
+                "tool_choice")
+        functions = [tool_calls.FunctionSpec(t.function.name, t.function.parameters,
+                                             bool(t.function.strict)) for t in tools]
+        return tool_calls.grammar_spec(functions, mode, self.parallel_tool_calls is not False,
+                                       named)
 
     def _logits_params(self) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -566,7 +739,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # "abort": a stream the server ended before the model did (shutdown, engine error; vLLM's
 # value); its error event follows.
-FinishReason = Literal["stop", "length", "abort"]
+# "tool_calls": the model stopped after calling tools.
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def now_s() -> int:
@@ -630,8 +804,13 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the message holds tool calls only
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -650,11 +829,35 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in the call's first delta
+    arguments: str | None = None  # the arguments' text, or the next part of it
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: its first delta has `id`, `type` and the function's name."""
+
+    index: int  # the call's position among the choice's calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(BaseModel):
-    """Only the fields that changed: the first chunk has the role, later ones content."""
+    """Only the fields that changed: the first chunk has the role, later ones content or
+    tool calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

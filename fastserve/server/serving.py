@@ -23,7 +23,7 @@ from fastserve.engine.async_llm import (
 from fastserve.executor import grammar
 from fastserve.model.tokenizer import check_encodable
 from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
-from fastserve.server import schemas, streaming
+from fastserve.server import chat_tools, schemas, streaming
 from fastserve.server.gate import ClientDisconnected, bad_input, engine_dead, engine_failure
 from fastserve.server.logprobs import LogprobsFormatter
 from fastserve.server.metrics import ServerMetrics
@@ -50,6 +50,9 @@ class _Job:
     created: int
     # Completions' echo: the prompt's text, returned before the completion (None: no echo).
     echo_text: str | None = None
+    # Chat's tool_choice: "none" (the output is all content), "auto", "required" or "named"
+    # (calls are read out of the output).
+    tool_mode: str = "none"
 
 
 class OpenAIServing:
@@ -101,11 +104,7 @@ class OpenAIServing:
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in body.messages
-        ]
-        kwargs = body.chat_template_kwargs or {}
+        messages, kwargs = body.template_args()
         render = functools.partial(
             self.llm.tokenizer.apply_chat_template, messages, add_generation_prompt=True, **kwargs)
         try:
@@ -115,15 +114,26 @@ class OpenAIServing:
         ids = await self._encode(text, "messages")
         field, requested = body.requested_max_tokens
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
-        job = self._job("chatcmpl", body, ids, max_tokens)
+        job = dataclasses.replace(self._job("chatcmpl", body, ids, max_tokens),
+                                  tool_mode=body.tool_mode)
+        if job.params.structured_output is not None and job.params.structured_output.kind == "structural_tag":
+            chat_tools.check_schemas(body)
         return await self._respond(
             job, request, "messages", self._chat_events, schemas.ChatCompletionResponse,
-            lambda final: schemas.ChatChoice(
-                index=final.index, message=schemas.ChatResponseMessage(content=final.text),
-                logprobs=self._chat_logprobs(final, len(final.token_ids)),
-                finish_reason=_finish_reason(final),
-            ),
-        )
+            lambda final: self._chat_choice(job, final))
+
+    def _chat_choice(self, job: _Job, final: RequestOutput) -> schemas.ChatChoice:
+        content, calls, finish = final.text, None, _finish_reason(final)
+        if job.tool_mode != "none":
+            tools = chat_tools.ChoiceToolCalls(job.tool_mode)
+            content, numbered = tools.read(final.index, final.text, finished=True)
+            calls = [call for _, call in numbered]
+            finish = tools.finish_reason(final, finish)
+        return schemas.ChatChoice(
+            index=final.index,
+            message=schemas.ChatResponseMessage(content=(content or None) if calls else content,
+                                                tool_calls=calls or None),
+            logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish)
 
     # -- validation -----------------------------------------------------------------------
 
@@ -321,6 +331,7 @@ class OpenAIServing:
                         usage=_usage(job, ()) if job.continuous_usage else None, index=i)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
+        tools = chat_tools.ChoiceToolCalls(job.tool_mode) if job.tool_mode != "none" else None
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 for line in _cut_short(job, latest, done, out,
@@ -332,17 +343,27 @@ class OpenAIServing:
             so_far = _usage(job, latest.values()) if job.continuous_usage else None
             if out.finished:
                 done.add(out.index)
+            text, calls = out.new_text, None
+            if tools is not None:
+                text, calls = tools.read(out.index, out.new_text, out.finished)
             new_lps = self._chat_logprobs(out, len(out.new_token_ids))
-            if new_lps is not None and (out.new_text or out.new_token_ids):
+            if new_lps is not None and (text or out.new_token_ids):
                 # Each chunk carries its tokens' log-probabilities (text may lag behind them).
-                yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far,
+                yield chunk(schemas.ChatDelta(content=text), usage=so_far,
                             index=out.index, logprobs=new_lps)
-            elif so_far is not None and (out.new_text or not out.finished):
-                yield chunk(schemas.ChatDelta(content=out.new_text), usage=so_far, index=out.index)
-            elif out.new_text:
-                yield text_chunks(out.index, out.new_text)
+            elif so_far is not None and (text or not out.finished):
+                yield chunk(schemas.ChatDelta(content=text), usage=so_far, index=out.index)
+            elif text:
+                yield text_chunks(out.index, text)
+            if calls:  # each call whole, once its closing tag is in
+                yield chunk(schemas.ChatDelta(tool_calls=[
+                    schemas.ToolCallDelta(index=k, id=c.id, type="function",
+                                          function=schemas.FunctionCallDelta(**c.function.model_dump()))
+                    for k, c in calls]), usage=so_far, index=out.index)
             if out.finished:
-                yield chunk(schemas.ChatDelta(), _finish_reason(out), so_far, out.index)
+                finish = _finish_reason(out)
+                finish = finish if tools is None else tools.finish_reason(out, finish)
+                yield chunk(schemas.ChatDelta(), finish, so_far, out.index)
                 if job.include_usage and out.ends_request:
                     yield chunk(None, usage=_usage(job, latest.values()))
         yield "data: [DONE]\n\n"
@@ -479,3 +500,4 @@ def _cut_short(
 
 def _finish_reason(out: RequestOutput) -> schemas.FinishReason:
     return "length" if out.finish_reason == "length" else "stop"
+

@@ -61,7 +61,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
     """positive_data_acceptance, less the limits across fields that JSON Schema cannot state:
     the prompt's tokens plus max_tokens must fit the context (`context_length_exceeded`),
     min_tokens may not exceed max_tokens (whose default depends on the prompt), best_of
-    may not be below n (nor above it with stream); and those of issue 27's fields (below)."""
+    may not be below n (nor above it with stream); and those of issue 27's fields and of tool
+    calling (below)."""
     if response.status_code == 400:
         error = response.json()["error"]
         if error["code"] == "context_length_exceeded":
@@ -74,6 +75,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
             return None
         if error["param"] in STRUCTURED_PARAMS:  # a regex or JSON schema that is no grammar
             return None
+        if _is_tool_limit(error["param"], error["message"]):
+            return None
         # max_tokens 0 only with echo, top_logprobs only with logprobs, logit_bias keys in
         # the vocabulary (JSON Schema cannot bound a key's number).
         limits = {"max_tokens": "0 only with echo", "top_logprobs": "needs logprobs",
@@ -81,6 +84,17 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
         if error["param"] in limits and limits[error["param"]] in error["message"]:
             return None
     return positive_data_acceptance(ctx, response, case)
+
+
+def _is_tool_limit(param: str | None, message: str) -> bool:
+    """Tool calling's limits across fields: tool_choice names one of the tools (and required
+    needs some), function names differ, a schema the calls' grammar holds is a grammar, and
+    tool_call_id is in tool messages only."""
+    param = param or ""
+    return (param == "tool_choice" and ("needs tools" in message or "among the tools" in message)
+            or param.startswith("tools[") and (param.endswith(".parameters")
+                                               or "given twice" in message)
+            or param.startswith("messages[") and "tool_call" in message)
 
 
 # NOTE: schemathesis' own pytest plugin (`from_fixture(...).parametrize()`) does not run on
