@@ -36,20 +36,27 @@ class ChoiceToolCalls:
         self._parsers: dict[int, tool_calls.ToolCallParser] = {}
 
     def read(self, index: int, text: str, finished: bool
-             ) -> tuple[str, list[tuple[int, schemas.ToolCall]]]:
-        """The content among choice `index`'s new `text`, and the calls it completed, each with
-        its position among the choice's calls."""
+             ) -> tuple[str, list[schemas.ToolCallDelta]]:
+        """The content among choice `index`'s new `text`, and the pieces of calls in it (one
+        delta per call: a call's first names it and gets its id)."""
         parser = self._parsers.setdefault(index, tool_calls.ToolCallParser())
-        first = parser.num_calls
         parsed = parser.feed(text)
         if finished:
             rest = parser.finish()
             parsed.content += rest.content
             parsed.calls += rest.calls
-        return parsed.content, [
-            (first + k, schemas.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=schemas.FunctionCall(
-                name=c.name, arguments=c.arguments)))
-            for k, c in enumerate(parsed.calls)]
+        deltas: list[schemas.ToolCallDelta] = []
+        for piece in parsed.calls:
+            if deltas and deltas[-1].index == piece.index:
+                deltas[-1].function.arguments = (deltas[-1].function.arguments or "") + piece.arguments
+            elif piece.name is not None:
+                deltas.append(schemas.ToolCallDelta(
+                    index=piece.index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                    function=schemas.FunctionCallDelta(name=piece.name, arguments=piece.arguments)))
+            else:
+                deltas.append(schemas.ToolCallDelta(
+                    index=piece.index, function=schemas.FunctionCallDelta(arguments=piece.arguments)))
+        return parsed.content, deltas
 
     def finish_reason(self, out: RequestOutput, reason: schemas.FinishReason) -> schemas.FinishReason:
         """The choice's `reason`, or "tool_calls" when the model stopped after calling
@@ -58,3 +65,15 @@ class ChoiceToolCalls:
         if reason == "stop" and parser is not None and parser.num_calls and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
+
+
+def assemble(deltas: list[schemas.ToolCallDelta]) -> list[schemas.ToolCall]:
+    """Whole calls from their deltas, as a client puts a stream's together."""
+    calls: list[schemas.ToolCall] = []
+    for d in deltas:
+        if d.id is not None:
+            calls.append(schemas.ToolCall(id=d.id, function=schemas.FunctionCall(
+                name=d.function.name or "", arguments=d.function.arguments or "")))
+        else:
+            calls[-1].function.arguments += d.function.arguments or ""
+    return calls

@@ -126,8 +126,8 @@ class OpenAIServing:
         content, calls, finish = final.text, None, _finish_reason(final)
         if job.tool_mode != "none":
             tools = chat_tools.ChoiceToolCalls(job.tool_mode)
-            content, numbered = tools.read(final.index, final.text, finished=True)
-            calls = [call for _, call in numbered]
+            content, deltas = tools.read(final.index, final.text, finished=True)
+            calls = chat_tools.assemble(deltas)
             finish = tools.finish_reason(final, finish)
         return schemas.ChatChoice(
             index=final.index,
@@ -355,11 +355,8 @@ class OpenAIServing:
                 yield chunk(schemas.ChatDelta(content=text), usage=so_far, index=out.index)
             elif text:
                 yield text_chunks(out.index, text)
-            if calls:  # each call whole, once its closing tag is in
-                yield chunk(schemas.ChatDelta(tool_calls=[
-                    schemas.ToolCallDelta(index=k, id=c.id, type="function",
-                                          function=schemas.FunctionCallDelta(**c.function.model_dump()))
-                    for k, c in calls]), usage=so_far, index=out.index)
+            if calls:  # a call's name once its arguments begin, then their text
+                yield chunk(schemas.ChatDelta(tool_calls=calls), usage=so_far, index=out.index)
             if out.finished:
                 finish = _finish_reason(out)
                 finish = finish if tools is None else tools.finish_reason(out, finish)

@@ -21,6 +21,7 @@ Pure Python over text: the server's handlers map it onto the OpenAI schemas.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,34 +78,50 @@ def _tag(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # the arguments object as JSON text
+class CallDelta:
+    """A piece of a tool call: its first piece names the function, the next ones carry the
+    arguments' text as it is generated."""
+
+    index: int  # the call's position among the output's calls
+    name: str | None  # in the call's first piece only
+    arguments: str  # the next part of the arguments object's text, as the model wrote it
 
 
 @dataclass
 class Parsed:
-    """What a piece of output holds: content text and completed calls, in order of the text
-    (content first: a chunk's content comes before its calls)."""
+    """What a piece of output holds: content text and pieces of calls (the content comes
+    first: it was written before them)."""
 
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
+
+
+# A call's start as the format writes it, up to its arguments object: the function's name is
+# known from here on, and the arguments can stream.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*\{')
 
 
 class ToolCallParser:
     """Splits one sequence's output into content and tool calls, as the text arrives.
 
     The same parser serves a whole response (`feed` then `finish`) and a stream (`feed` per
-    chunk), so both give the same content and calls. Text that may be the start of a
-    `<tool_call>` tag is held until it is known not to be; so is whitespace at the end of the
-    content, which is dropped before a call and at the end of an output that made calls. A
-    block whose JSON is not a call (`{"name": str, "arguments": object}`) stays in the content
-    as written, so no text is lost.
+    chunk), so both give the same content and calls. A call in the format's usual order (name,
+    then the arguments object) streams: its name once the arguments begin, then their text as
+    it comes, up to the object's closing brace (whatever follows it in the block is dropped).
+    The arguments are the model's text as written: like OpenAI's, they may be invalid JSON
+    when the model is not held to a grammar, or cut short by `max_tokens`. Another block is
+    read whole at its end, as a JSON object `{"name": string, "arguments": object}`; if it is
+    none, it stays in the content as written, so no text is lost.
+
+    Text that may be the start of a `<tool_call>` tag is held until it is known not to be; so
+    is whitespace at the end of the content, which is dropped before a call and at the end of
+    an output that made calls.
     """
 
     def __init__(self) -> None:
         self._pending = ""  # text not classified yet
         self._in_call = False  # inside a <tool_call> block
+        self._args: _ObjectScanner | None = None  # the streaming call's arguments, if any
         self._held_space = ""  # the content's trailing whitespace, sent once text follows it
         self._space_before_call = ""  # put back if the block turns out to be no call
         self.num_calls = 0
@@ -114,15 +131,12 @@ class ToolCallParser:
         out = Parsed()
         while True:
             if self._in_call:
-                end = self._pending.find(CALL_END)
-                if end < 0:
+                if not self._read_call(out):
                     return out
-                self._close_call(self._pending[:end], CALL_END, out)
-                self._pending = self._pending[end + len(CALL_END):]
                 continue
             start = self._pending.find(CALL_START)
             if start < 0:
-                keep = _partial_start(self._pending)
+                keep = _partial_tag(self._pending, CALL_START)
                 out.content += self._content(self._pending[:len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep:]
                 return out
@@ -133,28 +147,69 @@ class ToolCallParser:
 
     def finish(self) -> Parsed:
         """The rest, once the output is complete: an unclosed block is still a call if its
-        JSON is complete (a model may stop right after it)."""
+        arguments began (or its JSON is complete: a model may stop right after it)."""
         out = Parsed()
         if self._in_call:
-            self._close_call(self._pending, "", out)
-        else:
+            self._read_call(out)
+        if not self._in_call:
             out.content += self._content(self._pending)
+        elif self._args is not None:  # its arguments began: a call, cut short or not
+            self._end_call()
+        else:
+            self._close_call(self._pending, "", out)
         self._pending = ""
-        self._in_call = False
         if self.num_calls == 0:
             out.content += self._held_space
         self._held_space = ""
         return out
 
+    def _read_call(self, out: Parsed) -> bool:
+        """Read the open block's text; True once the block has closed."""
+        if self._args is None:
+            head = _CALL_HEAD.match(self._pending)
+            if head is not None and (name := _json_string(head.group(1))) is not None:
+                out.calls.append(CallDelta(self.num_calls, name, ""))
+                self._args = _ObjectScanner()
+                self._pending = self._pending[head.end() - 1:]  # from the arguments' "{"
+            else:
+                end = self._pending.find(CALL_END)
+                if end < 0:
+                    return False
+                self._close_call(self._pending[:end], CALL_END, out)
+                self._pending = self._pending[end + len(CALL_END):]
+                return True
+        args = self._args
+        if not args.is_closed:
+            used, closed_by_tag = args.scan(self._pending)
+            if used:
+                out.calls.append(CallDelta(self.num_calls, None, self._pending[:used]))
+            self._pending = self._pending[used:]
+            if not args.is_closed and not closed_by_tag:
+                return False
+        end = self._pending.find(CALL_END)  # after the arguments: the block's end
+        if end < 0:
+            self._pending = self._pending[max(0, len(self._pending) - len(CALL_END)):]
+            return False
+        self._pending = self._pending[end + len(CALL_END):]
+        self._end_call()
+        return True
+
     def _close_call(self, body: str, end: str, out: Parsed) -> None:
+        """A block read whole: a call, or content as written."""
         self._in_call = False
         call = _parse_call(body)
         if call is None:
             out.content += self._content(self._space_before_call + CALL_START + body + end)
         else:
-            out.calls.append(call)
+            out.calls.append(CallDelta(self.num_calls, *call))
             self.num_calls += 1
         self._space_before_call = ""
+
+    def _end_call(self) -> None:
+        self._in_call = False
+        self._args = None
+        self._space_before_call = ""
+        self.num_calls += 1
 
     def _content(self, text: str) -> str:
         """What of `text` can be sent: all but its trailing whitespace, which is held (and
@@ -165,15 +220,61 @@ class ToolCallParser:
         return sent
 
 
-def _partial_start(text: str) -> int:
-    """The length of the longest end of `text` that may begin a `<tool_call>` tag."""
-    for n in range(min(len(text), len(CALL_START) - 1), 0, -1):
-        if CALL_START.startswith(text[-n:]):
+class _ObjectScanner:
+    """Follows a JSON object's text to its closing brace: strings and escapes, nesting depth.
+    It does not check the JSON otherwise (a grammar does that, where one holds the output)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.is_closed = False
+
+    def scan(self, text: str) -> tuple[int, bool]:
+        """How many characters of `text` belong to the object (up to its closing brace), and
+        whether a `</tool_call>` outside a string ends the block first. Stops early before
+        what may be the start of that tag."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.is_closed = True
+                    return i + 1, False
+            elif ch == "<" and CALL_END.startswith(text[i:i + len(CALL_END)]):
+                return i, len(text) - i >= len(CALL_END)  # the tag, or maybe its start
+        return len(text), False
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that may begin `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
 
-def _parse_call(body: str) -> ParsedCall | None:
+def _json_string(body: str) -> str | None:
+    """A JSON string's value from its text between the quotes; None if it is no valid text."""
+    try:
+        value = json.loads('"' + body + '"')
+    except ValueError:
+        return None
+    return value if _is_text(value) else None
+
+
+def _parse_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments' JSON text) of a block read whole, or None if it holds no call."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -184,8 +285,8 @@ def _parse_call(body: str) -> ParsedCall | None:
     if not isinstance(arguments, dict):
         return None
     text = json.dumps(arguments, ensure_ascii=False)
-    # NOTE: JSON may spell a lone surrogate ("\ud800"), which is no UTF-8 text: kept escaped.
-    return ParsedCall(obj["name"], text if _is_text(text) else json.dumps(arguments))
+    # NOTE: JSON may spell a lone surrogate ("\\ud800"), which is no UTF-8 text: kept escaped.
+    return obj["name"], text if _is_text(text) else json.dumps(arguments)
 
 
 def _is_text(value: Any) -> bool:

@@ -8,13 +8,25 @@ import json
 
 import pytest
 
-from fastserve.server.tool_calls import FunctionSpec, ParsedCall, ToolCallParser, grammar_spec
+from fastserve.server.tool_calls import CallDelta, FunctionSpec, ToolCallParser, grammar_spec
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 
 
-def parse(pieces: list[str]) -> tuple[str, list[ParsedCall]]:
+def calls_of(pieces: list[CallDelta]) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, put together from its pieces as a client does."""
+    calls: list[tuple[str, str]] = []
+    for p in pieces:
+        assert p.index == len(calls) - (p.name is None)  # in order, each named first
+        if p.name is not None:
+            calls.append((p.name, p.arguments))
+        else:
+            calls[-1] = (calls[-1][0], calls[-1][1] + p.arguments)
+    return calls
+
+
+def parse(pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
     parser = ToolCallParser()
     content, calls = "", []
     for piece in pieces:
@@ -22,25 +34,43 @@ def parse(pieces: list[str]) -> tuple[str, list[ParsedCall]]:
         content += out.content
         calls += out.calls
     out = parser.finish()
-    return content + out.content, calls + out.calls
+    return content + out.content, calls_of(calls + out.calls)
 
 
 CASES = {
-    "one call": (WEATHER, "", ["get_weather"]),
+    "one call": (WEATHER, "", [("get_weather", '{"city": "Paris"}')]),
     "text then calls": ("Let me check.\n" + WEATHER + "\n" + ADD, "Let me check.",
-                        ["get_weather", "add"]),
+                        [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]),
     "whitespace around calls is dropped": ("\n " + WEATHER + "\n\n" + ADD + "\n", "",
-                                           ["get_weather", "add"]),
-    "text after a call stays": (WEATHER + "\nDone.\n", "\nDone.", ["get_weather"]),
+                                           [("get_weather", '{"city": "Paris"}'),
+                                            ("add", '{"a": 1, "b": 2}')]),
+    "text after a call stays": (WEATHER + "\nDone.\n", "\nDone.", [("get_weather", '{"city": "Paris"}')]),
     "no calls: text as is, trailing space kept": ("a < b, <tool no\n", "a < b, <tool no\n", []),
+    "arguments as written": ('<tool_call>{"name":"f","arguments":{"a":1,  "b" : [2]}}</tool_call>', "",
+                             [("f", '{"a":1,  "b" : [2]}')]),
+    "a tag inside a string is text": (
+        '<tool_call>{"name": "f", "arguments": {"s": "</tool_call> \\" }"}}</tool_call>', "",
+        [("f", '{"s": "</tool_call> \\" }"}')]),
+    "what follows the arguments in the block is dropped": (
+        '<tool_call>{"name": "f", "arguments": {}, "x": 1}</tool_call>', "", [("f", "{}")]),
+    "arguments cut short are still a call": ('<tool_call>\n{"name": "f", "arguments": {"a": "x',
+                                             "", [("f", '{"a": "x')]),
+    "the closing tag ends unclosed arguments": (
+        '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>after', "after", [("f", '{"a": 1')]),
+    "an unclosed block with whole JSON is a call": (
+        'ok <tool_call>\n{"name": "f", "arguments": {}}\n', "ok", [("f", "{}")]),
+    # Not in the usual order: read whole at the block's end.
+    "no arguments: an empty object": ('<tool_call>{"name": "f"}</tool_call>', "", [("f", "{}")]),
+    "arguments first": ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', "",
+                        [("f", '{"a": 1}')]),
     "a block that is no call stays as text": ("x <tool_call>{not json}</tool_call> y",
                                               "x <tool_call>{not json}</tool_call> y", []),
     "arguments must be an object": ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
                                     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
-    "an unclosed call with whole JSON is a call": (
-        'ok <tool_call>\n{"name": "f", "arguments": {}}\n', "ok", ["f"]),
-    "an unclosed call cut short stays as text": ('<tool_call>\n{"name": "f", "argu',
-                                                 '<tool_call>\n{"name": "f", "argu', []),
+    "a name that is no text": ('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>',
+                               '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>', []),
+    "a block cut short before its arguments stays as text": (
+        '<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
     "a tag's start at the end is text": ("see <tool_ca", "see <tool_ca", []),
     "only whitespace, no calls": ("\n", "\n", []),
 }
@@ -48,25 +78,31 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_whole_and_streamed_text_parse_alike(name: str) -> None:
-    text, content, names = CASES[name]
-    whole_content, whole_calls = parse([text])
-    assert whole_content == content
-    assert [c.name for c in whole_calls] == names
+    text, content, calls = CASES[name]
+    assert parse([text]) == (content, calls)
     # Every way of cutting the text in two, and one character at a time, reads the same.
     for cut in range(len(text) + 1):
-        assert parse([text[:cut], text[cut:]]) == (whole_content, whole_calls), cut
-    assert parse(list(text)) == (whole_content, whole_calls)
+        assert parse([text[:cut], text[cut:]]) == (content, calls), cut
+    assert parse(list(text)) == (content, calls)
 
 
-def test_arguments_are_the_object_as_json() -> None:
-    _, calls = parse([ADD])
-    assert json.loads(calls[0].arguments) == {"a": 1, "b": 2}
-    _, calls = parse(['<tool_call>{"name": "f"}</tool_call>'])  # no arguments: an empty object
-    assert calls == [ParsedCall("f", "{}")]
-    _, calls = parse(['<tool_call>{"name": "f", "arguments": {"s": "é\\ud800"}}</tool_call>'])
-    assert calls == [ParsedCall("f", '{"s": "\\u00e9\\ud800"}')]  # no UTF-8: kept escaped
-    content, calls = parse(['<tool_call>{"name": "\\ud800"}</tool_call>'])
-    assert not calls and content == '<tool_call>{"name": "\\ud800"}</tool_call>'
+def test_a_call_streams_its_name_then_its_arguments() -> None:
+    parser = ToolCallParser()
+    assert parser.feed('Sure.\n<tool_call>\n{"name": "add", "arguments": ').calls == []
+    assert parser.feed("{").calls == [CallDelta(0, "add", ""), CallDelta(0, None, "{")]
+    assert parser.feed('"a": 1').calls == [CallDelta(0, None, '"a": 1')]
+    assert parser.feed(', "b": 2}}\n</tool_call>\n<tool_call>').calls == [CallDelta(0, None, ', "b": 2}')]
+    assert parser.num_calls == 1
+    assert parser.feed('{"name": "f", "arguments": {}}').calls == [CallDelta(1, "f", ""),
+                                                                    CallDelta(1, None, "{}")]
+    assert parser.finish() == type(parser.finish())()  # nothing left; the block ended the output
+    assert parser.num_calls == 2
+
+
+def test_unicode_in_arguments() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"s": "é日\\ud800"}}</tool_call>'
+    assert parse([text]) == ("", [("f", '{"s": "é日\\ud800"}')])  # as written: valid text
+    assert json.loads(parse([text])[1][0][1])["s"][:2] == "é日"
 
 
 def test_held_text_is_sent_once_it_cannot_start_a_call() -> None:
