@@ -83,6 +83,17 @@ _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "reg
                "choice": "list of choices", "structural_tag": "structural tag"}
 
 
+def _controls(params: StructuredOutputParams) -> str:
+    """`_Matcher.controls` of a grammar: JSON's "json"; tool calls' "tags", unless free text
+    may come between them (tool_choice auto: text keeps its tabs, and a call's strings
+    could take a raw control character); the rest ""."""
+    if params.kind in ("json", "json_object"):
+        return "json"
+    if params.kind == "structural_tag" and json.loads(str(params.spec))["format"]["type"] != "triggered_tags":
+        return "tags"
+    return ""
+
+
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> Any:
     """xgrammar's view of our tokenizer, built from its own vocabulary (no transformers).
 
@@ -134,19 +145,23 @@ class GrammarCache:
 
 
 _CONTROL_BYTES = re.compile(rb"[\x00-\x1f]")
+_CONTROL_BYTES_BUT_NEWLINES = re.compile(rb"[\x00-\x09\x0b\x0c\x0e-\x1f]")
 
 
-def no_control_mask(info: Any, vocab_size: int) -> torch.Tensor:
+def no_control_mask(info: Any, vocab_size: int, but_newlines: bool = False) -> torch.Tensor:
     """A bitmask row ([ceil(vocab / 32)] int32, bit j of word w: token 32 w + j) allowing the
-    tokens with no control byte (0x00-0x1f).
+    tokens with no control byte (0x00-0x1f; `but_newlines`: \\n and \\r are allowed).
 
     NOTE: xgrammar's JSON-schema strings with a length bound (maxLength) take any character
     but quote, backslash and newlines, so control characters could appear raw, which JSON
-    forbids. Compact JSON never needs one, so JSON rows are ANDed with this mask.
+    forbids. Compact JSON never needs one, so JSON rows are ANDed with this mask. Tool calls'
+    tags hold newlines between their JSON and their tags (and JSON strings never take a raw
+    newline): their rows are ANDed with the `but_newlines` mask.
     """
     words = -(-vocab_size // 32)
     decoded = info.decoded_vocab[:vocab_size]
-    flags = [_CONTROL_BYTES.search(tok) is None for tok in decoded]
+    pattern = _CONTROL_BYTES_BUT_NEWLINES if but_newlines else _CONTROL_BYTES
+    flags = [pattern.search(tok) is None for tok in decoded]
     flags += [False] * (words * 32 - len(flags))
     allowed = torch.tensor(flags, dtype=torch.int64)
     packed = (allowed.view(words, 32) << torch.arange(32)).sum(dim=-1)  # [words] in [0, 2**32)
@@ -160,7 +175,9 @@ class _Matcher:
 
     compiled: concurrent.futures.Future[Any]
     param: str  # the field it came from, for error messages
-    is_json: bool  # JSON output: no token with a control byte (see `no_control_mask`)
+    # Which tokens with control bytes the output must do without (`no_control_mask`): "json"
+    # (all), "tags" (all but newlines: tool calls), "" (none: free text may follow a grammar).
+    controls: str
     matcher: Any = None  # xgrammar.GrammarMatcher, made once the grammar is compiled
     num_accepted: int = 0  # output tokens fed to the matcher so far
 
@@ -182,7 +199,8 @@ class StructuredOutputs:
         self._cache: GrammarCache | None = None
         self._matchers: dict[str, _Matcher] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
-        self._no_control: torch.Tensor | None = None  # [ceil(vocab / 32)] int32
+        # [ceil(vocab / 32)] int32 rows, by `_Matcher.controls`
+        self._no_control: dict[str, torch.Tensor] = {}
 
     @property
     def cache(self) -> GrammarCache:
@@ -190,7 +208,8 @@ class StructuredOutputs:
             if not is_available():
                 raise InvalidRequestError(INSTALL_HINT, "response_format")
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
-            self._no_control = no_control_mask(info, self.vocab_size)
+            self._no_control = {"json": no_control_mask(info, self.vocab_size),
+                                "tags": no_control_mask(info, self.vocab_size, but_newlines=True)}
             self._cache = GrammarCache(info, self.cache_size)
         return self._cache
 
@@ -207,7 +226,7 @@ class StructuredOutputs:
         if not is_available():
             raise InvalidRequestError(INSTALL_HINT, params.param)
         self._matchers[request_id] = _Matcher(self.cache.compile(params), params.param,
-                                              is_json=params.kind in ("json", "json_object"))
+                                              controls=_controls(params))
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -239,7 +258,7 @@ class StructuredOutputs:
         reason is in `errors`)."""
         # logits: [num_reqs, vocab]
         masked: list[int] = []
-        json_rows: list[int] = []
+        limited: dict[str, list[int]] = {"json": [], "tags": []}  # rows by `controls`
         failed: set[int] = set()
         bitmask = self._bitmask_for(len(reqs))
         for i in rows:
@@ -249,13 +268,14 @@ class StructuredOutputs:
             try:
                 self._matcher(m).fill_next_token_bitmask(bitmask, i)
                 masked.append(i)
-                if m.is_json:
-                    json_rows.append(i)
+                if m.controls:
+                    limited[m.controls].append(i)
             except Exception as exc:  # NOTE: a grammar that failed to compile fails its request
                 errors[reqs[i].request_id] = f"{m.param}: the grammar failed: {_message(exc)}"
                 failed.add(i)
-        if json_rows and self._no_control is not None:
-            bitmask[json_rows] &= self._no_control
+        for controls, limited_rows in limited.items():
+            if limited_rows and controls in self._no_control:
+                bitmask[limited_rows] &= self._no_control[controls]
         if masked:
             # A grammar with no way on (an empty language) fails its request, not the draw.
             is_stuck = (bitmask[masked] == 0).all(dim=-1).tolist()  # [len(masked)], on the host

@@ -143,6 +143,10 @@ def _check_text(value: str) -> str:
 
 # A JSON string that is valid Unicode text.
 Text = Annotated[StrictStr, AfterValidator(_check_text)]
+# A function's or a schema's name. NOTE: ASCII by its pattern, so no Unicode check; and the
+# pattern must not follow a validator, or it leaves the JSON schema.
+Name = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+FunctionName = Name
 
 
 def _integral(value: Any) -> Any:
@@ -238,7 +242,7 @@ class JsonSchemaFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    name: Name
     description: Text | None = None
     # The JSON schema the output must match; absent: any JSON object.
     # NOTE: `schema` shadows a BaseModel attribute, hence the alias.
@@ -491,7 +495,6 @@ Content = Annotated[
 
 # -- tool calling ------------------------------------------------------------------------
 
-FunctionName = Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
 class FunctionDefinition(BaseModel):
