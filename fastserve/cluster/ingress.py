@@ -31,12 +31,13 @@ from fastserve.cluster.asgi import ForwardedRequest, ResponseStart
 from fastserve.cluster.metrics import FleetMetrics
 from fastserve.fleet.router import RouteRequest
 from fastserve.server.metrics import CONTENT_TYPE
+from fastserve.server.responses_schemas import ResponsesRequest
 from fastserve.server.schemas import APIError, ChatCompletionRequest
 from fastserve.server.streaming import sse_data
 
 logger = logging.getLogger(__name__)
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Texts longer than this are tokenized on a worker thread (as the server does).
 _INLINE_TEXT_CHARS = 4096
 _RETRY_BACKOFF_S = 0.2
@@ -79,7 +80,9 @@ class RouteHints:
             if not isinstance(prompt, str):
                 return None
             return await _off_loop(lambda: list(self.tokenizer.encode(prompt)), len(prompt))
-        messages, kwargs = ChatCompletionRequest.model_validate(data).template_args()
+        chat = (ResponsesRequest.model_validate(data).to_chat() if path == "/v1/responses"
+                else ChatCompletionRequest.model_validate(data))
+        messages, kwargs = chat.template_args()
 
         def render() -> list[int]:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)

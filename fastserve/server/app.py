@@ -4,7 +4,8 @@ One request's path: `gate.RequestGate` checks the API key and the body size befo
 parsing; the route validates the body (pydantic, `schemas.py`) and hands it to `OpenAIServing`
 (`serving.py`), which turns it into prompt token ids and `SamplingParams` and iterates
 `AsyncLLM.generate`; `streaming.py` sends server-sent events ending with `data: [DONE]`, and
-`gate.py` maps every error to an OpenAI error body naming its `param`.
+`gate.py` maps every error to an OpenAI error body naming its `param`. The Responses API
+(`responses.py`) runs on the chat path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from fastserve.server.gate import (
     add_error_handlers,
 )
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from fastserve.server.responses import ResponsesServing
+from fastserve.server.responses_schemas import ResponseObject, ResponsesRequest
 from fastserve.server.serving import OpenAIServing
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -99,6 +102,15 @@ def build_app(
         """Answer a conversation, rendered with the model's chat template."""
         return await serving.chat(body, request)
 
+    responses = ResponsesServing(serving)
+
+    @v1.post("/responses", response_model=ResponseObject, responses=_stream_responses(
+        "typed server-sent events (`event: <type>` and `data: {event}` lines, from "
+        "`response.created` to `response.completed`)"))
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, stateless: the conversation goes whole in `input`."""
+        return await responses.create(body, request)
+
     app.include_router(v1)
     _narrow_openapi(app, served_model_name, llm.engine.arch.vocab_size, serving.max_model_len)
     return app
@@ -119,13 +131,14 @@ def _narrow_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_le
         doc = build()
         for param in doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
             param["schema"]["enum"] = [model_name]  # the one model there is; others are 404
-        for name in ("CompletionRequest", "ChatCompletionRequest"):
+        for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
             props = doc["components"]["schemas"][name]["properties"]
             props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
-            for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+            for field in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
                 if field in props:
                     _set_maximum(props[field], max_model_len - 1)
-            _set_maximum(props["stop_token_ids"], vocab_size - 1)
+            if "stop_token_ids" in props:
+                _set_maximum(props["stop_token_ids"], vocab_size - 1)
             if "prompt" in props:
                 _set_maximum(props["prompt"], vocab_size - 1)
         app.openapi_schema = doc
@@ -147,11 +160,12 @@ def _set_maximum(schema: Any, maximum: int) -> None:
                 _set_maximum(schema[key], maximum)
 
 
-def _stream_responses() -> dict[int | str, dict[str, Any]]:
+def _stream_responses(
+    events: str = "server-sent events (`data: {chunk}` lines ending with `data: [DONE]`)",
+) -> dict[int | str, dict[str, Any]]:
     return {
         200: {
-            "description": "the result, or with `stream: true` server-sent events (`data: {chunk}`"
-            " lines ending with `data: [DONE]`)",
+            "description": f"the result, or with `stream: true` {events}",
             "content": {"text/event-stream": {}},
         },
         **_ERROR_RESPONSES,

@@ -37,7 +37,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completio
 
 
 @dataclass(frozen=True)
-class _Job:
+class Job:
     """One validated generation request, ready for the engine."""
 
     request_id: str  # the engine's: unique while the request runs
@@ -103,6 +103,14 @@ class OpenAIServing:
         )
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        job = await self.chat_job(body, "chatcmpl")
+        return await self._respond(
+            job, request, "messages", self._chat_events, schemas.ChatCompletionResponse,
+            lambda final: self._chat_choice(job, final))
+
+    async def chat_job(self, body: schemas.ChatCompletionRequest, prefix: str) -> Job:
+        """The conversation's job: rendered with the chat template, tokenized, checked.
+        `prefix` starts the response id (`chatcmpl`; the Responses API's `resp`)."""
         self.check_model(body.model)
         messages, kwargs = body.template_args()
         render = functools.partial(
@@ -114,15 +122,13 @@ class OpenAIServing:
         ids = await self._encode(text, "messages")
         field, requested = body.requested_max_tokens
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
-        job = dataclasses.replace(self._job("chatcmpl", body, ids, max_tokens),
+        job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
                                   tool_mode=body.tool_mode)
         if job.params.structured_output is not None and job.params.structured_output.kind == "structural_tag":
             chat_tools.check_schemas(body)
-        return await self._respond(
-            job, request, "messages", self._chat_events, schemas.ChatCompletionResponse,
-            lambda final: self._chat_choice(job, final))
+        return job
 
-    def _chat_choice(self, job: _Job, final: RequestOutput) -> schemas.ChatChoice:
+    def _chat_choice(self, job: Job, final: RequestOutput) -> schemas.ChatChoice:
         content, calls, finish = final.text, None, _finish_reason(final)
         if job.tool_mode != "none":
             tools = chat_tools.ChoiceToolCalls(job.tool_mode)
@@ -184,7 +190,7 @@ class OpenAIServing:
 
     def _job(
         self, prefix: str, body: schemas.CompletionRequest | schemas.ChatCompletionRequest, ids: list[int], max_tokens: int
-    ) -> _Job:
+    ) -> Job:
         if body.stream_options is not None and not body.stream:
             raise schemas.APIError(
                 400, "stream_options: only allowed when stream is true", param="stream_options"
@@ -205,7 +211,7 @@ class OpenAIServing:
                                    param=params.structured_output.param,
                                    code="structured_output_unavailable")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return _Job(
+        return Job(
             request_id=request_id,
             response_id=request_id if body.request_id is None else f"{prefix}-{body.request_id}",
             prompt_token_ids=ids,
@@ -220,26 +226,26 @@ class OpenAIServing:
 
     async def _respond(
         self,
-        job: _Job,
+        job: Job,
         request: Request,
         prompt_param: str,
-        events: Callable[[_Job, RequestOutput, AsyncIterator[RequestOutput]],
+        events: Callable[[Job, RequestOutput, AsyncIterator[RequestOutput]],
                          AsyncGenerator[str, None]],
         response: Callable[..., BaseModel],
         choice: Callable[[RequestOutput], BaseModel],
     ) -> Response:
         """Run the job: its event stream (`events`) when it streams, else one `response`
         body whose choices `choice` builds from each sequence's last output."""
-        first, outputs = await self._start(job, request, prompt_param)
+        first, outputs = await self.start(job, request, prompt_param)
         if job.stream:
             return streaming.EventStream(events(job, first, outputs))
         finals = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         body = response(id=job.response_id, created=job.created, model=self.model_name,
-                        choices=[choice(f) for f in finals], usage=_usage(job, finals))
+                        choices=[choice(f) for f in finals], usage=job_usage(job, finals))
         return JSONResponse(body.model_dump())
 
-    async def _start(
-        self, job: _Job, request: Request, prompt_param: str
+    async def start(
+        self, job: Job, request: Request, prompt_param: str
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Submit the job and wait for its first output, so errors still get a status code.
 
@@ -270,7 +276,7 @@ class OpenAIServing:
         return first, outputs
 
     async def _completion_events(
-        self, job: _Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+        self, job: Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
     ) -> AsyncGenerator[str, None]:
         exclude = None if job.include_usage else {"usage"}
 
@@ -294,13 +300,13 @@ class OpenAIServing:
                     yield line
                 break
             latest[out.index] = out
-            so_far = _usage(job, latest.values()) if job.continuous_usage else None
+            so_far = job_usage(job, latest.values()) if job.continuous_usage else None
             if out.finished:
                 done.add(out.index)
             if out.finished:
                 yield chunk(out.new_text, _finish_reason(out), so_far, out.index)
                 if job.include_usage and out.ends_request:
-                    yield chunk(None, usage=_usage(job, latest.values()))
+                    yield chunk(None, usage=job_usage(job, latest.values()))
             elif so_far is not None:  # a chunk per output, text or not
                 yield chunk(out.new_text, usage=so_far, index=out.index)
             elif out.new_text:
@@ -308,7 +314,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _chat_events(
-        self, job: _Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+        self, job: Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
     ) -> AsyncGenerator[str, None]:
         exclude = None if job.include_usage else {"usage"}
 
@@ -328,7 +334,7 @@ class OpenAIServing:
             lambda i: chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT), index=i))
         for i in range(job.params.n):  # each choice's role first, as OpenAI sends it
             yield chunk(schemas.ChatDelta(role="assistant", content=""),
-                        usage=_usage(job, ()) if job.continuous_usage else None, index=i)
+                        usage=job_usage(job, ()) if job.continuous_usage else None, index=i)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
         tools = chat_tools.ChoiceToolCalls(job.tool_mode) if job.tool_mode != "none" else None
@@ -340,7 +346,7 @@ class OpenAIServing:
                     yield line
                 break
             latest[out.index] = out
-            so_far = _usage(job, latest.values()) if job.continuous_usage else None
+            so_far = job_usage(job, latest.values()) if job.continuous_usage else None
             if out.finished:
                 done.add(out.index)
             text, calls = out.new_text, None
@@ -362,7 +368,7 @@ class OpenAIServing:
                 finish = finish if tools is None else tools.finish_reason(out, finish)
                 yield chunk(schemas.ChatDelta(), finish, so_far, out.index)
                 if job.include_usage and out.ends_request:
-                    yield chunk(None, usage=_usage(job, latest.values()))
+                    yield chunk(None, usage=job_usage(job, latest.values()))
         yield "data: [DONE]\n\n"
 
 
@@ -375,7 +381,7 @@ class OpenAIServing:
         return self.logprobs.chat(out.logprobs[len(out.logprobs) - num_last:] if num_last else [])
 
     def _completion_logprobs(
-        self, job: _Job, out: RequestOutput, num_last: int, with_prompt: bool, text_offset: int
+        self, job: Job, out: RequestOutput, num_last: int, with_prompt: bool, text_offset: int
     ) -> tuple[schemas.CompletionLogprobs | None, int]:
         """Completions' log-probabilities of the output's last `num_last` tokens, after the
         prompt's when `with_prompt` (echo); and the text offset after them."""
@@ -391,14 +397,14 @@ class OpenAIServing:
             entries += (out.logprobs or [])[-num_last:]
         return self.logprobs.completion(ids, entries, text_offset)
 
-    def _completion_choice(self, job: _Job, final: RequestOutput) -> schemas.CompletionChoice:
+    def _completion_choice(self, job: Job, final: RequestOutput) -> schemas.CompletionChoice:
         echo = job.echo_text is not None
         logprobs, _ = self._completion_logprobs(job, final, len(final.token_ids), echo, 0)
         return schemas.CompletionChoice(index=final.index, text=(job.echo_text or "") + final.text,
                                         logprobs=logprobs, finish_reason=_finish_reason(final))
 
     async def _completion_logprob_events(
-        self, job: _Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+        self, job: Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
     ) -> AsyncGenerator[str, None]:
         """Completions' stream with echo or log-probabilities: each choice's first chunk
         carries the prompt (and its log-probabilities), then a chunk per output with new
@@ -428,13 +434,13 @@ class OpenAIServing:
             logprobs, offsets[out.index] = self._completion_logprobs(
                 job, out, len(out.new_token_ids), echo_pending, offsets.get(out.index, 0))
             latest[out.index] = out
-            so_far = _usage(job, latest.values()) if job.continuous_usage else None
+            so_far = job_usage(job, latest.values()) if job.continuous_usage else None
             if text or out.new_token_ids or out.finished or so_far is not None:
                 yield chunk(schemas.CompletionChoice(
                     index=out.index, text=text, logprobs=logprobs,
                     finish_reason=_finish_reason(out) if out.finished else None), so_far)
             if out.ends_request and job.include_usage:
-                yield chunk(None, usage=_usage(job, latest.values()))
+                yield chunk(None, usage=job_usage(job, latest.values()))
         yield "data: [DONE]\n\n"
 
 
@@ -465,7 +471,7 @@ class _TextChunks:
         return chunk(text)
 
 
-def _usage(job: _Job, outs: Iterable[RequestOutput]) -> schemas.Usage:
+def job_usage(job: Job, outs: Iterable[RequestOutput]) -> schemas.Usage:
     """The request's token counts from each sequence's latest output (none: before any): the
     prompt once, every sequence's tokens; cached tokens are those the request found cached
     (the fewest of any sequence: the later ones share the first one's prompt blocks)."""
@@ -478,7 +484,7 @@ def _usage(job: _Job, outs: Iterable[RequestOutput]) -> schemas.Usage:
 
 
 def _cut_short(
-    job: _Job, latest: dict[int, RequestOutput], done: set[int], error: schemas.APIError,
+    job: Job, latest: dict[int, RequestOutput], done: set[int], error: schemas.APIError,
     finish: Callable[[int, schemas.Usage | None], str], usage: Callable[[schemas.Usage], str],
 ) -> list[str]:
     """The last events of a stream the server ended (shutdown, engine error): a finish chunk
@@ -487,10 +493,10 @@ def _cut_short(
 
     NOTE: the finish and usage chunks come before the error event, at which the openai SDK
     stops reading (it raises)."""
-    so_far = _usage(job, latest.values()) if job.continuous_usage else None
+    so_far = job_usage(job, latest.values()) if job.continuous_usage else None
     lines = [finish(i, so_far) for i in range(job.params.n) if i not in done]
     if job.include_usage:
-        lines.append(usage(_usage(job, latest.values())))
+        lines.append(usage(job_usage(job, latest.values())))
     lines.append(streaming.sse_data(error.response_body()))
     return lines
 

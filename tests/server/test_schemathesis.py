@@ -49,7 +49,7 @@ def fuzzed_server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerPr
 
 
 OPERATIONS = ["GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions",
-              "POST /v1/chat/completions", "GET /health"]
+              "POST /v1/chat/completions", "POST /v1/responses", "GET /health"]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_schema_valid_requests_are_served(api_schema: Any, fuzzed_server: Server
 
 def test_the_fuzzer_reached_generation(fuzzed_server: ServerProcess) -> None:
     print("schemathesis statuses:", dict(STATUSES))
-    for path in ("POST /v1/completions", "POST /v1/chat/completions"):
+    for path in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"):
         assert STATUSES[(path, 200)] >= EXAMPLES_PER_OPERATION // 4, dict(STATUSES)
     assert not any(status >= 500 for _, status in STATUSES)
     m = fuzzed_server.metrics()

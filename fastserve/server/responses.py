@@ -1,0 +1,211 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat path: a request becomes the
+chat completion it amounts to (`ResponsesRequest.to_chat`), runs as one, and its output is
+shaped into output items (an assistant message, function calls) and, streamed, into the
+API's typed events (`response.created` ... `response.output_text.delta` ...
+`response.completed`), each `event: <type>` with a `sequence_number`.
+
+The server keeps no responses (no `previous_response_id`, no retrieval): a conversation is
+sent whole in `input`, as with chat completions.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from fastserve.request import RequestOutput
+from fastserve.server import chat_tools, schemas, streaming
+from fastserve.server.responses_schemas import (
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from fastserve.server.serving import Job, OpenAIServing, job_usage
+
+# Chat's field names in errors, as the Responses API names them (longest first).
+_PARAM_NAMES = (("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
+                ("response_format.json_schema.", "text.format."),
+                ("response_format", "text.format"), (".function.", "."))
+
+
+class OutputItems:
+    """A response's output items as its text and calls arrive, and the stream events that
+    build them. The same builder makes a whole response (events dropped) and a stream, so both
+    hold the same items."""
+
+    def __init__(self) -> None:
+        self.items: list[OutputItem] = []
+        self._open: OutputItem | None = None
+        self.events: list[dict[str, Any]] = []  # not yet sent
+
+    def text(self, delta: str) -> None:
+        if not delta:
+            return
+        item = self._open
+        if not isinstance(item, OutputMessage):
+            self.close()
+            item = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+            self._add(item)
+            part = OutputText(text="")
+            item.content.append(part)
+            self._emit("response.content_part.added", item_id=item.id, output_index=len(self.items) - 1,
+                       content_index=0, part=part.model_dump())
+        item.content[0].text += delta
+        self._emit("response.output_text.delta", item_id=item.id, output_index=len(self.items) - 1,
+                   content_index=0, delta=delta, logprobs=[])
+
+    def call(self, delta: schemas.ToolCallDelta) -> None:
+        arguments = delta.function.arguments or ""
+        item = self._open
+        if delta.id is not None or not isinstance(item, OutputFunctionCall):
+            self.close()
+            item = OutputFunctionCall(id=f"fc_{uuid.uuid4().hex}", call_id=delta.id or "",
+                                      name=delta.function.name or "", arguments="",
+                                      status="in_progress")
+            self._add(item)
+        if arguments:
+            item.arguments += arguments
+            self._emit("response.function_call_arguments.delta", item_id=item.id,
+                       output_index=len(self.items) - 1, delta=arguments)
+
+    def close(self, status: str = "completed") -> None:
+        """End the open item (`status`: completed, or incomplete when the output was cut)."""
+        item, self._open = self._open, None
+        if item is None:
+            return
+        index = len(self.items) - 1
+        item.status = "incomplete" if status == "incomplete" else "completed"
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            self._emit("response.output_text.done", item_id=item.id, output_index=index,
+                       content_index=0, text=part.text, logprobs=[])
+            self._emit("response.content_part.done", item_id=item.id, output_index=index,
+                       content_index=0, part=part.model_dump())
+        else:
+            self._emit("response.function_call_arguments.done", item_id=item.id,
+                       output_index=index, name=item.name, arguments=item.arguments)
+        self._emit("response.output_item.done", output_index=index, item=item.model_dump())
+
+    def _add(self, item: OutputItem) -> None:
+        self.items.append(item)
+        self._open = item
+        self._emit("response.output_item.added", output_index=len(self.items) - 1,
+                   item=item.model_dump())
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        self.events.append({"type": kind, **fields})
+
+
+class ResponsesServing:
+    """`POST /v1/responses` on the chat path of `OpenAIServing`."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, body: ResponsesRequest, request: Request) -> Response:
+        try:
+            chat = body.to_chat()
+        except ValidationError as exc:  # what the Responses fields let through but chat's not
+            err = exc.errors()[0]
+            raise schemas.APIError(400, f"input: {err['msg']}", param="input") from exc
+        try:
+            job = await self.serving.chat_job(chat, "resp")
+            first, outputs = await self.serving.start(job, request, "input")
+        except schemas.APIError as exc:
+            raise _renamed(exc) from exc
+        response = ResponseObject.start(job.response_id, job.created, self.serving.model_name, body)
+        if body.stream:
+            return streaming.EventStream(self._events(job, response, first, outputs))
+        (final,) = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
+        items = OutputItems()
+        _read(job, items, chat_tools.ChoiceToolCalls(job.tool_mode), final)
+        _finish(response, items, job, final)
+        return JSONResponse(response.model_dump())
+
+    async def _events(self, job: Job, response: ResponseObject, first: RequestOutput,
+                      outputs: AsyncIterator[RequestOutput]) -> AsyncGenerator[str, None]:
+        number = 0
+
+        def event(payload: dict[str, Any]) -> str:
+            nonlocal number
+            payload["sequence_number"] = number
+            number += 1
+            return f"event: {payload['type']}\ndata: {_json(payload)}\n\n"
+
+        yield event({"type": "response.created", "response": response.model_dump()})
+        yield event({"type": "response.in_progress", "response": response.model_dump()})
+        items = OutputItems()
+        tools = chat_tools.ChoiceToolCalls(job.tool_mode)
+        async for out in streaming.stream_outputs(first, outputs):
+            if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
+                response.status = "failed"
+                response.output = items.items
+                response.error = ResponseError(code=out.info.code or out.info.type,
+                                               message=out.info.message)
+                yield event({"type": "error", "code": response.error.code,
+                             "message": out.info.message, "param": out.info.param})
+                yield event({"type": "response.failed", "response": response.model_dump()})
+                return
+            _read(job, items, tools, out)
+            if out.finished:
+                _finish(response, items, job, out)
+            for payload in items.events:
+                yield event(payload)
+            items.events.clear()
+        kind = "response.completed" if response.status == "completed" else "response.incomplete"
+        yield event({"type": kind, "response": response.model_dump()})
+
+
+def _read(job: Job, items: OutputItems, tools: chat_tools.ChoiceToolCalls, out: RequestOutput) -> None:
+    """Add the output's new text and calls to the items (a whole response: all of it)."""
+    text = out.text if job.params.final_only else out.new_text
+    if job.tool_mode == "none":
+        items.text(text)
+        return
+    content, calls = tools.read(out.index, text, out.finished)
+    items.text(content)
+    for call in calls:
+        items.call(call)
+
+
+def _finish(response: ResponseObject, items: OutputItems, job: Job, final: RequestOutput) -> None:
+    cut = final.finish_reason == "length"
+    items.close("incomplete" if cut else "completed")
+    usage = job_usage(job, [final])
+    response.status = "incomplete" if cut else "completed"
+    response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if cut else None
+    response.output = items.items
+    response.usage = ResponseUsage(
+        input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=usage.prompt_tokens_details.cached_tokens
+            if usage.prompt_tokens_details else 0))
+
+
+def _renamed(exc: schemas.APIError) -> schemas.APIError:
+    """A chat error as the Responses API names its fields."""
+    param, message = exc.info.param, exc.info.message
+    for chat_name, name in _PARAM_NAMES:
+        if param is not None:
+            param = param.replace(chat_name, name)
+        message = message.replace(chat_name, name)
+    return schemas.APIError(exc.status_code, message, exc.info.type, param, exc.info.code,
+                            exc.headers)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
