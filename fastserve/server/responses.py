@@ -153,9 +153,8 @@ class ResponsesServing:
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 response.status = "failed"
                 response.output = items.items
-                response.error = ResponseError(code=out.info.code or out.info.type,
-                                               message=out.info.message)
-                yield event({"type": "error", "code": response.error.code,
+                response.error = ResponseError(message=out.info.message)
+                yield event({"type": "error", "code": out.info.code or out.info.type,
                              "message": out.info.message, "param": out.info.param})
                 yield event({"type": "response.failed", "response": response.model_dump()})
                 return

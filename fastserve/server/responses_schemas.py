@@ -327,7 +327,8 @@ class IncompleteDetails(BaseModel):
 
 
 class ResponseError(BaseModel):
-    code: str
+    # OpenAI's codes are an enumeration; the `error` event before `response.failed` has ours.
+    code: Literal["server_error"] = "server_error"
     message: str
 
 

@@ -91,3 +91,24 @@ def test_engine_error_mid_stream_is_an_error_event(url: str) -> None:
     chat = httpx.post(url + "/chat/completions", timeout=60, json={
         "model": "tiny", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4})
     assert chat.status_code == 200, chat.text
+
+
+def test_engine_error_mid_response_stream_fails_the_response(url: str) -> None:
+    """The Responses API's stream: an `error` event, then `response.failed` with the error."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    events: list[dict[str, Any]] = []
+    body = {"model": "tiny", "input": "Hi!", "max_output_tokens": 8, "stream": True}
+    with httpx.stream("POST", url + "/responses", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(TypeAdapter(ResponseStreamEvent).validate_python(
+                    json.loads(line[6:])).model_dump())
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert "injected device fault" in events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "injected device fault" in failed["error"]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
