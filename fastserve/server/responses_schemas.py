@@ -370,7 +370,8 @@ class ResponseObject(BaseModel):
                    parallel_tool_calls=body.parallel_tool_calls is not False,
                    tool_choice=(body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel)
                                 else body.tool_choice or ("auto" if body.tools else "none")),
-                   tools=body.tools or [],
+                   tools=[t.model_copy(update={"strict": t.strict is not False})
+                          for t in body.tools or []],
                    text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                          else {"type": "text"}},
                    metadata=body.metadata or {}, user=body.user)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from fastserve.model.tokenizer import Tokenizer
-from tests.server.helpers import ServerProcess, managed, start_server
+from tests.server.helpers import ServerProcess
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -27,16 +26,6 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "unit"], "additionalProperties": False}
 TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER}
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
-
-
-@pytest.fixture(scope="module")
-def server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerProcess]:
-    yield from managed(start_server(server_tmp, "--no-warmup", "--no-startup-profile"))
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0, timeout=120)
 
 
 def create(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:

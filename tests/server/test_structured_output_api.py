@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -16,22 +14,12 @@ import openai
 import pydantic
 import pytest
 
-from tests.server.helpers import ServerProcess, managed, start_server
+from tests.server.helpers import ServerProcess
 
 pytest.importorskip("xgrammar")
 
 MODEL = "tiny"
 MESSAGES: list[Any] = [{"role": "user", "content": "Describe a user as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerProcess]:
-    yield from managed(start_server(server_tmp, "--no-warmup", "--no-startup-profile"))
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0, timeout=120)
 
 
 def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import pytest
 import transformers
 
 from fastserve.model.tokenizer import Tokenizer
-from tests.server.helpers import ServerProcess, managed, start_server, validate
+from tests.server.helpers import ServerProcess, validate
 
 pytest.importorskip("xgrammar")
 
@@ -44,16 +43,6 @@ TOOLS: list[Any] = [{"type": "function", "function": {"name": name, "parameters"
 # What `auto` is given to read in the tests: text, then one call in the Hermes format.
 FORCED_CALL = (r'Sure\. <tool_call>\n\{"name": "get_weather", "arguments": '
                r'\{"city": "(Paris|Rome)", "unit": "c"\}\}\n</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerProcess]:
-    yield from managed(start_server(server_tmp, "--no-warmup", "--no-startup-profile"))
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0, timeout=120)
 
 
 def post(server: ServerProcess, body: dict[str, Any]) -> httpx.Response:
