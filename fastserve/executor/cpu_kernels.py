@@ -7,10 +7,14 @@ but slower for decode.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -83,24 +87,73 @@ def _build_kernel(avx2_only: bool = False) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # One build folder per source version: checkouts of different versions sharing a
-        # cache (old vs new in a benchmark, worktrees) neither rebuild over each other nor
-        # load each other's kernel.
-        digest = kernel_sources_digest()
-        # -march=native: a cache shared by machines of other CPUs keeps a build per kind.
         variant = "-avx2" if avx2_only else ""
-        build = cache_dir() / "torch_extensions" / f"decode_attention-{digest}-{cpu_isa()}{variant}"
+        name = "fastserve_decode_attention" + variant.replace("-", "_")
+        # No implicit multiply-adds: the layer kernels round as the tensor ops do.
+        cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
+                  *(["-DFS_NO_AVX512_BF16"] if avx2_only else [])]
+        # One build folder per source version and build (the flags, torch's version): checkouts
+        # of different versions sharing a cache (old vs new in a benchmark, worktrees) neither
+        # rebuild over each other nor load each other's kernel. -march=native: a cache shared
+        # by machines of other CPUs keeps a build per kind.
+        recipe = hashlib.sha256(" ".join([torch.__version__, *cflags]).encode()).hexdigest()[:8]
+        build = (cache_dir() / "torch_extensions"
+                 / f"decode_attention-{kernel_sources_digest()}-{recipe}-{cpu_isa()}{variant}")
         build.mkdir(parents=True, exist_ok=True)
-        return load(
-            name="fastserve_decode_attention" + variant.replace("-", "_"),
-            sources=[str(p) for p in _SOURCES],
-            # No implicit multiply-adds: the layer kernels round as the tensor ops do.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
-                          *(["-DFS_NO_AVX512_BF16"] if avx2_only else [])],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        library, done = build / f"{name}.so", build / f"{name}.done"
+        with _build_lock(build):
+            if _is_finished(library, done):
+                return _import(name, library)
+            # Not known to be whole (a build was killed, maybe in its link: importing a cut
+            # library kills the process): build it again. NOTE: torch's own lock file is left
+            # behind by a killed build, and every later start would wait on it for ever;
+            # under our lock no build is running.
+            for stale in (done, library, build / "lock"):
+                stale.unlink(missing_ok=True)
+            module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=cflags,
+                          extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            done.write_text(_stamp(library))
+            return module
     except Exception as exc:  # no compiler, or a failed build: fall back, loudly
         logger.warning("CPU decode-attention kernel unavailable, using PyTorch ops: %s", exc)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """One builder per build folder at a time, across processes. NOTE: an OS file lock,
+    released when its holder dies (torch's lock file is not: a killed build leaves it)."""
+    with (build / ".fastserve-build.lock").open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process to finish building the CPU kernels in %s", build)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _stamp(library: Path) -> str:
+    stat = library.stat()
+    return f"{stat.st_size} {stat.st_mtime_ns}"
+
+
+def _is_finished(library: Path, done: Path) -> bool:
+    """Whether the folder holds a finished build (its stamp, written after the build, matches
+    the library): the folder is keyed by the sources, flags and torch, so the build is of these,
+    and it is imported without asking ninja (a fresh checkout's newer file times would rebuild
+    it)."""
+    try:
+        return done.read_text() == _stamp(library)
+    except OSError:
+        return False
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
