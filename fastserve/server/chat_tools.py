@@ -36,27 +36,28 @@ class ChoiceToolCalls:
         self._parsers: dict[int, tool_calls.ToolCallParser] = {}
 
     def read(self, index: int, text: str, finished: bool
-             ) -> tuple[str, list[schemas.ToolCallDelta]]:
-        """The content among choice `index`'s new `text`, and the pieces of calls in it (one
-        delta per call: a call's first names it and gets its id)."""
+             ) -> list[str | schemas.ToolCallDelta]:
+        """Choice `index`'s new `text` as content and pieces of calls, in the text's order
+        (one delta per call and run: a call's first names it and gets its id)."""
         parser = self._parsers.setdefault(index, tool_calls.ToolCallParser())
         parsed = parser.feed(text)
         if finished:
-            rest = parser.finish()
-            parsed.content += rest.content
-            parsed.calls += rest.calls
-        deltas: list[schemas.ToolCallDelta] = []
-        for piece in parsed.calls:
-            if deltas and deltas[-1].index == piece.index:
-                deltas[-1].function.arguments = (deltas[-1].function.arguments or "") + piece.arguments
+            parsed.extend(parser.finish())
+        out: list[str | schemas.ToolCallDelta] = []
+        for piece in parsed.pieces:
+            last = out[-1] if out else None
+            if isinstance(piece, str):
+                out.append(piece)
+            elif isinstance(last, schemas.ToolCallDelta) and last.index == piece.index:
+                last.function.arguments = (last.function.arguments or "") + piece.arguments
             elif piece.name is not None:
-                deltas.append(schemas.ToolCallDelta(
+                out.append(schemas.ToolCallDelta(
                     index=piece.index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
                     function=schemas.FunctionCallDelta(name=piece.name, arguments=piece.arguments)))
             else:
-                deltas.append(schemas.ToolCallDelta(
+                out.append(schemas.ToolCallDelta(
                     index=piece.index, function=schemas.FunctionCallDelta(arguments=piece.arguments)))
-        return parsed.content, deltas
+        return out
 
     def finish_reason(self, out: RequestOutput, reason: schemas.FinishReason) -> schemas.FinishReason:
         """The choice's `reason`, or "tool_calls" when the model stopped after calling
@@ -65,6 +66,12 @@ class ChoiceToolCalls:
         if reason == "stop" and parser is not None and parser.num_calls and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
+
+
+def split(pieces: list[str | schemas.ToolCallDelta]) -> tuple[str, list[schemas.ToolCallDelta]]:
+    """Content and call deltas apart (chat has a field for each)."""
+    return ("".join(p for p in pieces if isinstance(p, str)),
+            [p for p in pieces if not isinstance(p, str)])
 
 
 def assemble(deltas: list[schemas.ToolCallDelta]) -> list[schemas.ToolCall]:

@@ -174,10 +174,8 @@ def _read(job: Job, items: OutputItems, tools: chat_tools.ChoiceToolCalls, out: 
     if job.tool_mode == "none":
         items.text(text)
         return
-    content, calls = tools.read(out.index, text, out.finished)
-    items.text(content)
-    for call in calls:
-        items.call(call)
+    for piece in tools.read(out.index, text, out.finished):
+        items.text(piece) if isinstance(piece, str) else items.call(piece)
 
 
 def _finish(response: ResponseObject, items: OutputItems, job: Job, final: RequestOutput) -> None:

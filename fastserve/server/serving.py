@@ -132,7 +132,7 @@ class OpenAIServing:
         content, calls, finish = final.text, None, _finish_reason(final)
         if job.tool_mode != "none":
             tools = chat_tools.ChoiceToolCalls(job.tool_mode)
-            content, deltas = tools.read(final.index, final.text, finished=True)
+            content, deltas = chat_tools.split(tools.read(final.index, final.text, finished=True))
             calls = chat_tools.assemble(deltas)
             finish = tools.finish_reason(final, finish)
         return schemas.ChatChoice(
@@ -351,7 +351,7 @@ class OpenAIServing:
                 done.add(out.index)
             text, calls = out.new_text, None
             if tools is not None:
-                text, calls = tools.read(out.index, out.new_text, out.finished)
+                text, calls = chat_tools.split(tools.read(out.index, out.new_text, out.finished))
             new_lps = self._chat_logprobs(out, len(out.new_token_ids))
             if new_lps is not None and (text or out.new_token_ids):
                 # Each chunk carries its tokens' log-probabilities (text may lag behind them).

@@ -89,11 +89,32 @@ class CallDelta:
 
 @dataclass
 class Parsed:
-    """What a piece of output holds: content text and pieces of calls (the content comes
-    first: it was written before them)."""
+    """What a piece of output holds: content text and pieces of calls, in the text's order."""
 
-    content: str = ""
-    calls: list[CallDelta] = field(default_factory=list)
+    pieces: list[str | CallDelta] = field(default_factory=list)
+
+    def text(self, text: str) -> None:
+        if not text:
+            return
+        if self.pieces and isinstance(self.pieces[-1], str):
+            self.pieces[-1] += text
+        else:
+            self.pieces.append(text)
+
+    def call(self, piece: CallDelta) -> None:
+        self.pieces.append(piece)
+
+    def extend(self, other: Parsed) -> None:
+        for piece in other.pieces:
+            self.text(piece) if isinstance(piece, str) else self.call(piece)
+
+    @property
+    def content(self) -> str:
+        return "".join(p for p in self.pieces if isinstance(p, str))
+
+    @property
+    def calls(self) -> list[CallDelta]:
+        return [p for p in self.pieces if not isinstance(p, str)]
 
 
 # A call's start as the format writes it, up to its arguments object: the function's name is
@@ -137,10 +158,10 @@ class ToolCallParser:
             start = self._pending.find(CALL_START)
             if start < 0:
                 keep = _partial_tag(self._pending, CALL_START)
-                out.content += self._content(self._pending[:len(self._pending) - keep])
+                out.text(self._content(self._pending[:len(self._pending) - keep]))
                 self._pending = self._pending[len(self._pending) - keep:]
                 return out
-            out.content += self._content(self._pending[:start])
+            out.text(self._content(self._pending[:start]))
             self._space_before_call, self._held_space = self._held_space, ""
             self._pending = self._pending[start + len(CALL_START):]
             self._in_call = True
@@ -152,14 +173,14 @@ class ToolCallParser:
         if self._in_call:
             self._read_call(out)
         if not self._in_call:
-            out.content += self._content(self._pending)
+            out.text(self._content(self._pending))
         elif self._args is not None:  # its arguments began: a call, cut short or not
             self._end_call()
         else:
             self._close_call(self._pending, "", out)
         self._pending = ""
         if self.num_calls == 0:
-            out.content += self._held_space
+            out.text(self._held_space)
         self._held_space = ""
         return out
 
@@ -168,7 +189,7 @@ class ToolCallParser:
         if self._args is None:
             head = _CALL_HEAD.match(self._pending)
             if head is not None and (name := _json_string(head.group(1))) is not None:
-                out.calls.append(CallDelta(self.num_calls, name, ""))
+                out.call(CallDelta(self.num_calls, name, ""))
                 self._args = _ObjectScanner()
                 self._pending = self._pending[head.end() - 1:]  # from the arguments' "{"
             else:
@@ -182,7 +203,7 @@ class ToolCallParser:
         if not args.is_closed:
             used, closed_by_tag = args.scan(self._pending)
             if used:
-                out.calls.append(CallDelta(self.num_calls, None, self._pending[:used]))
+                out.call(CallDelta(self.num_calls, None, self._pending[:used]))
             self._pending = self._pending[used:]
             if not args.is_closed and not closed_by_tag:
                 return False
@@ -199,9 +220,9 @@ class ToolCallParser:
         self._in_call = False
         call = _parse_call(body)
         if call is None:
-            out.content += self._content(self._space_before_call + CALL_START + body + end)
+            out.text(self._content(self._space_before_call + CALL_START + body + end))
         else:
-            out.calls.append(CallDelta(self.num_calls, *call))
+            out.call(CallDelta(self.num_calls, *call))
             self.num_calls += 1
         self._space_before_call = ""
 

@@ -153,3 +153,11 @@ def test_grammar_holds_the_output_to_tool_choice(
 def test_plain_auto_is_not_held_to_a_grammar() -> None:
     functions = [FunctionSpec("add", ADD_SCHEMA, False)]
     assert grammar_spec(functions, "auto", parallel=True) is None
+
+
+def test_pieces_keep_the_order_of_the_text() -> None:
+    """Text after a call in the same chunk comes after it (the Responses API's output items
+    follow this order)."""
+    out = ToolCallParser().feed("Adding. " + ADD + " Then more.")
+    assert out.pieces == ["Adding.", CallDelta(0, "add", ""), CallDelta(0, None, '{"a": 1, "b": 2}'),
+                          " Then more."]
