@@ -110,6 +110,8 @@ def _build_kernel(avx2_only: bool = False) -> ModuleType | None:
             # under our lock no build is running.
             for stale in (done, library, build / "lock"):
                 stale.unlink(missing_ok=True)
+            logger.info("building the CPU kernels (once per version and machine; about a "
+                        "minute on two cores) in %s", build)
             module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=cflags,
                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
             done.write_text(_stamp(library))
