@@ -11,7 +11,7 @@ import pytest
 
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
-from fastserve.profiling.fit import Sample, fit_cost_model, total_ratio
+from fastserve.profiling.fit import Sample, fit_cost_model, predict, total_ratio
 from fastserve.profiling.recorder import CostModelCheck, IterationRecorder
 from fastserve.request import SamplingParams
 
@@ -267,6 +267,9 @@ def test_fit_mean_adds_up_to_the_measured_total() -> None:
     assert total_ratio(fit_cost_model(train), held_out) < 0.9
 
 
+STALL = 3.0  # an iteration this many times over both models' predictions was stalled
+
+
 def test_through_engine_fit_predicts_engine_iterations_better(
     tiny_model_path: Path, one_thread: None
 ) -> None:
@@ -290,8 +293,13 @@ def test_through_engine_fit_predicts_engine_iterations_better(
                        repeats=2, time_budget_s=3.0)
     executor_fit = fit_cost_model(measure(runner, grid))
 
-    engine_err = abs(np.log(total_ratio(engine_fit, held_out)))
-    executor_err = abs(np.log(total_ratio(executor_fit, held_out)))
+    # Iterations the machine stalled (over 3x what either model predicts: another process had
+    # the cores) are left out of the score: one such stall moved a total by 30%.
+    scored = [s for s in held_out
+              if s.duration_s <= STALL * max(predict(engine_fit, s), predict(executor_fit, s))]
+    assert len(scored) >= 0.95 * len(held_out)
+    engine_err = abs(np.log(total_ratio(engine_fit, scored)))
+    executor_err = abs(np.log(total_ratio(executor_fit, scored)))
     # The engine's fit predicts the held-out iterations' total within 10%. The executor-only
     # grid usually under-predicts it by 10-20% (the engine's own work per iteration), but on
     # a quiet run it can land as close (errors seen: engine 1-2%, executor 0.04-27%), so
