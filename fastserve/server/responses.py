@@ -10,7 +10,6 @@ sent whole in `input`, as with chat completions.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -143,7 +142,7 @@ class ResponsesServing:
             nonlocal number
             payload["sequence_number"] = number
             number += 1
-            return f"event: {payload['type']}\ndata: {_json(payload)}\n\n"
+            return streaming.sse_event(payload)
 
         yield event({"type": "response.created", "response": response.model_dump()})
         yield event({"type": "response.in_progress", "response": response.model_dump()})
@@ -202,7 +201,3 @@ def _renamed(exc: schemas.APIError) -> schemas.APIError:
         message = message.replace(chat_name, name)
     return schemas.APIError(exc.status_code, message, exc.info.type, param, exc.info.code,
                             exc.headers)
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -24,6 +24,11 @@ def sse_data(payload: dict[str, Any]) -> str:
     return f"data: {_json(payload)}\n\n"
 
 
+def sse_event(payload: dict[str, Any]) -> str:
+    """A typed event (the Responses API's): `event: <its type>` before its data."""
+    return f"event: {payload['type']}\n" + sse_data(payload)
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
