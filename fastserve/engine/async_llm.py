@@ -55,6 +55,10 @@ def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
+def _failed(out: RequestOutput) -> bool:
+    return out.finish_reason in ("error", "abort")
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""
 
@@ -159,8 +163,11 @@ class AsyncLLM:
                     if stream.queue.empty():
                         break
                     nxt = stream.queue.get_nowait()
-                    if isinstance(nxt, BaseException) or nxt.index != item.index:
-                        held = nxt  # NOTE: another sequence's output (`n` > 1) is not merged
+                    if isinstance(nxt, BaseException) or nxt.index != item.index or _failed(nxt):
+                        # NOTE: another sequence's output (`n` > 1) is not merged, nor is a
+                        # failure: tokens before it still come first, as they would have to
+                        # a fast reader (a stream that began is not turned into an error)
+                        held = nxt
                         break
                     item = _merged(item, nxt)
                 if isinstance(item, BaseException):

@@ -6,6 +6,7 @@ requests whose prompt holds a poison token, served by a real uvicorn on a local 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -19,6 +20,7 @@ import uvicorn
 from fastserve.args import engine_config
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.engine.async_llm import AsyncLLM
+from fastserve.request import RequestOutput, SamplingParams
 from fastserve.server.app import build_app
 from tests.conftest import TEST_DTYPE
 from tests.server.helpers import validate
@@ -44,9 +46,14 @@ class _FailingExecutor:
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_ready: Any) -> Iterator[str]:
+def llm(tiny_model_ready: Any) -> AsyncLLM:
     llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, warmup=False))
     llm.engine.core.executor = _FailingExecutor(llm.engine.core.executor)  # type: ignore[assignment]
+    return llm
+
+
+@pytest.fixture(scope="module")
+def url(llm: AsyncLLM) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(build_app(llm, "tiny"), host="127.0.0.1", port=0,
                                            log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -72,6 +79,27 @@ def test_engine_error_fails_only_that_request(url: str) -> None:
     ok = httpx.post(url + "/completions", json=_body([5, 6, 7]), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
     assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+
+
+def test_a_slow_reader_gets_the_tokens_before_the_failure(llm: AsyncLLM) -> None:
+    """Outputs that queue up behind a slow reader are merged, but never into the failure: a
+    stream's tokens come first whatever the timing, so a stream that began stays begun."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[RequestOutput]:
+        outs = []
+        async for out in llm.generate([POISON, 11], params, coalesce=True):
+            outs.append(out)
+            if len(outs) == 1:
+                await asyncio.sleep(0.5)  # the engine fails the request meanwhile
+        return outs
+
+    outs = asyncio.run(run())
+    assert [o.finish_reason for o in outs[:-1]] == [None] * (len(outs) - 1)
+    assert sum(len(o.new_token_ids) for o in outs[:-1]) == FAIL_AT_OUTPUT
+    failure = outs[-1]
+    assert failure.finish_reason == "error" and "injected device fault" in (failure.error or "")
+    assert failure.new_token_ids == [] and len(failure.token_ids) == FAIL_AT_OUTPUT
 
 
 def test_engine_error_mid_stream_is_an_error_event(url: str) -> None:
