@@ -70,6 +70,9 @@ class RouteHints:
             return None
         if not ids:
             return None
+        keep = data.get("truncate_prompt_tokens")  # the replica reads only the prompt's end
+        if type(keep) is int and 0 < keep < len(ids):  # NOTE: -1 (fit the context) is not mirrored
+            ids = ids[len(ids) - keep:]
         return RouteRequest.from_tokens(f"route-{uuid.uuid4().hex}", ids, self.block_size)
 
     async def _prompt_ids(self, path: str, data: Any) -> list[int] | None:

@@ -169,6 +169,18 @@ Seed = Annotated[StrictInt, annotated_types.Ge(-(2**63)), annotated_types.Lt(2**
 _NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
 
 
+def _check_truncate(value: int) -> int:
+    if value == 0 or value < -1:
+        raise PydanticCustomError("truncate", "must be -1 or at least 1, got {value}", {"value": value})
+    return value
+
+
+# vLLM's truncate_prompt_tokens: a count of tokens, or -1.
+TruncatePrompt = Annotated[StrictInt, BeforeValidator(_integral), AfterValidator(_check_truncate),
+                           WithJsonSchema({"anyOf": [{"const": -1},
+                                                     {"type": "integer", "minimum": 1}]})]
+
+
 def _check_stop(value: Any) -> list[str] | None:
     """`stop`: a string or a list of strings (OpenAI allows up to 4; so do we)."""
     if value is None:
@@ -312,7 +324,9 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
     spaces_between_special_tokens: Annotated[Any, Only((True,))] = Field(
         None, description="Extension: only true.")
-    truncate_prompt_tokens: Annotated[Any, Only(())] = Field(None, description="Extension: only null.")
+    truncate_prompt_tokens: TruncatePrompt | None = Field(
+        None, description="Extension: keep only the prompt's last k tokens; -1 keeps the most "
+        "that leave room for the output (max_tokens, else completions' default 16, else 1).")
     priority: Annotated[Any, Only((0,))] = Field(None, description="Extension: only 0.")
     return_token_ids: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
     # Penalties, bias and min_p (issue 27): OpenAI's, then vLLM's extensions.

@@ -84,13 +84,17 @@ class OpenAIServing:
         self.check_model(body.model)
         prompt = body.prompt
         ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        num_given = len(ids)
+        ids = self._truncate(ids, body.truncate_prompt_tokens, body.max_tokens,
+                             DEFAULT_COMPLETION_MAX_TOKENS)
         max_tokens = self._max_tokens(
             "max_tokens", body.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt",
             allow_zero=bool(body.echo),
         )
         job = self._job("cmpl", body, ids, max_tokens)
-        if body.echo:
-            echo = prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(ids)
+        if body.echo:  # the prompt the model read: what truncation left of it
+            whole = isinstance(prompt, str) and len(ids) == num_given
+            echo = prompt if whole else self.llm.tokenizer.decode(ids)
             job = dataclasses.replace(job, echo_text=echo)
         if job.echo_text is not None or job.params.logprobs is not None:
             return await self._respond(
@@ -121,6 +125,7 @@ class OpenAIServing:
             raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
         ids = await self._encode(text, "messages")
         field, requested = body.requested_max_tokens
+        ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1)
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
                                   tool_mode=body.tool_mode)
@@ -154,6 +159,14 @@ class OpenAIServing:
             return await _off_loop(encode, len(text))
         except InvalidRequestError as exc:
             raise bad_input(exc, param) from exc
+
+    def _truncate(self, ids: list[int], keep: int | None, requested: int | None,
+                  default_max_tokens: int) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens; -1 keeps the most
+        that leave room for the output (the requested max tokens, else the default)."""
+        if keep == -1:
+            keep = max(1, self.max_model_len - max(requested or default_max_tokens, 1))
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
     def _max_tokens(
         self, field: str, requested: int | None, num_prompt: int, default: int | None, prompt_param: str,

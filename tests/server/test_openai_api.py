@@ -294,6 +294,8 @@ CMPL = "/completions"
         (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"suffix": "x"}, "suffix"),
+        (CMPL, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        (CHAT, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_field_is_400_naming_it(server: ServerProcess, path: str, fields: dict[str, Any], param: str) -> None:
@@ -326,6 +328,45 @@ def test_context_limits(server: ServerProcess, max_model_len: int, client: opena
                              "ignore_eos": True})
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess, max_model_len: int) -> None:
+    """vLLM's extension: the model reads only the prompt's last k tokens (-1: as many as leave
+    room for max_tokens), and says so in usage and echo."""
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    greedy = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cut = post(server, CMPL, {**greedy, "prompt": prompt, "truncate_prompt_tokens": 8, "echo": True})
+    alone = post(server, CMPL, {**greedy, "prompt": prompt[-8:], "echo": True})
+    assert cut.status_code == 200 and alone.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 8
+    assert cut.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    untouched = post(server, CMPL, {**greedy, "prompt": prompt, "truncate_prompt_tokens": 100})
+    assert untouched.json()["usage"]["prompt_tokens"] == len(prompt)
+
+    fit = post(server, CMPL, {**greedy, "prompt": [7] * (max_model_len + 50), "max_tokens": 5,
+                              "truncate_prompt_tokens": -1})
+    assert fit.status_code == 200, fit.text
+    usage = fit.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (max_model_len - 5, 5)
+    long_chat = [{"role": "user", "content": "word " * (2 * max_model_len)}]
+    chat = post(server, CHAT, {"model": MODEL, "messages": long_chat, "max_completion_tokens": 3,
+                               "truncate_prompt_tokens": -1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == max_model_len - 3
+    # A cut that still leaves no room is the usual context error.
+    over = post(server, CMPL, {**greedy, "prompt": [7] * max_model_len, "truncate_prompt_tokens": max_model_len})
+    assert over.status_code == 400 and error_of(over)["code"] == "context_length_exceeded"
+
+
+def test_the_fleet_router_reads_the_truncated_prompt(tokenizer: Any) -> None:
+    """`--replicas N` routes by the prompt the replica runs: the truncated one."""
+    pytest.importorskip("ray")
+    from fastserve.cluster.ingress import RouteHints
+
+    hints = RouteHints(tokenizer, block_size=16)
+    body = {"model": MODEL, "prompt": list(range(3, 43)), "truncate_prompt_tokens": 8}
+    routed = asyncio.run(hints.route("/v1/completions", json.dumps(body).encode()))
+    assert routed is not None and routed.num_prompt_tokens == 8
 
 
 def test_malformed_json(server: ServerProcess) -> None:
