@@ -78,7 +78,7 @@ class StructuredOutputParams:
     """
 
     # "json": a JSON schema; "json_object": any JSON object; "regex"; "choice": one of strings;
-    # "structural_tag": xgrammar's tagged formats (tool calls: `fastserve.server.tool_calls`).
+    # "structural_tag": xgrammar's tagged formats (tool calls: `fastserve.server.tools`).
     kind: str
     # The JSON schema's text (json), the regex (regex), the strings (choice), the structural
     # tag's JSON text (structural_tag); "" (json_object).

@@ -47,6 +47,7 @@ class ReplicaSpec:
     api_key: str | None
     max_body_bytes: int
     grace_period_s: float
+    tool_call_parser: str = "auto"  # the format of the model's tool calls (server/tools)
     # The prefix cache's hashes a replica reports at most (the most recently used ones).
     max_prefix_hashes: int = 8192
 
@@ -58,7 +59,8 @@ class EngineReplica:
         self.spec = spec
         self.llm = AsyncLLM(engine_config_from_args(spec.engine_args))
         self.app = build_app(self.llm, spec.served_model_name, api_key=spec.api_key,
-                             max_body_bytes=spec.max_body_bytes)
+                             max_body_bytes=spec.max_body_bytes,
+                             tool_call_parser=spec.tool_call_parser)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serving (pid %d)", self.replica_id, os.getpid())
 

@@ -10,13 +10,14 @@ parsing; the route validates the body (pydantic, `schemas.py`) and hands it to `
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from fastserve.engine.async_llm import AsyncLLM
-from fastserve.server import schemas
+from fastserve.server import schemas, tools
 from fastserve.server.gate import (
     DEFAULT_MAX_BODY_BYTES,
     RequestGate,
@@ -26,6 +27,8 @@ from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from fastserve.server.responses import ResponsesServing
 from fastserve.server.responses_schemas import ResponseObject, ResponsesRequest
 from fastserve.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": schemas.ErrorResponse, "description": text}
@@ -46,19 +49,24 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    tool_call_parser: str = tools.AUTO,
 ) -> FastAPI:
     """The FastAPI app serving `llm` under `served_model_name`.
 
     With `api_key`, every `/v1` path needs `Authorization: Bearer <api_key>` (401). Bodies
     over `max_body_bytes` are refused with 413. Both are checked before the body is parsed.
+    `tool_call_parser`: the format of the model's tool calls (`tools.FORMATS`), or "auto"
+    (read off its chat template).
     """
+    tool_format, why = tools.choose(tool_call_parser, llm.tokenizer.chat_template)
+    logger.info("tool calls: the %s format (%s)", tool_format.name, why)
     app = FastAPI(
         title="fastserve",
         summary="OpenAI-compatible LLM serving with skip-join MLFQ scheduling",
         version="0.1.0",
     )
     metrics = ServerMetrics(llm)
-    serving = OpenAIServing(llm, served_model_name, metrics)
+    serving = OpenAIServing(llm, served_model_name, metrics, tool_format)
     app.state.serving = serving
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     add_error_handlers(app, metrics)

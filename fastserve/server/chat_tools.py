@@ -1,4 +1,4 @@
-"""Tool calls between the OpenAI schemas and the Hermes format (`tool_calls`): the checks of a
+"""Tool calls between the OpenAI schemas and a model's format (`tools`): the checks of a
 request's tools that need the grammar engine, and each choice's calls as the API returns them."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import uuid
 
 from fastserve.executor import grammar
 from fastserve.request import InvalidRequestError, RequestOutput, StructuredOutputParams
-from fastserve.server import schemas, tool_calls
+from fastserve.server import schemas
 from fastserve.server.gate import bad_input
+from fastserve.server.tools import ToolFormat
+from fastserve.server.tools.base import ToolCallParser
 
 
 def check_schemas(body: schemas.ChatCompletionRequest) -> None:
@@ -29,17 +31,20 @@ def check_schemas(body: schemas.ChatCompletionRequest) -> None:
 
 
 class ChoiceToolCalls:
-    """Each choice's tool calls, read out of its output as it streams (`ToolCallParser`)."""
+    """Each choice's tool calls, read out of its output as it streams (the format's parser)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, tool_format: ToolFormat) -> None:
         self.mode = mode
-        self._parsers: dict[int, tool_calls.ToolCallParser] = {}
+        self.format = tool_format
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def read(self, index: int, text: str, finished: bool
              ) -> list[str | schemas.ToolCallDelta]:
         """Choice `index`'s new `text` as content and pieces of calls, in the text's order
         (one delta per call and run: a call's first names it and gets its id)."""
-        parser = self._parsers.setdefault(index, tool_calls.ToolCallParser())
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self.format.parser()
         parsed = parser.feed(text)
         if finished:
             parsed.extend(parser.finish())

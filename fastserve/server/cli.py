@@ -21,6 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from fastserve.args import add_engine_args, engine_config_from_args
+from fastserve.server.tools import AUTO, FORMATS
 
 if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastserve -h` fast)
     import uvicorn
@@ -47,6 +48,7 @@ class ServeOptions:
     grace_period_s: float = 30.0
     log_level: str = "info"
     access_log: bool = True
+    tool_call_parser: str = "auto"  # the format of the model's tool calls (server/tools)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -87,6 +89,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request (default: on)")
+    p.add_argument("--tool-call-parser", default="auto", choices=[AUTO, *FORMATS],
+                   help="how the model writes tool calls: hermes (<tool_call> blocks: Hermes, "
+                   "Qwen 2.5/3), llama3_json (Llama 3.1-3.3), or auto: read off the chat "
+                   "template (default)")
     add_engine_args(p, skip=("model",))
     # A server runs the faster dtype for its machine unless told (measured on a CPU:
     # executor/dtype_choice.py); the Python API stays float32 unless asked.
@@ -103,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
         grace_period_s=args.grace_period_s,
         log_level=args.log_level,
         access_log=args.access_log,
+        tool_call_parser=args.tool_call_parser,
     )
     return serve(opts, args)
 
@@ -119,7 +126,8 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
     try:
         print(f"fastserve: loading {config.model.model or 'the built-in tiny model'} ...", flush=True)
         llm = AsyncLLM(config)
-        app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes)
+        app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
+                        tool_call_parser=opts.tool_call_parser)
         return _run(_main_loop(app, llm, sock, name, opts))
     finally:
         sock.close()

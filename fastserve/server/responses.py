@@ -130,7 +130,7 @@ class ResponsesServing:
             return streaming.EventStream(self._events(job, response, first, outputs))
         (final,) = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         items = OutputItems()
-        _read(job, items, chat_tools.ChoiceToolCalls(job.tool_mode), final)
+        _read(job, items, chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format), final)
         _finish(response, items, job, final)
         return JSONResponse(response.model_dump())
 
@@ -147,7 +147,7 @@ class ResponsesServing:
         yield event({"type": "response.created", "response": response.model_dump()})
         yield event({"type": "response.in_progress", "response": response.model_dump()})
         items = OutputItems()
-        tools = chat_tools.ChoiceToolCalls(job.tool_mode)
+        tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 response.status = "failed"

@@ -51,7 +51,7 @@ from fastserve.request import (
     SamplingParams,
     StructuredOutputParams,
 )
-from fastserve.server import tool_calls
+from fastserve.server.tools import FORMATS, FunctionSpec, ToolFormat, template_arguments
 
 # -- errors ---------------------------------------------------------------------------------
 
@@ -353,7 +353,8 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
         None, min_length=1, description="Extension: the output is exactly one of these strings.")
 
-    def structured_output(self) -> StructuredOutputParams | None:
+    def structured_output(self, tool_format: ToolFormat | None = None
+                          ) -> StructuredOutputParams | None:
         """The grammar asked for, if any; raises InvalidRequestError naming the field when
         more than one is given."""
         fmt = self.response_format
@@ -386,8 +387,10 @@ class _GenerationRequest(BaseModel):
         return bool(self.include_usage and self.stream_options
                     and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters; raises InvalidRequestError naming the field (-> 400)."""
+    def sampling_params(self, max_tokens: int, tool_format: ToolFormat | None = None
+                        ) -> SamplingParams:
+        """The engine's parameters; raises InvalidRequestError naming the field (-> 400).
+        `tool_format`: how the model writes tool calls (chat's tools)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -401,7 +404,7 @@ class _GenerationRequest(BaseModel):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             **self._logits_params(),
             **self._sequences(),
-            structured_output=self.structured_output(),
+            structured_output=self.structured_output(tool_format),
         )
 
     def _logits_params(self) -> dict[str, Any]:
@@ -619,7 +622,7 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = [
                 {"id": c.id, "type": c.type,
                  "function": {"name": c.function.name,
-                              "arguments": tool_calls.template_arguments(c.function.arguments)}}
+                              "arguments": template_arguments(c.function.arguments)}}
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
@@ -658,8 +661,8 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="Default: what the model's context leaves after the prompt."
     )
     tools: list[Tool] | None = Field(
-        None, max_length=MAX_TOOLS, description="Functions the model may call (Hermes-style "
-        "<tool_call> blocks in the output, returned as tool_calls).")
+        None, max_length=MAX_TOOLS, description="Functions the model may call (read out of the "
+        "output in the model's format, --tool-call-parser; returned as tool_calls).")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none: no calls; auto (the default with tools): the model decides; "
         "required: one call or more; a named function: exactly one call of it.")
@@ -704,10 +707,12 @@ class ChatCompletionRequest(_GenerationRequest):
         choice = self.tool_choice
         return choice.function.name if isinstance(choice, NamedToolChoice) else None
 
-    def structured_output(self) -> StructuredOutputParams | None:
-        """The tool calls' grammar, or the output format's; refuses both at once."""
+    def structured_output(self, tool_format: ToolFormat | None = None
+                          ) -> StructuredOutputParams | None:
+        """The tool calls' grammar (in `tool_format`, by default Hermes'), or the output
+        format's; refuses both at once."""
         other = super().structured_output()
-        spec = self._tool_grammar()
+        spec = self._tool_grammar(tool_format or FORMATS["hermes"])
         if spec is None:
             return other
         if other is not None:
@@ -717,13 +722,13 @@ class ChatCompletionRequest(_GenerationRequest):
                 "tools or parallel_tool_calls false): both would constrain the whole output", field)
         return StructuredOutputParams("structural_tag", spec, "tool_choice")
 
-    def _tool_grammar(self) -> str | None:
-        mode, tools = self.tool_mode, self.tools or []
+    def _tool_grammar(self, tool_format: ToolFormat) -> str | None:
+        mode, given = self.tool_mode, self.tools or []
         if mode == "none":
             return None
-        if not tools:
+        if not given:
             raise InvalidRequestError(f"tool_choice: {mode!r} needs tools", "tool_choice")
-        names = [t.function.name for t in tools]
+        names = [t.function.name for t in given]
         for i, name in enumerate(names):
             if name in names[:i]:
                 raise InvalidRequestError(
@@ -733,10 +738,10 @@ class ChatCompletionRequest(_GenerationRequest):
             raise InvalidRequestError(
                 f"tool_choice: function {named!r} is not among the tools ({', '.join(names)})",
                 "tool_choice")
-        functions = [tool_calls.FunctionSpec(t.function.name, t.function.parameters,
-                                             bool(t.function.strict)) for t in tools]
-        return tool_calls.grammar_spec(functions, mode, self.parallel_tool_calls is not False,
-                                       named)
+        functions = [FunctionSpec(t.function.name, t.function.parameters,
+                                        bool(t.function.strict)) for t in given]
+        return tool_format.grammar_spec(functions, mode, self.parallel_tool_calls is not False,
+                                        named)
 
     def _logits_params(self) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:

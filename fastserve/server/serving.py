@@ -27,9 +27,11 @@ from fastserve.server import chat_tools, schemas, streaming
 from fastserve.server.gate import ClientDisconnected, bad_input, engine_dead, engine_failure
 from fastserve.server.logprobs import LogprobsFormatter
 from fastserve.server.metrics import ServerMetrics
+from fastserve.server.tools import FORMATS, ToolFormat
 
 T = TypeVar("T")
 
+HERMES = FORMATS["hermes"]
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 
 
@@ -51,17 +53,20 @@ class Job:
     # Completions' echo: the prompt's text, returned before the completion (None: no echo).
     echo_text: str | None = None
     # Chat's tool_choice: "none" (the output is all content), "auto", "required" or "named"
-    # (calls are read out of the output).
+    # (calls are read out of the output, in the served model's format).
     tool_mode: str = "none"
+    tool_format: ToolFormat = HERMES
 
 
 class OpenAIServing:
     """The `/v1` handlers' logic, shared by completions and chat completions."""
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
+                 tool_format: ToolFormat = HERMES) -> None:
         self.llm = llm
         self.model_name = served_model_name
         self.metrics = metrics
+        self.tool_format = tool_format  # how the served model writes tool calls
         self.max_model_len: int = llm.engine.max_model_len
         self.created = schemas.now_s()
         self.logprobs = LogprobsFormatter(llm.tokenizer)
@@ -128,7 +133,7 @@ class OpenAIServing:
         ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1)
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
-                                  tool_mode=body.tool_mode)
+                                  tool_mode=body.tool_mode, tool_format=self.tool_format)
         if job.params.structured_output is not None and job.params.structured_output.kind == "structural_tag":
             chat_tools.check_schemas(body)
         return job
@@ -136,7 +141,7 @@ class OpenAIServing:
     def _chat_choice(self, job: Job, final: RequestOutput) -> schemas.ChatChoice:
         content, calls, finish = final.text, None, _finish_reason(final)
         if job.tool_mode != "none":
-            tools = chat_tools.ChoiceToolCalls(job.tool_mode)
+            tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
             content, deltas = chat_tools.split(tools.read(final.index, final.text, finished=True))
             calls = chat_tools.assemble(deltas)
             finish = tools.finish_reason(final, finish)
@@ -209,7 +214,7 @@ class OpenAIServing:
                 400, "stream_options: only allowed when stream is true", param="stream_options"
             )
         try:
-            params = body.sampling_params(max_tokens)
+            params = body.sampling_params(max_tokens, self.tool_format)
         except ValueError as exc:
             raise bad_input(exc, "prompt") from exc
         if not body.stream:  # one response body: the engine builds the final outputs only
@@ -350,7 +355,8 @@ class OpenAIServing:
                         usage=job_usage(job, ()) if job.continuous_usage else None, index=i)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
-        tools = chat_tools.ChoiceToolCalls(job.tool_mode) if job.tool_mode != "none" else None
+        tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
+                 if job.tool_mode != "none" else None)
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 for line in _cut_short(job, latest, done, out,

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from fastserve.server.tool_calls import CallDelta, FunctionSpec, ToolCallParser, grammar_spec
+from fastserve.server.tools import FORMATS
+from fastserve.server.tools.base import CallDelta, FunctionSpec, ToolCallParser
+from fastserve.server.tools.hermes import HermesParser
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -26,8 +28,9 @@ def calls_of(pieces: list[CallDelta]) -> list[tuple[str, str]]:
     return calls
 
 
-def parse(pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    parser = ToolCallParser()
+def parse(pieces: list[str], parser_type: type[ToolCallParser] = HermesParser
+          ) -> tuple[str, list[tuple[str, str]]]:
+    parser = parser_type()
     content, calls = "", []
     for piece in pieces:
         out = parser.feed(piece)
@@ -87,7 +90,7 @@ def test_whole_and_streamed_text_parse_alike(name: str) -> None:
 
 
 def test_a_call_streams_its_name_then_its_arguments() -> None:
-    parser = ToolCallParser()
+    parser = HermesParser()
     assert parser.feed('Sure.\n<tool_call>\n{"name": "add", "arguments": ').calls == []
     assert parser.feed("{").calls == [CallDelta(0, "add", ""), CallDelta(0, None, "{")]
     assert parser.feed('"a": 1').calls == [CallDelta(0, None, '"a": 1')]
@@ -106,7 +109,7 @@ def test_unicode_in_arguments() -> None:
 
 
 def test_held_text_is_sent_once_it_cannot_start_a_call() -> None:
-    parser = ToolCallParser()
+    parser = HermesParser()
     assert parser.feed("It is <").content == "It is"  # "<" may start a tag; " " waits for it
     assert parser.feed("b>bold</b>").content == " <b>bold</b>"
     assert parser.feed(" ").content == ""
@@ -141,7 +144,7 @@ def test_grammar_holds_the_output_to_tool_choice(
     import xgrammar
 
     functions = [FunctionSpec("add", ADD_SCHEMA, strict), FunctionSpec("noop", None, False)]
-    spec = grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
+    spec = FORMATS["hermes"].grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
     assert spec is not None
     grammar = xgrammar.Grammar.from_structural_tag(spec)
     for text in accepted:
@@ -152,12 +155,12 @@ def test_grammar_holds_the_output_to_tool_choice(
 
 def test_plain_auto_is_not_held_to_a_grammar() -> None:
     functions = [FunctionSpec("add", ADD_SCHEMA, False)]
-    assert grammar_spec(functions, "auto", parallel=True) is None
+    assert FORMATS["hermes"].grammar_spec(functions, "auto", parallel=True) is None
 
 
 def test_pieces_keep_the_order_of_the_text() -> None:
     """Text after a call in the same chunk comes after it (the Responses API's output items
     follow this order)."""
-    out = ToolCallParser().feed("Adding. " + ADD + " Then more.")
+    out = HermesParser().feed("Adding. " + ADD + " Then more.")
     assert out.pieces == ["Adding.", CallDelta(0, "add", ""), CallDelta(0, None, '{"a": 1, "b": 2}'),
                           " Then more."]

@@ -1,0 +1,31 @@
+"""Tool calls: the formats model families write them in (`ToolFormat`: the grammar's tags and
+the parser that reads calls out of the text), and which one a chat template uses.
+
+`hermes` (Hermes 2/3, Qwen 2.5/3, the built-in template) and `llama3_json` (Llama 3.1-3.3),
+as vLLM's `--tool-call-parser` names them.
+"""
+
+from __future__ import annotations
+
+from fastserve.server.tools.base import FunctionSpec, ToolFormat, template_arguments
+from fastserve.server.tools.hermes import HERMES
+from fastserve.server.tools.llama3_json import LLAMA3_JSON
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+AUTO = "auto"
+
+__all__ = ["AUTO", "FORMATS", "FunctionSpec", "ToolFormat", "choose", "template_arguments"]
+
+
+def choose(name: str, chat_template: str) -> tuple[ToolFormat, str]:
+    """The format `--tool-call-parser NAME` asks for, and why it is the one: "auto" reads it
+    off the chat template (how the template writes an assistant's calls)."""
+    if name != AUTO:
+        if name not in FORMATS:
+            raise ValueError(f"tool call parser: {name!r} is not one of {AUTO}, {', '.join(FORMATS)}")
+        return FORMATS[name], "as asked"
+    if "<tool_call>" in chat_template:
+        return HERMES, "the chat template writes <tool_call> blocks"
+    if '"parameters"' in chat_template or "<|python_tag|>" in chat_template:
+        return LLAMA3_JSON, "the chat template writes Llama 3's JSON calls"
+    return HERMES, "the default: the chat template shows no known format"

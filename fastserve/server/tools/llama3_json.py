@@ -1,0 +1,146 @@
+"""The Llama 3 JSON format: Llama 3.1, 3.2 and 3.3's JSON tool calling. A call is a bare JSON
+object of the function's name and its `parameters`; calls are separated by `; `:
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+Text outside the calls is the message's content. NOTE: Llama's `<|python_tag|>` (built-in
+tools) is a special token, which the server's detokenizer drops.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastserve.server.tools.base import (
+    CallDelta,
+    HeldSpace,
+    ObjectScanner,
+    Parsed,
+    ToolFormat,
+    json_string,
+    parse_call,
+    partial_tag,
+)
+
+CALL_START = '{"name"'
+# Llama's templates name the arguments `parameters`; some fine-tunes write `arguments`.
+_ARGUMENTS_KEYS = ("parameters", "arguments")
+# A call's start up to its arguments object: the function's name is known from here on.
+_CALL_HEAD = re.compile(r'\{"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*\{')
+_SEPARATORS = " \t\r\n;"  # between calls (and after the last): dropped
+
+
+class Llama3JsonParser:
+    """Splits one sequence's output into content and Llama 3 JSON calls, as the text arrives.
+
+    A call begins at `{"name"`. In the usual order (name, then the arguments) it streams: its
+    name once the arguments begin, then their text as it comes, up to the arguments' closing
+    brace (whatever else the call's object holds is dropped). Another object is read whole at
+    its closing brace: a call if it has a name and an arguments object, else content as
+    written. Text that may begin `{"name"` is held until it is known not to; so is the
+    content's trailing whitespace, which is dropped before a call and at the end of an output
+    that made calls.
+    """
+
+    def __init__(self) -> None:
+        self._pending = ""  # text not classified yet
+        self._state = "text"  # "text", "head" (a call's start), "arguments", "tail" (after them)
+        self._object = ObjectScanner()  # in "head": the object, until its head is known
+        self._num_scanned = 0  # in "head": the characters of `_pending` it has read
+        self._scanner = ObjectScanner()  # in "arguments" and "tail"
+        self._held = HeldSpace()
+        self._space_before_call = ""  # put back if the object turns out to be no call
+        self._after_call = False  # the separators that follow a call are dropped
+        self.num_calls = 0
+
+    def feed(self, text: str) -> Parsed:
+        self._pending += text
+        out = Parsed()
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> Parsed:
+        """The rest, once the output is complete: a call whose arguments began is a call, cut
+        short or not; an unclosed object that never named its arguments is content."""
+        out = Parsed()
+        if self._state == "text":
+            out.text(self._held.send(self._pending))
+        elif self._state == "head":
+            out.text(self._held.send(self._space_before_call + self._pending))
+        else:
+            self.num_calls += 1
+        self._pending, self._state = "", "text"
+        space = self._held.take()
+        if self.num_calls == 0:
+            out.text(space)
+        return out
+
+    def _step(self, out: Parsed) -> bool:
+        """Read what the pending text allows in the current state; True to go on reading."""
+        if self._state == "text":
+            return self._read_text(out)
+        if self._state == "head":
+            return self._read_head(out)
+        used, _ = self._scanner.scan(self._pending)
+        if used and self._state == "arguments":
+            out.call(CallDelta(self.num_calls, None, self._pending[:used]))
+        self._pending = self._pending[used:]
+        if not self._scanner.is_closed:
+            return False
+        if self._state == "arguments":  # the rest of the call's object, to its closing brace
+            self._state, self._scanner = "tail", ObjectScanner(depth=1)
+        else:
+            self._end_call()
+        return True
+
+    def _read_text(self, out: Parsed) -> bool:
+        if self._after_call:
+            rest = self._pending.lstrip(_SEPARATORS)
+            self._pending = rest
+            if not rest:
+                return False
+            self._after_call = False
+        start = self._pending.find(CALL_START)
+        if start < 0:
+            keep = partial_tag(self._pending, CALL_START)
+            out.text(self._held.send(self._pending[:len(self._pending) - keep]))
+            self._pending = self._pending[len(self._pending) - keep:]
+            return False
+        out.text(self._held.send(self._pending[:start]))
+        self._space_before_call = self._held.take()
+        self._pending = self._pending[start:]
+        self._state, self._object, self._num_scanned = "head", ObjectScanner(), 0
+        return True
+
+    def _read_head(self, out: Parsed) -> bool:
+        head = _CALL_HEAD.match(self._pending)
+        if head is not None and (name := json_string(head.group(1))) is not None:
+            out.call(CallDelta(self.num_calls, name, ""))
+            self._pending = self._pending[head.end() - 1:]  # from the arguments' "{"
+            self._state, self._scanner = "arguments", ObjectScanner()
+            return True
+        used, _ = self._object.scan(self._pending[self._num_scanned:])
+        self._num_scanned += used
+        if not self._object.is_closed:
+            return False
+        body, self._pending = self._pending[:self._num_scanned], self._pending[self._num_scanned:]
+        call = parse_call(body, _ARGUMENTS_KEYS, need_arguments=True)
+        if call is None:
+            out.text(self._held.send(self._space_before_call + body))
+            self._state = "text"
+        else:
+            out.call(CallDelta(self.num_calls, *call))
+            self._end_call()
+        self._space_before_call = ""
+        return True
+
+    def _end_call(self) -> None:
+        self._state, self._after_call = "text", True
+        self._space_before_call = ""
+        self.num_calls += 1
+
+
+LLAMA3_JSON = ToolFormat(
+    "llama3_json", begin='{"name": "{name}", "parameters": ', end="}", trigger='{"name": "',
+    separator="; ", parser=Llama3JsonParser)

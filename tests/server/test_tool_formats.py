@@ -1,0 +1,198 @@
+"""The Llama 3 JSON tool-call format (Llama 3.1-3.3): its parser, read whole and streamed, its
+grammar (checked with xgrammar itself), and which format a chat template gets."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fastserve.server import tools
+from fastserve.server.tools.base import CallDelta, FunctionSpec
+from fastserve.server.tools.llama3_json import LLAMA3_JSON, Llama3JsonParser
+from tests.server.helpers import ServerProcess, managed, start_server
+from tests.server.test_tool_calls import ADD_SCHEMA, parse
+
+WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+ADD = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+PARIS = ("get_weather", '{"city": "Paris"}')
+
+CASES = {
+    "one call": (WEATHER, "", [PARIS]),
+    "calls separated by semicolons": (WEATHER + "; " + ADD, "", [PARIS, ("add", '{"a": 1, "b": 2}')]),
+    "calls on lines of their own": (WEATHER + "\n" + ADD + "\n", "",
+                                    [PARIS, ("add", '{"a": 1, "b": 2}')]),
+    "text then a call": ("Let me check.\n" + WEATHER, "Let me check.", [PARIS]),
+    "text after a call stays": (WEATHER + "; Done.", "Done.", [PARIS]),
+    "arguments as written": ('{"name":"f","parameters":{"a":1,  "b" : [2]}}', "",
+                             [("f", '{"a":1,  "b" : [2]}')]),
+    "`arguments` for `parameters`": ('{"name": "f", "arguments": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    "a brace inside a string": ('{"name": "f", "parameters": {"s": "} {\\"name\\""}}', "",
+                                [("f", '{"s": "} {\\"name\\""}')]),
+    "what follows the arguments in the object is dropped": (
+        '{"name": "f", "parameters": {}, "x": {"y": 1}} ok', "ok", [("f", "{}")]),
+    "arguments cut short are still a call": ('{"name": "f", "parameters": {"a": "x', "",
+                                             [("f", '{"a": "x')]),
+    # Not in the usual order: read whole at the object's end.
+    "name then other keys": ('{"name": "f", "id": 3, "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    "an object with no arguments is text": ('Say {"name": "Bob", "age": 3} ok',
+                                            'Say {"name": "Bob", "age": 3} ok', []),
+    "arguments must be an object": ('{"name": "f", "parameters": [1]}',
+                                    '{"name": "f", "parameters": [1]}', []),
+    "an unclosed object before its arguments is text": ('{"name": "f", "para',
+                                                        '{"name": "f", "para', []),
+    "JSON without a name is text": ('{"city": "Paris"}\n', '{"city": "Paris"}\n', []),
+    "a call's start at the end is text": ('see {"na', 'see {"na', []),
+    "parameters first is no call's start": ('{"parameters": {"a": 1}, "name": "f"}',
+                                            '{"parameters": {"a": 1}, "name": "f"}', []),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_whole_and_streamed_text_parse_alike(name: str) -> None:
+    text, content, calls = CASES[name]
+    assert parse([text], Llama3JsonParser) == (content, calls)
+    for cut in range(len(text) + 1):
+        assert parse([text[:cut], text[cut:]], Llama3JsonParser) == (content, calls), cut
+    assert parse(list(text), Llama3JsonParser) == (content, calls)
+
+
+def test_a_call_streams_its_name_then_its_arguments() -> None:
+    parser = Llama3JsonParser()
+    assert parser.feed('{"name": "add", "parameters": ').calls == []
+    assert parser.feed("{").calls == [CallDelta(0, "add", ""), CallDelta(0, None, "{")]
+    assert parser.feed('"a": 1').calls == [CallDelta(0, None, '"a": 1')]
+    assert parser.feed(', "b": 2}}; {"name": "f", ').calls == [CallDelta(0, None, ', "b": 2}')]
+    assert parser.num_calls == 1
+    assert parser.feed('"parameters": {}}').calls == [CallDelta(1, "f", ""), CallDelta(1, None, "{}")]
+    assert parser.finish().pieces == []
+    assert parser.num_calls == 2
+
+
+TEXT = "Adding them."
+CALL = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+OUT_OF_SCHEMA = '{"name": "add", "parameters": {"a": 10, "b": 2}}'
+UNKNOWN = '{"name": "sub", "parameters": {"a": 1, "b": 2}}'
+NOOP = '{"name": "noop", "parameters": {"x": [true]}}'
+
+
+@pytest.mark.parametrize(("mode", "strict", "parallel", "accepted", "refused"), [
+    ("auto", True, True, [TEXT, "", CALL, TEXT + " " + CALL + NOOP], [OUT_OF_SCHEMA, UNKNOWN]),
+    ("auto", False, False, [TEXT, TEXT + CALL, OUT_OF_SCHEMA], [CALL + CALL, UNKNOWN]),
+    ("required", False, True, [CALL, CALL + "; " + NOOP], ["", TEXT, TEXT + CALL, OUT_OF_SCHEMA]),
+    ("required", False, False, [CALL, NOOP], [CALL + "; " + NOOP]),
+    ("named", False, True, [CALL], [NOOP, CALL + "; " + CALL, TEXT + CALL, OUT_OF_SCHEMA]),
+])
+def test_grammar_holds_the_output_to_tool_choice(
+        mode: str, strict: bool, parallel: bool, accepted: list[str], refused: list[str]) -> None:
+    xgr_testing = pytest.importorskip("xgrammar.testing")
+    import xgrammar
+
+    functions = [FunctionSpec("add", ADD_SCHEMA, strict), FunctionSpec("noop", None, False)]
+    spec = LLAMA3_JSON.grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
+    assert spec is not None
+    grammar = xgrammar.Grammar.from_structural_tag(spec)
+    for text in accepted:
+        assert xgr_testing._is_grammar_accept_string(grammar, text), text
+        assert len(parse([text], Llama3JsonParser)[1]) == text.count('{"name"'), text
+    for text in refused:
+        assert not xgr_testing._is_grammar_accept_string(grammar, text), text
+
+
+LLAMA31_CALLS = """{%- for tool_call in message.tool_calls %}
+{{- '{"name": "' + tool_call.function.name + '", ' }}{{- '"parameters": ' }}
+{{- tool_call.function.arguments | tojson }}{{- "}" }}{%- endfor %}"""
+QWEN_CALLS = """{%- for tool_call in message.tool_calls %}{{- '<tool_call>\\n' }}
+{{- tool_call.function | tojson }}{{- '\\n</tool_call>' }}{%- endfor %}"""
+
+
+@pytest.mark.parametrize(("asked", "template", "chosen"), [
+    ("auto", LLAMA31_CALLS, "llama3_json"),
+    ("auto", QWEN_CALLS, "hermes"),
+    ("auto", "{{ messages[0].content }}", "hermes"),
+    ("hermes", LLAMA31_CALLS, "hermes"),
+    ("llama3_json", QWEN_CALLS, "llama3_json"),
+])
+def test_the_format_is_read_off_the_chat_template(asked: str, template: str, chosen: str) -> None:
+    assert tools.choose(asked, template)[0].name == chosen
+
+
+def test_an_unknown_format_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        tools.choose("mistral", "")
+
+
+# -- a checkpoint whose chat template writes Llama 3's calls, served --------------------------
+
+LLAMA_TEMPLATE = """{{- bos_token }}
+{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nRespond in the format '
+  '{"name": function name, "parameters": dictionary of argument name and its value}.\\n' }}
+{%- for t in tools %}{{- t | tojson }}{{- '\\n' }}{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}""" + LLAMA31_CALLS + """
+{{- '<|eot_id|>' }}
+{%- elif message.role == 'tool' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": ADD_SCHEMA}}
+ASK = [{"role": "user", "content": "What is 1 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def llama_server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerProcess]:
+    """The tiny checkpoint with a Llama 3.1-style chat template (weights linked, not copied)."""
+    model = server_tmp / "tiny-llama3-template"
+    model.mkdir(exist_ok=True)
+    for f in tiny_model_ready.iterdir():
+        if f.name != "chat_template.jinja" and not (model / f.name).exists():
+            (model / f.name).symlink_to(f)
+    config = json.loads((tiny_model_ready / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").unlink()
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").write_text(LLAMA_TEMPLATE)
+    yield from managed(start_server(server_tmp, str(model), "--served-model-name", "tiny",
+                                    "--no-warmup", "--no-startup-profile"))
+
+
+def _chat(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    resp = httpx.post(server.v1 + "/chat/completions", timeout=120,
+                      json={"model": "tiny", "messages": ASK, "tools": [ADD_TOOL], **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_a_llama3_template_gets_llama3_calls(llama_server: ServerProcess) -> None:
+    pytest.importorskip("xgrammar")
+    assert "tool calls: the llama3_json format" in llama_server.log()
+    # Forced: the grammar writes Llama's JSON (the tokens say so), the parser reads it back.
+    resp = _chat(llama_server, tool_choice="required", parallel_tool_calls=False, seed=1,
+                 logprobs=True, max_tokens=60)
+    choice = resp["choices"][0]
+    raw = b"".join(bytes(t["bytes"]) for t in choice["logprobs"]["content"]).decode()
+    assert raw.startswith('{"name": "add", "parameters": {'), raw
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and choice["finish_reason"] == "tool_calls"
+    written, _ = json.JSONDecoder().raw_decode(raw, len('{"name": "add", "parameters": '))
+    assert json.loads(call["function"]["arguments"]) == written
+    # Free (auto): text in Llama's shape is read as a call, the text before it as content.
+    said = _chat(llama_server, seed=1, max_tokens=60, guided_regex=(
+        r'Sure\. \{"name": "add", "parameters": \{"a": 1, "b": 2\}\}'))["choices"][0]
+    assert said["message"]["content"] == "Sure."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in said["message"]["tool_calls"]] \
+        == [("add", '{"a": 1, "b": 2}')]
+    # The call and its result go back to the model in the template's own format.
+    followup = httpx.post(llama_server.v1 + "/chat/completions", timeout=120, json={
+        "model": "tiny", "max_tokens": 2, "tools": [ADD_TOOL], "messages": [
+            *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "3"}]})
+    assert followup.status_code == 200, followup.text
