@@ -328,7 +328,9 @@ class _GenerationRequest(BaseModel):
         None, description="Extension: keep only the prompt's last k tokens; -1 keeps the most "
         "that leave room for the output (max_tokens, else completions' default 16, else 1).")
     priority: Annotated[Any, Only((0,))] = Field(None, description="Extension: only 0.")
-    return_token_ids: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
+    return_token_ids: StrictBool | None = Field(
+        None, description="Extension: the prompt's and the output's token ids in the response "
+        "(streamed: the prompt's in the first chunk, each chunk's new tokens in it).")
     # Penalties, bias and min_p (issue 27): OpenAI's, then vLLM's extensions.
     presence_penalty: StrictFloat | None = Field(
         None, ge=-2, le=2, description="Subtracted from the logit of each token the output has.")
@@ -806,11 +808,26 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
-class CompletionChoice(BaseModel):
+class _TokenIds(BaseModel):
+    """vLLM's `return_token_ids` fields, in a response only when asked for."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in _TOKEN_ID_FIELDS}
+
+
+_TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+class CompletionChoice(_TokenIds):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    # return_token_ids: the prompt's (streamed: in the choice's first chunk) and the output's
+    # (streamed: the chunk's new ones).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -835,20 +852,22 @@ class ChatResponseMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIds):
     index: int = 0
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    token_ids: list[int] | None = None  # return_token_ids: the output's
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class FunctionCallDelta(BaseModel):
@@ -886,20 +905,22 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_TokenIds):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the chunk's new tokens
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(BaseModel):

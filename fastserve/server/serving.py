@@ -56,6 +56,8 @@ class Job:
     # (calls are read out of the output, in the served model's format).
     tool_mode: str = "none"
     tool_format: ToolFormat = HERMES
+    # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
+    return_token_ids: bool = False
 
 
 class OpenAIServing:
@@ -101,7 +103,7 @@ class OpenAIServing:
             whole = isinstance(prompt, str) and len(ids) == num_given
             echo = prompt if whole else self.llm.tokenizer.decode(ids)
             job = dataclasses.replace(job, echo_text=echo)
-        if job.echo_text is not None or job.params.logprobs is not None:
+        if job.echo_text is not None or job.params.logprobs is not None or job.return_token_ids:
             return await self._respond(
                 job, request, "prompt", self._completion_logprob_events,
                 schemas.CompletionResponse, lambda final: self._completion_choice(job, final))
@@ -113,8 +115,10 @@ class OpenAIServing:
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
         job = await self.chat_job(body, "chatcmpl")
+        response = functools.partial(schemas.ChatCompletionResponse,
+                                     prompt_token_ids=_ids(job, job.prompt_token_ids))
         return await self._respond(
-            job, request, "messages", self._chat_events, schemas.ChatCompletionResponse,
+            job, request, "messages", self._chat_events, response,
             lambda final: self._chat_choice(job, final))
 
     async def chat_job(self, body: schemas.ChatCompletionRequest, prefix: str) -> Job:
@@ -149,7 +153,8 @@ class OpenAIServing:
             index=final.index,
             message=schemas.ChatResponseMessage(content=(content or None) if calls else content,
                                                 tool_calls=calls or None),
-            logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish)
+            logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish,
+            token_ids=_ids(job, final.token_ids))
 
     # -- validation -----------------------------------------------------------------------
 
@@ -238,6 +243,7 @@ class OpenAIServing:
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
             created=schemas.now_s(),
+            return_token_ids=bool(body.return_token_ids),
         )
 
     # -- engine ---------------------------------------------------------------------------
@@ -339,12 +345,15 @@ class OpenAIServing:
         def chunk(
             delta: schemas.ChatDelta | None, finish: schemas.FinishReason | None = None,
             usage: schemas.Usage | None = None, index: int = 0,
-            logprobs: schemas.ChatLogprobs | None = None,
+            logprobs: schemas.ChatLogprobs | None = None, token_ids: list[int] | None = None,
+            prompt_token_ids: list[int] | None = None,
         ) -> str:
             choices = [] if delta is None else [schemas.ChatChunkChoice(
-                index=index, delta=delta, logprobs=logprobs, finish_reason=finish)]
+                index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                token_ids=token_ids)]
             resp = schemas.ChatCompletionChunk(
-                id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
+                id=job.response_id, created=job.created, model=self.model_name, choices=choices,
+                usage=usage, prompt_token_ids=prompt_token_ids,
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
@@ -352,7 +361,8 @@ class OpenAIServing:
             lambda i: chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT), index=i))
         for i in range(job.params.n):  # each choice's role first, as OpenAI sends it
             yield chunk(schemas.ChatDelta(role="assistant", content=""),
-                        usage=job_usage(job, ()) if job.continuous_usage else None, index=i)
+                        usage=job_usage(job, ()) if job.continuous_usage else None, index=i,
+                        prompt_token_ids=_ids(job, job.prompt_token_ids) if i == 0 else None)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
         tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
@@ -371,23 +381,31 @@ class OpenAIServing:
             text, calls = out.new_text, None
             if tools is not None:
                 text, calls = chat_tools.split(tools.read(out.index, out.new_text, out.finished))
+            # return_token_ids: the output's new tokens, in the first chunk it makes
+            ids = _ids(job, out.new_token_ids) if out.new_token_ids else None
             new_lps = self._chat_logprobs(out, len(out.new_token_ids))
             if new_lps is not None and (text or out.new_token_ids):
                 # Each chunk carries its tokens' log-probabilities (text may lag behind them).
                 yield chunk(schemas.ChatDelta(content=text), usage=so_far,
-                            index=out.index, logprobs=new_lps)
-            elif so_far is not None and (text or not out.finished):
-                yield chunk(schemas.ChatDelta(content=text), usage=so_far, index=out.index)
+                            index=out.index, logprobs=new_lps, token_ids=ids)
+                ids = None
+            elif (so_far is not None and (text or not out.finished)) or (text and ids):
+                yield chunk(schemas.ChatDelta(content=text), usage=so_far, index=out.index, token_ids=ids)
+                ids = None
             elif text:
                 yield text_chunks(out.index, text)
             if calls:  # a call's name once its arguments begin, then their text
-                yield chunk(schemas.ChatDelta(tool_calls=calls), usage=so_far, index=out.index)
+                yield chunk(schemas.ChatDelta(tool_calls=calls), usage=so_far, index=out.index,
+                            token_ids=ids)
+                ids = None
             if out.finished:
                 finish = _finish_reason(out)
                 finish = finish if tools is None else tools.finish_reason(out, finish)
-                yield chunk(schemas.ChatDelta(), finish, so_far, out.index)
+                yield chunk(schemas.ChatDelta(), finish, so_far, out.index, token_ids=ids)
                 if job.include_usage and out.ends_request:
                     yield chunk(None, usage=job_usage(job, latest.values()))
+            elif ids:  # tokens whose text is held back (a call's start, say): still sent
+                yield chunk(schemas.ChatDelta(), index=out.index, token_ids=ids)
         yield "data: [DONE]\n\n"
 
 
@@ -420,7 +438,9 @@ class OpenAIServing:
         echo = job.echo_text is not None
         logprobs, _ = self._completion_logprobs(job, final, len(final.token_ids), echo, 0)
         return schemas.CompletionChoice(index=final.index, text=(job.echo_text or "") + final.text,
-                                        logprobs=logprobs, finish_reason=_finish_reason(final))
+                                        logprobs=logprobs, finish_reason=_finish_reason(final),
+                                        prompt_token_ids=_ids(job, job.prompt_token_ids),
+                                        token_ids=_ids(job, final.token_ids))
 
     async def _completion_logprob_events(
         self, job: Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
@@ -448,7 +468,8 @@ class OpenAIServing:
                 break
             if out.finished:
                 done.add(out.index)
-            echo_pending = job.echo_text is not None and out.index not in offsets
+            first_of_choice = out.index not in offsets
+            echo_pending = job.echo_text is not None and first_of_choice
             text = (job.echo_text or "") + out.new_text if echo_pending else out.new_text
             logprobs, offsets[out.index] = self._completion_logprobs(
                 job, out, len(out.new_token_ids), echo_pending, offsets.get(out.index, 0))
@@ -457,7 +478,9 @@ class OpenAIServing:
             if text or out.new_token_ids or out.finished or so_far is not None:
                 yield chunk(schemas.CompletionChoice(
                     index=out.index, text=text, logprobs=logprobs,
-                    finish_reason=_finish_reason(out) if out.finished else None), so_far)
+                    finish_reason=_finish_reason(out) if out.finished else None,
+                    prompt_token_ids=_ids(job, job.prompt_token_ids) if first_of_choice else None,
+                    token_ids=_ids(job, out.new_token_ids)), so_far)
             if out.ends_request and job.include_usage:
                 yield chunk(None, usage=job_usage(job, latest.values()))
         yield "data: [DONE]\n\n"
@@ -518,6 +541,11 @@ def _cut_short(
         lines.append(usage(job_usage(job, latest.values())))
     lines.append(streaming.sse_data(error.response_body()))
     return lines
+
+
+def _ids(job: Job, token_ids: list[int]) -> list[int] | None:
+    """Token ids for the response when it asked for them (return_token_ids)."""
+    return list(token_ids) if job.return_token_ids else None
 
 
 def _finish_reason(out: RequestOutput) -> schemas.FinishReason:
