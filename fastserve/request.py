@@ -347,6 +347,9 @@ class Request:
     cache_salt: str | None = None
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    # vLLM's `priority`: requests with a lower value run first, strictly; the policy orders
+    # the requests of one priority (`Scheduler.schedule`).
+    priority: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

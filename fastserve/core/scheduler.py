@@ -82,6 +82,7 @@ class Scheduler(ABC):
         self._placeholders: set[str] = set()
         self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
         self._replica_model: ReplicaModel | None = None  # built by `replica_model`
+        self._num_prioritized = 0  # unfinished requests whose priority is not 0
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -91,6 +92,7 @@ class Scheduler(ABC):
         check_fits(req, self.kv)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
+        self._num_prioritized += req.priority != 0
         self._on_add(req, now)
 
     def abort(self, request_id: str, now: float) -> Request | None:
@@ -111,6 +113,7 @@ class Scheduler(ABC):
             req.output_token_ids.pop()
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
+        self._num_prioritized -= req.priority != 0
         self._finished_ids.append(req.request_id)
         self._on_finish(req, now)
 
@@ -194,7 +197,7 @@ class Scheduler(ABC):
         num_tokens = 0
         budget = self.config.max_num_batched_tokens
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
-        order = self._order_now = self._not_in_flight(self._order(now))
+        order = self._order_now = self._not_in_flight(self._by_priority(self._order(now)))
         max_jobs = self._max_jobs()
         # Started jobs the walk may pass without a look once the batch holds one (the KV
         # policy's say), and the other started requests not yet walked past: once new
@@ -240,6 +243,15 @@ class Scheduler(ABC):
             num_tokens += num_new
         self.kv_policy.plan_ahead(self, order, batch, now)
         return self._plan(batch, chunks)
+
+    def _by_priority(self, order: list[Request]) -> list[Request]:
+        """Requests' `priority` over the policy's order: a lower value runs first, whatever
+        the policy says; within one value, the policy's order (a stable sort). NOTE: strict,
+        as vLLM's priority scheduling: a steady stream of urgent requests starves the others
+        (the policy's starvation promotion works within a priority)."""
+        if not self._num_prioritized:
+            return order
+        return sorted(order, key=_priority)
 
     def _not_in_flight(self, order: Sequence[Request]) -> Sequence[Request]:
         if not self.in_flight:
@@ -560,6 +572,10 @@ class Scheduler(ABC):
         if num_output >= p.max_tokens or len(req.prompt_token_ids) + num_output >= req.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _priority(req: Request) -> int:
+    return req.priority
 
 
 def check_fits(req: Request, kv: KVCacheManager) -> None:

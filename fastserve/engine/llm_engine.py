@@ -155,8 +155,10 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_s: float | None = None,
         oracle_output_len: int | None = None,
+        priority: int = 0,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError naming what is wrong."""
+        """Validate and queue a request. Raises ValueError naming what is wrong. `priority`:
+        lower runs first (vLLM's), over the scheduling policy's order."""
         params = (params or SamplingParams()).for_vocab(self.arch.vocab_size)
         if params.logits_processors and isinstance(self.runner, DistributedExecutor):
             raise InvalidRequestError(
@@ -185,6 +187,7 @@ class LLMEngine:
             arrival_s=self.clock.now() if arrival_s is None else arrival_s,
             oracle_output_len=oracle_output_len,
             max_model_len=self.max_model_len,
+            priority=priority,
         )
         text = prompt if isinstance(prompt, str) else None
         if num_seqs == 1:
@@ -218,6 +221,7 @@ class LLMEngine:
                       params=params, arrival_s=first.arrival_s,
                       oracle_output_len=first.oracle_output_len,
                       max_model_len=first.max_model_len, cache_salt=first.cache_salt,
+                      priority=first.priority,
                       block_hashes=list(first.block_hashes[: first.num_prompt_tokens
                                                             // self.kv.block_size]))
         return self._queue(req, prompt)

@@ -175,6 +175,9 @@ def _check_truncate(value: int) -> int:
     return value
 
 
+# vLLM's priority (a 32-bit integer: lower runs first).
+Priority = Annotated[StrictInt, annotated_types.Ge(-(2**31)), annotated_types.Lt(2**31),
+                     BeforeValidator(_integral)]
 # vLLM's truncate_prompt_tokens: a count of tokens, or -1.
 TruncatePrompt = Annotated[StrictInt, BeforeValidator(_integral), AfterValidator(_check_truncate),
                            WithJsonSchema({"anyOf": [{"const": -1},
@@ -327,7 +330,10 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: TruncatePrompt | None = Field(
         None, description="Extension: keep only the prompt's last k tokens; -1 keeps the most "
         "that leave room for the output (max_tokens, else completions' default 16, else 1).")
-    priority: Annotated[Any, Only((0,))] = Field(None, description="Extension: only 0.")
+    priority: Priority | None = Field(
+        None, description="Extension: a request with a lower value runs first, strictly (it "
+        "preempts running ones between tokens); requests of one priority are scheduled by the "
+        "server's policy. Default 0.")
     return_token_ids: StrictBool | None = Field(
         None, description="Extension: the prompt's and the output's token ids in the response "
         "(streamed: the prompt's in the first chunk, each chunk's new tokens in it).")

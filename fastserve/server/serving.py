@@ -58,6 +58,7 @@ class Job:
     tool_format: ToolFormat = HERMES
     # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
     return_token_ids: bool = False
+    priority: int = 0  # vLLM's: lower runs first
 
 
 class OpenAIServing:
@@ -244,6 +245,7 @@ class OpenAIServing:
             continuous_usage=body.continuous_usage,
             created=schemas.now_s(),
             return_token_ids=bool(body.return_token_ids),
+            priority=body.priority or 0,
         )
 
     # -- engine ---------------------------------------------------------------------------
@@ -277,7 +279,8 @@ class OpenAIServing:
         full queue is a 429 and bad input a 400 rather than an error event mid-stream.
         """
         outputs = self.llm.generate(
-            job.prompt_token_ids, job.params, request_id=job.response_id, coalesce=True
+            job.prompt_token_ids, job.params, request_id=job.response_id, coalesce=True,
+            priority=job.priority,
         )
         try:
             first = await streaming.race_disconnect(request, anext(outputs))

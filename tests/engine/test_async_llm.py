@@ -296,3 +296,32 @@ def test_a_failing_finish_callback_fails_no_request(held: _Held) -> None:
         asyncio.run(_still_serves(held))
     finally:
         held.llm.on_finish.remove(broken)
+
+
+def test_priority_orders_requests_over_the_policy() -> None:
+    """One batch slot: a short request of priority 1 waits for a running long one (which
+    skip-join MLFQ would preempt for it); one of priority -1 takes the slot at once."""
+    llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, max_batch_size=1, warmup=False))
+    finished: list[str] = []
+
+    async def run(name: str, max_tokens: int, priority: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        async for out in llm.generate(list(range(5, 15)), params, request_id=name, priority=priority):
+            if out.finished:
+                finished.append(name)
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        tasks = []
+        # Each arrives while the long one runs: "later" at its 2nd token, "urgent" at its 20th.
+        async for out in llm.generate(list(range(20, 40)), params, request_id="long"):
+            if len(out.token_ids) == 2:
+                tasks.append(asyncio.create_task(run("later", 2, 1)))
+            elif len(out.token_ids) == 20:
+                tasks.append(asyncio.create_task(run("urgent", 2, -1)))
+            if out.finished:
+                finished.append("long")
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert finished == ["urgent", "long", "later"]

@@ -254,6 +254,9 @@ def test_harmless_fields_accepted(server: ServerProcess) -> None:
                                               "logprobs": False, "tool_choice": "none",
                                               "response_format": {"type": "text"}, **extras})
     assert resp.status_code == 200, resp.text
+    resp = post(server, "/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                              "priority": -5})
+    assert resp.status_code == 200, resp.text
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -302,6 +305,8 @@ CMPL = "/completions"
         (CHAT, {"suffix": "x"}, "suffix"),
         (CMPL, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         (CHAT, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        (CMPL, {"priority": "high"}, "priority"),
+        (CHAT, {"priority": 2**31}, "priority"),
     ],
 )
 def test_bad_field_is_400_naming_it(server: ServerProcess, path: str, fields: dict[str, Any], param: str) -> None:
