@@ -27,6 +27,13 @@ from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from fastserve.server.responses import ResponsesServing
 from fastserve.server.responses_schemas import ResponseObject, ResponsesRequest
 from fastserve.server.serving import OpenAIServing
+from fastserve.server.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizeServing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +127,18 @@ def build_app(
         return await responses.create(body, request)
 
     app.include_router(v1)
+    tokens = TokenizeServing(serving)
+
+    @app.post("/tokenize", responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's: a prompt's token ids, or a conversation's as the chat endpoint renders it."""
+        return await tokens.tokenize(body)
+
+    @app.post("/detokenize", responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: the text of token ids."""
+        return await tokens.detokenize(body)
+
     _narrow_openapi(app, served_model_name, llm.engine.arch.vocab_size, serving.max_model_len)
     return app
 
@@ -149,6 +168,11 @@ def _narrow_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_le
                 _set_maximum(props["stop_token_ids"], vocab_size - 1)
             if "prompt" in props:
                 _set_maximum(props["prompt"], vocab_size - 1)
+        schemas_ = doc["components"]["schemas"]
+        for name in ("TokenizeRequest", "DetokenizeRequest"):
+            schemas_[name]["properties"]["model"] = {
+                "anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}], "title": "Model"}
+        _set_maximum(schemas_["DetokenizeRequest"]["properties"]["tokens"], vocab_size - 1)
         app.openapi_schema = doc
         return doc
 

@@ -29,6 +29,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 # whole body before reading (httpx.AsyncClient, openai.AsyncOpenAI) then gets the 413; closed
 # with unread data, the connection would be reset under it.
 MAX_DISCARD_BYTES = 64 << 20
+# The paths an API key guards: the OpenAI API, and vLLM's tokenizer routes (they run the
+# model's tokenizer and chat template for anyone who can reach them).
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 
 class ClientDisconnected(Exception):
@@ -58,7 +61,8 @@ def engine_dead(exc: Exception) -> APIError:
 class RequestGate:
     """ASGI middleware: the API key and the body-size limit, checked before any parsing.
 
-    With `api_key`, every `/v1` path needs `Authorization: Bearer <api_key>` (401 otherwise;
+    With `api_key`, every `/v1` path (and `/tokenize`, `/detokenize`) needs
+    `Authorization: Bearer <api_key>` (401 otherwise;
     compared in constant time). Bodies over `max_body_bytes` get 413: the declared
     Content-Length is checked, then what actually arrives is counted (chunked uploads, a lying
     header), buffering at most `max_body_bytes` and replaying it to the app.
@@ -84,7 +88,7 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected_key is not None and scope["path"].startswith("/v1"):
+        if self.expected_key is not None and scope["path"].startswith(KEYED_PATHS):
             denied = self._check_key(headers.get(b"authorization", b""))
             if denied is not None:
                 await self._reject(send, denied)

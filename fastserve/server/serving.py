@@ -91,7 +91,7 @@ class OpenAIServing:
     async def completion(self, body: schemas.CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         prompt = body.prompt
-        ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         num_given = len(ids)
         ids = self._truncate(ids, body.truncate_prompt_tokens, body.max_tokens,
                              DEFAULT_COMPLETION_MAX_TOKENS)
@@ -126,14 +126,7 @@ class OpenAIServing:
         """The conversation's job: rendered with the chat template, tokenized, checked.
         `prefix` starts the response id (`chatcmpl`; the Responses API's `resp`)."""
         self.check_model(body.model)
-        messages, kwargs = body.template_args()
-        render = functools.partial(
-            self.llm.tokenizer.apply_chat_template, messages, add_generation_prompt=True, **kwargs)
-        try:
-            text = await _off_loop(render, sum(len(m["content"]) for m in messages))
-        except Exception as exc:  # a template may reject a conversation (e.g. role order)
-            raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
-        ids = await self._encode(text, "messages")
+        ids = await self.render_chat(body)
         field, requested = body.requested_max_tokens
         ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1)
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
@@ -142,6 +135,18 @@ class OpenAIServing:
         if job.params.structured_output is not None and job.params.structured_output.kind == "structural_tag":
             chat_tools.check_schemas(body)
         return job
+
+    async def render_chat(self, body: schemas.ChatCompletionRequest,
+                          add_generation_prompt: bool = True) -> list[int]:
+        """The conversation's prompt token ids: rendered with the chat template, tokenized."""
+        messages, kwargs = body.template_args()
+        render = functools.partial(self.llm.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            text = await _off_loop(render, sum(len(m["content"]) for m in messages))
+        except Exception as exc:  # a template may reject a conversation (e.g. role order)
+            raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
+        return await self.encode(text, "messages")
 
     def _chat_choice(self, job: Job, final: RequestOutput) -> schemas.ChatChoice:
         content, calls, finish = final.text, None, _finish_reason(final)
@@ -159,12 +164,13 @@ class OpenAIServing:
 
     # -- validation -----------------------------------------------------------------------
 
-    async def _encode(self, text: str, param: str) -> list[int]:
-        if not text:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True,
+                      allow_empty: bool = False) -> list[int]:
+        if not text and not allow_empty:
             raise schemas.APIError(400, f"{param}: must not be empty", param=param)
 
         def encode() -> list[int]:
-            return list(self.llm.tokenizer.encode(check_encodable(text, param)))
+            return list(self.llm.tokenizer.encode(check_encodable(text, param), add_special_tokens))
 
         try:
             return await _off_loop(encode, len(text))

@@ -409,6 +409,8 @@ def test_api_key_required(server: ServerProcess) -> None:
         for resp in (
             httpx.get(server.v1 + "/models", headers=headers),
             httpx.post(server.v1 + CMPL, json={"model": MODEL, "prompt": "hi"}, headers=headers),
+            httpx.post(server.url + "/tokenize", json={"prompt": "hi"}, headers=headers),
+            httpx.post(server.url + "/detokenize", json={"tokens": [5]}, headers=headers),
         ):
             assert resp.status_code == 401, resp.text
             assert error_of(resp)["code"] == "invalid_api_key"
@@ -417,6 +419,7 @@ def test_api_key_required(server: ServerProcess) -> None:
         assert post(server, CMPL, raw, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert httpx.get(server.v1 + "/no-such-route").status_code == 401
     assert httpx.get(server.v1 + "/no-such-route", headers=AUTH).status_code == 404
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}, headers=AUTH).status_code == 200
     for key in ("wrong-key", API_KEY + "x"):
         bad = openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
         with pytest.raises(openai.AuthenticationError):

@@ -49,7 +49,8 @@ def fuzzed_server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerPr
 
 
 OPERATIONS = ["GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions",
-              "POST /v1/chat/completions", "POST /v1/responses", "GET /health"]
+              "POST /v1/chat/completions", "POST /v1/responses", "GET /health", "POST /tokenize",
+              "POST /detokenize"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
             return None
         if _is_tool_limit(error["param"], error["message"]):
             return None
+        if _is_tokenize_limit(error["param"], error["message"]):
+            return None
         # max_tokens 0 only with echo, top_logprobs only with logprobs, logit_bias keys in
         # the vocabulary (JSON Schema cannot bound a key's number).
         limits = {"max_tokens": "0 only with echo", "top_logprobs": "needs logprobs",
@@ -95,6 +98,14 @@ def _is_tool_limit(param: str | None, message: str) -> bool:
             or param.startswith("tools[") and (param.endswith(".parameters")
                                                or "given twice" in message)
             or param.startswith("messages[") and "tool_call" in message)
+
+
+def _is_tokenize_limit(param: str | None, message: str) -> bool:
+    """/tokenize's: exactly one of prompt and messages; tools, chat_template_kwargs and no
+    add_special_tokens with messages only."""
+    return (param in ("prompt", "messages") and "exactly one of" in message
+            or param in ("tools", "chat_template_kwargs") and "only with messages" in message
+            or param == "add_special_tokens" and "only false with messages" in message)
 
 
 # NOTE: schemathesis' own pytest plugin (`from_fixture(...).parametrize()`) does not run on
