@@ -4,7 +4,6 @@ request's tools that need the grammar engine, and each choice's calls as the API
 from __future__ import annotations
 
 import json
-import uuid
 
 from fastserve.executor import grammar
 from fastserve.request import InvalidRequestError, RequestOutput, StructuredOutputParams
@@ -57,7 +56,7 @@ class ChoiceToolCalls:
                 last.function.arguments = (last.function.arguments or "") + piece.arguments
             elif piece.name is not None:
                 out.append(schemas.ToolCallDelta(
-                    index=piece.index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                    index=piece.index, id=self.format.call_id(), type="function",
                     function=schemas.FunctionCallDelta(name=piece.name, arguments=piece.arguments)))
             else:
                 out.append(schemas.ToolCallDelta(

@@ -91,7 +91,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                    help="log one line per HTTP request (default: on)")
     p.add_argument("--tool-call-parser", default="auto", choices=[AUTO, *FORMATS],
                    help="how the model writes tool calls: hermes (<tool_call> blocks: Hermes, "
-                   "Qwen 2.5/3), llama3_json (Llama 3.1-3.3), or auto: read off the chat "
+                   "Qwen 2.5/3), llama3_json (Llama 3.1-3.3), mistral (Mistral 7B v0.3, Nemo, "
+                   "Small), or auto: read off the chat "
                    "template (default)")
     add_engine_args(p, skip=("model",))
     # A server runs the faster dtype for its machine unless told (measured on a CPU:

@@ -1,5 +1,6 @@
-"""The Llama 3 JSON tool-call format (Llama 3.1-3.3): its parser, read whole and streamed, its
-grammar (checked with xgrammar itself), and which format a chat template gets."""
+"""The Llama 3 JSON (Llama 3.1-3.3) and Mistral tool-call formats: their parsers, read whole
+and streamed, their grammars (checked with xgrammar itself), Mistral's call ids, and which
+format a chat template gets."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from fastserve.server import tools
 from fastserve.server.tools.base import CallDelta, FunctionSpec
 from fastserve.server.tools.llama3_json import LLAMA3_JSON, Llama3JsonParser
+from fastserve.server.tools.mistral import MISTRAL, MistralParser
 from tests.server.helpers import ServerProcess, managed, start_server
 from tests.server.test_tool_calls import ADD_SCHEMA, parse
 
@@ -73,6 +75,54 @@ def test_a_call_streams_its_name_then_its_arguments() -> None:
     assert parser.num_calls == 2
 
 
+MISTRAL_CASES = {
+    "one call": ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [PARIS]),
+    "a leading space (after the dropped [TOOL_CALLS])": (
+        ' [{"name": "add", "arguments": {"a": 1}}, {"name": "f", "arguments": {}}]', "",
+        [("add", '{"a": 1}'), ("f", "{}")]),
+    "as the grammar writes them": ('[{"name": "add", "arguments": {"a": 1}}], [{"name": "f", '
+                                   '"arguments": {}}]', "", [("add", '{"a": 1}'), ("f", "{}")]),
+    "text then calls": ('Sure. [{"name": "f", "arguments": {}}]', "Sure.", [("f", "{}")]),
+    "a list that is no call stays text": ('[{"name": "Bob"}] and [1, 2]', '[{"name": "Bob"}] and [1, 2]', []),
+    "a list's start at the end is text": ("see [{", "see [{", []),
+}
+
+
+@pytest.mark.parametrize("name", MISTRAL_CASES)
+def test_mistral_calls_parse_alike_whole_and_streamed(name: str) -> None:
+    text, content, calls = MISTRAL_CASES[name]
+    for cut in range(len(text) + 1):
+        assert parse([text[:cut], text[cut:]], MistralParser) == (content, calls), cut
+    assert parse(list(text), MistralParser) == (content, calls)
+
+
+MISTRAL_TEMPLATE = """{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}{{- '[TOOL_CALLS][' }}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.id is not string or tool_call.id|length != 9 %}
+{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}
+{{- tool_call.function | tojson }}{%- endfor %}{{- ']</s>' }}
+{%- else %}{{- message.role + ': ' + message.content + '\n' }}{%- endif %}{%- endfor %}"""
+
+
+def test_mistral_call_ids_pass_mistrals_template(tiny_model_ready: Path) -> None:
+    """Mistral's templates refuse a conversation whose call ids are not 9 letters and digits:
+    the ids a server in the mistral format hands out are."""
+    from fastserve.model.tokenizer import Tokenizer
+
+    assert tools.choose("auto", MISTRAL_TEMPLATE)[0] is MISTRAL
+    tokenizer = Tokenizer(tiny_model_ready)
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    ids = [MISTRAL.call_id() for _ in range(50)]
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 50
+    call = {"id": ids[0], "type": "function", "function": {"name": "f", "arguments": {}}}
+    text = tokenizer.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [call]}])
+    assert text.startswith('[TOOL_CALLS][{"name": "f"')
+    with pytest.raises(Exception, match="length 9"):
+        tokenizer.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [
+            {**call, "id": tools.FORMATS["hermes"].call_id()}]}])
+
+
 TEXT = "Adding them."
 CALL = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
 OUT_OF_SCHEMA = '{"name": "add", "parameters": {"a": 10, "b": 2}}'
@@ -103,6 +153,30 @@ def test_grammar_holds_the_output_to_tool_choice(
         assert not xgr_testing._is_grammar_accept_string(grammar, text), text
 
 
+M_CALL = '[{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+M_NOOP = '[{"name": "noop", "arguments": {"x": [true]}}]'
+
+
+@pytest.mark.parametrize(("mode", "parallel", "accepted", "refused"), [
+    ("required", True, [M_CALL, M_CALL + ", " + M_NOOP], ["", TEXT, M_CALL[1:-1]]),
+    ("named", True, [M_CALL], [M_NOOP, M_CALL + ", " + M_CALL]),
+    ("auto", False, [TEXT, TEXT + " " + M_CALL], [M_CALL + M_CALL]),
+])
+def test_mistral_grammar(mode: str, parallel: bool, accepted: list[str], refused: list[str]) -> None:
+    xgr_testing = pytest.importorskip("xgrammar.testing")
+    import xgrammar
+
+    functions = [FunctionSpec("add", ADD_SCHEMA, False), FunctionSpec("noop", None, False)]
+    spec = MISTRAL.grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
+    assert spec is not None
+    grammar = xgrammar.Grammar.from_structural_tag(spec)
+    for text in accepted:
+        assert xgr_testing._is_grammar_accept_string(grammar, text), text
+        assert len(parse([text], MistralParser)[1]) == text.count('{"name"'), text
+    for text in refused:
+        assert not xgr_testing._is_grammar_accept_string(grammar, text), text
+
+
 LLAMA31_CALLS = """{%- for tool_call in message.tool_calls %}
 {{- '{"name": "' + tool_call.function.name + '", ' }}{{- '"parameters": ' }}
 {{- tool_call.function.arguments | tojson }}{{- "}" }}{%- endfor %}"""
@@ -122,8 +196,8 @@ def test_the_format_is_read_off_the_chat_template(asked: str, template: str, cho
 
 
 def test_an_unknown_format_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        tools.choose("mistral", "")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        tools.choose("pythonic", "")
 
 
 # -- a checkpoint whose chat template writes Llama 3's calls, served --------------------------

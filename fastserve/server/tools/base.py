@@ -15,7 +15,10 @@ Pure Python over text: the server's handlers map it onto the OpenAI schemas.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import secrets
+import string
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -100,6 +103,8 @@ class ToolFormat:
     trigger: str
     separator: str
     parser: type[ToolCallParser]
+    # A new call's id. NOTE: a client sends it back, and some templates check its shape.
+    call_id: Callable[[], str] = field(default=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def grammar_spec(self, functions: Sequence[FunctionSpec], mode: str, parallel: bool,
                      named: str | None = None) -> str | None:
@@ -128,6 +133,11 @@ class ToolFormat:
                 "content": {"type": "json_schema", "json_schema": parameters or ANY_OBJECT,
                             "max_whitespace_cnt": _MAX_WHITESPACE},
                 "end": self.end}
+
+
+def alphanumeric_id(length: int = 9) -> str:
+    """Random letters and digits (Mistral's templates accept only 9 of them as a call's id)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(length))
 
 
 class ObjectScanner:

@@ -22,18 +22,19 @@ from fastserve.server.tools.base import (
     partial_tag,
 )
 
-CALL_START = '{"name"'
 # Llama's templates name the arguments `parameters`; some fine-tunes write `arguments`.
 _ARGUMENTS_KEYS = ("parameters", "arguments")
 # A call's start up to its arguments object: the function's name is known from here on.
 _CALL_HEAD = re.compile(r'\{"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*\{')
-_SEPARATORS = " \t\r\n;"  # between calls (and after the last): dropped
 
 
-class Llama3JsonParser:
-    """Splits one sequence's output into content and Llama 3 JSON calls, as the text arrives.
+class JsonCallsParser:
+    """Splits one sequence's output into content and calls written as bare JSON objects
+    (`{"name": ..., "parameters" or "arguments": {...}}`), as the text arrives. A format sets
+    where a call may begin (`STARTS`; a start's text before the object's `{` is dropped) and
+    what separates calls (`SEPARATORS`, dropped after a call).
 
-    A call begins at `{"name"`. In the usual order (name, then the arguments) it streams: its
+    A call begins at a start. In the usual order (name, then the arguments) it streams: its
     name once the arguments begin, then their text as it comes, up to the arguments' closing
     brace (whatever else the call's object holds is dropped). Another object is read whole at
     its closing brace: a call if it has a name and an arguments object, else content as
@@ -41,6 +42,9 @@ class Llama3JsonParser:
     content's trailing whitespace, which is dropped before a call and at the end of an output
     that made calls.
     """
+
+    STARTS: tuple[str, ...] = ('{"name"',)
+    SEPARATORS = " \t\r\n;"
 
     def __init__(self) -> None:
         self._pending = ""  # text not classified yet
@@ -96,20 +100,21 @@ class Llama3JsonParser:
 
     def _read_text(self, out: Parsed) -> bool:
         if self._after_call:
-            rest = self._pending.lstrip(_SEPARATORS)
+            rest = self._pending.lstrip(self.SEPARATORS)
             self._pending = rest
             if not rest:
                 return False
             self._after_call = False
-        start = self._pending.find(CALL_START)
-        if start < 0:
-            keep = partial_tag(self._pending, CALL_START)
+        found = [(i, s) for s in self.STARTS if (i := self._pending.find(s)) >= 0]
+        if not found:
+            keep = max(partial_tag(self._pending, s) for s in self.STARTS)
             out.text(self._held.send(self._pending[:len(self._pending) - keep]))
             self._pending = self._pending[len(self._pending) - keep:]
             return False
+        start, tag = min(found)
         out.text(self._held.send(self._pending[:start]))
-        self._space_before_call = self._held.take()
-        self._pending = self._pending[start:]
+        self._space_before_call = self._held.take() + tag[:tag.index("{")]
+        self._pending = self._pending[start + tag.index("{"):]
         self._state, self._object, self._num_scanned = "head", ObjectScanner(), 0
         return True
 
@@ -139,6 +144,10 @@ class Llama3JsonParser:
         self._state, self._after_call = "text", True
         self._space_before_call = ""
         self.num_calls += 1
+
+
+class Llama3JsonParser(JsonCallsParser):
+    """Llama 3's: a call begins at `{"name"`; calls are separated by `;`."""
 
 
 LLAMA3_JSON = ToolFormat(
