@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fastserve.server.tools import FORMATS
+from fastserve.server.tools import FORMATS, ToolFormat
 from fastserve.server.tools.base import CallDelta, FunctionSpec, ToolCallParser
 from fastserve.server.tools.hermes import HermesParser
 
@@ -140,15 +140,23 @@ NOOP = '<tool_call>\n{"name": "noop", "arguments": {"x": [true]}}\n</tool_call>'
 ])
 def test_grammar_holds_the_output_to_tool_choice(
         mode: str, strict: bool, parallel: bool, accepted: list[str], refused: list[str]) -> None:
+    check_grammar(FORMATS["hermes"], mode, strict, parallel, accepted, refused)
+
+
+def check_grammar(fmt: ToolFormat, mode: str, strict: bool, parallel: bool, accepted: list[str],
+                  refused: list[str]) -> None:
+    """`fmt`'s grammar for `tool_choice` `mode` (functions `add`, strict or not, and `noop`)
+    accepts each of `accepted`, whose calls its parser reads, and none of `refused`."""
     xgr_testing = pytest.importorskip("xgrammar.testing")
     import xgrammar
 
     functions = [FunctionSpec("add", ADD_SCHEMA, strict), FunctionSpec("noop", None, False)]
-    spec = FORMATS["hermes"].grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
+    spec = fmt.grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
     assert spec is not None
     grammar = xgrammar.Grammar.from_structural_tag(spec)
     for text in accepted:
         assert xgr_testing._is_grammar_accept_string(grammar, text), text
+        assert len(parse([text], fmt.parser)[1]) == text.count('"name"'), text
     for text in refused:
         assert not xgr_testing._is_grammar_accept_string(grammar, text), text
 

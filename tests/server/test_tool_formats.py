@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from fastserve.server import tools
-from fastserve.server.tools.base import CallDelta, FunctionSpec
+from fastserve.server.tools.base import CallDelta
 from fastserve.server.tools.llama3_json import LLAMA3_JSON, Llama3JsonParser
 from fastserve.server.tools.mistral import MISTRAL, MistralParser
 from tests.server.helpers import ServerProcess, managed, start_server
-from tests.server.test_tool_calls import ADD_SCHEMA, parse
+from tests.server.test_tool_calls import ADD_SCHEMA, check_grammar, parse
 
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 ADD = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
@@ -139,18 +139,7 @@ NOOP = '{"name": "noop", "parameters": {"x": [true]}}'
 ])
 def test_grammar_holds_the_output_to_tool_choice(
         mode: str, strict: bool, parallel: bool, accepted: list[str], refused: list[str]) -> None:
-    xgr_testing = pytest.importorskip("xgrammar.testing")
-    import xgrammar
-
-    functions = [FunctionSpec("add", ADD_SCHEMA, strict), FunctionSpec("noop", None, False)]
-    spec = LLAMA3_JSON.grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
-    assert spec is not None
-    grammar = xgrammar.Grammar.from_structural_tag(spec)
-    for text in accepted:
-        assert xgr_testing._is_grammar_accept_string(grammar, text), text
-        assert len(parse([text], Llama3JsonParser)[1]) == text.count('{"name"'), text
-    for text in refused:
-        assert not xgr_testing._is_grammar_accept_string(grammar, text), text
+    check_grammar(LLAMA3_JSON, mode, strict, parallel, accepted, refused)
 
 
 M_CALL = '[{"name": "add", "arguments": {"a": 1, "b": 2}}]'
@@ -163,18 +152,7 @@ M_NOOP = '[{"name": "noop", "arguments": {"x": [true]}}]'
     ("auto", False, [TEXT, TEXT + " " + M_CALL], [M_CALL + M_CALL]),
 ])
 def test_mistral_grammar(mode: str, parallel: bool, accepted: list[str], refused: list[str]) -> None:
-    xgr_testing = pytest.importorskip("xgrammar.testing")
-    import xgrammar
-
-    functions = [FunctionSpec("add", ADD_SCHEMA, False), FunctionSpec("noop", None, False)]
-    spec = MISTRAL.grammar_spec(functions, mode, parallel, named="add" if mode == "named" else None)
-    assert spec is not None
-    grammar = xgrammar.Grammar.from_structural_tag(spec)
-    for text in accepted:
-        assert xgr_testing._is_grammar_accept_string(grammar, text), text
-        assert len(parse([text], MistralParser)[1]) == text.count('{"name"'), text
-    for text in refused:
-        assert not xgr_testing._is_grammar_accept_string(grammar, text), text
+    check_grammar(MISTRAL, mode, False, parallel, accepted, refused)
 
 
 LLAMA31_CALLS = """{%- for tool_call in message.tool_calls %}
