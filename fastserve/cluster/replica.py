@@ -60,7 +60,10 @@ class EngineReplica:
         self.llm = AsyncLLM(engine_config_from_args(spec.engine_args))
         self.app = build_app(self.llm, spec.served_model_name, api_key=spec.api_key,
                              max_body_bytes=spec.max_body_bytes,
-                             tool_call_parser=spec.tool_call_parser)
+                             tool_call_parser=spec.tool_call_parser,
+                             # NOTE: a stored response would live on one replica, and the
+                             # router does not send its follow-up there: none are stored
+                             responses_store_mib=0)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serving (pid %d)", self.replica_id, os.getpid())
 

@@ -24,8 +24,9 @@ from fastserve.server.gate import (
     add_error_handlers,
 )
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses import ResponsesServing
-from fastserve.server.responses_schemas import ResponseObject, ResponsesRequest
+from fastserve.server.responses_schemas import DeletedResponse, ResponseObject, ResponsesRequest
 from fastserve.server.serving import OpenAIServing
 from fastserve.server.tokenize import (
     DetokenizeRequest,
@@ -36,6 +37,7 @@ from fastserve.server.tokenize import (
 )
 
 logger = logging.getLogger(__name__)
+DEFAULT_RESPONSES_STORE_MIB = 64.0
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": schemas.ErrorResponse, "description": text}
@@ -57,13 +59,15 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tool_call_parser: str = tools.AUTO,
+    responses_store_mib: float = DEFAULT_RESPONSES_STORE_MIB,
 ) -> FastAPI:
     """The FastAPI app serving `llm` under `served_model_name`.
 
     With `api_key`, every `/v1` path needs `Authorization: Bearer <api_key>` (401). Bodies
     over `max_body_bytes` are refused with 413. Both are checked before the body is parsed.
     `tool_call_parser`: the format of the model's tool calls (`tools.FORMATS`), or "auto"
-    (read off its chat template).
+    (read off its chat template). `responses_store_mib`: the memory stored responses may take
+    (0: none are stored).
     """
     tool_format, why = tools.choose(tool_call_parser, llm.tokenizer.chat_template)
     logger.info("tool calls: the %s format (%s)", tool_format.name, why)
@@ -117,7 +121,7 @@ def build_app(
         """Answer a conversation, rendered with the model's chat template."""
         return await serving.chat(body, request)
 
-    responses = ResponsesServing(serving)
+    responses = ResponsesServing(serving, ResponseStore(int(responses_store_mib * (1 << 20))))
 
     @v1.post("/responses", response_model=ResponseObject, responses=_stream_responses(
         "typed server-sent events (`event: <type>` and `data: {event}` lines, from "
@@ -125,6 +129,16 @@ def build_app(
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API, stateless: the conversation goes whole in `input`."""
         return await responses.create(body, request)
+
+    @v1.get("/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def get_response(response_id: str) -> ResponseObject:
+        """A stored response (`store` was not false), as it was returned."""
+        return responses.get(response_id)
+
+    @v1.delete("/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> DeletedResponse:
+        """Forget a stored response (a response that continues it can no longer be continued)."""
+        return responses.delete(response_id)
 
     app.include_router(v1)
     tokens = TokenizeServing(serving)

@@ -49,12 +49,15 @@ class ServeOptions:
     log_level: str = "info"
     access_log: bool = True
     tool_call_parser: str = "auto"  # the format of the model's tool calls (server/tools)
+    responses_store_mib: float = 64.0  # the Responses API's stored responses (0: none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
+        if self.responses_store_mib < 0:
+            raise ValueError(f"responses_store_mib must be >= 0, got {self.responses_store_mib}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         if self.api_key is not None and not self.api_key.strip():
@@ -94,6 +97,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                    "Qwen 2.5/3), llama3_json (Llama 3.1-3.3), mistral (Mistral 7B v0.3, Nemo, "
                    "Small), or auto: read off the chat "
                    "template (default)")
+    p.add_argument("--responses-store-mib", type=float, default=64.0,
+                   help="memory for the Responses API's stored responses (previous_response_id, "
+                   "GET /v1/responses/ID), least recently used dropped first; 0 stores none "
+                   "(default: 64)")
     add_engine_args(p, skip=("model",))
     # A server runs the faster dtype for its machine unless told (measured on a CPU:
     # executor/dtype_choice.py); the Python API stays float32 unless asked.
@@ -111,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
+        responses_store_mib=args.responses_store_mib,
     )
     return serve(opts, args)
 
@@ -128,7 +136,8 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
         print(f"fastserve: loading {config.model.model or 'the built-in tiny model'} ...", flush=True)
         llm = AsyncLLM(config)
         app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
-                        tool_call_parser=opts.tool_call_parser)
+                        tool_call_parser=opts.tool_call_parser,
+                        responses_store_mib=opts.responses_store_mib)
         return _run(_main_loop(app, llm, sock, name, opts))
     finally:
         sock.close()

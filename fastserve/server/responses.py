@@ -4,8 +4,8 @@ shaped into output items (an assistant message, function calls) and, streamed, i
 API's typed events (`response.created` ... `response.output_text.delta` ...
 `response.completed`), each `event: <type>` with a `sequence_number`.
 
-The server keeps no responses (no `previous_response_id`, no retrieval): a conversation is
-sent whole in `input`, as with chat completions.
+Responses are stored unless `store` is false (`response_store.py`): `previous_response_id`
+continues one, `GET /v1/responses/{id}` returns it, `DELETE` forgets it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pydantic import ValidationError
 
 from fastserve.request import RequestOutput
 from fastserve.server import chat_tools, schemas, streaming
+from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses_schemas import (
+    DeletedResponse,
     IncompleteDetails,
     InputTokensDetails,
     OutputFunctionCall,
@@ -111,12 +113,22 @@ class OutputItems:
 class ResponsesServing:
     """`POST /v1/responses` on the chat path of `OpenAIServing`."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving = serving
+        self.store = store
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
+        keep = self._keeps(body)
+        full = body
+        if body.previous_response_id is not None:
+            try:
+                earlier = self.store.history(body.previous_response_id)
+            except LookupError as exc:
+                raise schemas.APIError(400, f"previous_response_id: {exc}", param="previous_response_id",
+                                       code="previous_response_not_found") from exc
+            full = body.model_copy(update={"input": [*earlier, *body.input]})
         try:
-            chat = body.to_chat()
+            chat = full.to_chat()
         except ValidationError as exc:  # what the Responses fields let through but chat's not
             err = exc.errors()[0]
             raise schemas.APIError(400, f"input: {err['msg']}", param="input") from exc
@@ -125,17 +137,46 @@ class ResponsesServing:
             first, outputs = await self.serving.start(job, request, "input")
         except schemas.APIError as exc:
             raise _renamed(exc) from exc
-        response = ResponseObject.start(job.response_id, job.created, self.serving.model_name, body)
+        response = ResponseObject.start(job.response_id, job.created, self.serving.model_name, body,
+                                        store=keep)
         if body.stream:
-            return streaming.EventStream(self._events(job, response, first, outputs))
+            return streaming.EventStream(self._events(job, response, first, outputs, body))
         (final,) = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         items = OutputItems()
         _read(job, items, chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format), final)
         _finish(response, items, job, final)
+        self._keep(response, body)
         return JSONResponse(response.model_dump())
 
+    def get(self, response_id: str) -> ResponseObject:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise _not_stored(response_id)
+        return entry.response
+
+    def delete(self, response_id: str) -> DeletedResponse:
+        if not self.store.delete(response_id):
+            raise _not_stored(response_id)
+        return DeletedResponse(id=response_id)
+
+    def _keeps(self, body: ResponsesRequest) -> bool:
+        """Whether the response is to be stored: by default when the server stores any."""
+        if self.store.is_enabled:
+            return body.store is not False
+        for field in ("store", "previous_response_id"):
+            if getattr(body, field) not in (None, False):
+                raise schemas.APIError(
+                    400, f"{field}: this server keeps no responses (--responses-store-mib 0, or "
+                    "a fleet of replicas): send the whole conversation in input", param=field)
+        return False
+
+    def _keep(self, response: ResponseObject, body: ResponsesRequest) -> None:
+        if response.store:
+            self.store.put(response, body.input, body.previous_response_id)
+
     async def _events(self, job: Job, response: ResponseObject, first: RequestOutput,
-                      outputs: AsyncIterator[RequestOutput]) -> AsyncGenerator[str, None]:
+                      outputs: AsyncIterator[RequestOutput], body: ResponsesRequest,
+                      ) -> AsyncGenerator[str, None]:
         number = 0
 
         def event(payload: dict[str, Any]) -> str:
@@ -153,6 +194,7 @@ class ResponsesServing:
                 response.status = "failed"
                 response.output = items.items
                 response.error = ResponseError(message=out.info.message)
+                self._keep(response, body)
                 yield event({"type": "error", "code": out.info.code or out.info.type,
                              "message": out.info.message, "param": out.info.param})
                 yield event({"type": "response.failed", "response": response.model_dump()})
@@ -164,6 +206,7 @@ class ResponsesServing:
                 yield event(payload)
             items.events.clear()
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
+        self._keep(response, body)
         yield event({"type": kind, "response": response.model_dump()})
 
 
@@ -190,6 +233,11 @@ def _finish(response: ResponseObject, items: OutputItems, job: Job, final: Reque
         input_tokens_details=InputTokensDetails(
             cached_tokens=usage.prompt_tokens_details.cached_tokens
             if usage.prompt_tokens_details else 0))
+
+
+def _not_stored(response_id: str) -> schemas.APIError:
+    return schemas.APIError(404, f"no response with id {response_id!r} is stored on this server",
+                            param="response_id", code="response_not_found")
 
 
 def _renamed(exc: schemas.APIError) -> schemas.APIError:

@@ -4,8 +4,8 @@ items, and the response object with its output items.
 A request is translated into the chat completion it amounts to (`ResponsesRequest.to_chat`):
 the instructions become a system message, input items become messages (`function_call` items
 an assistant's tool calls, `function_call_output` items tool messages), and the tools,
-`tool_choice` and `text.format` their chat fields. The server keeps no responses: fields that
-would need stored ones (`previous_response_id`, `store: true`, `background`) are refused.
+`tool_choice` and `text.format` their chat fields. Stored responses (`store`,
+`previous_response_id`) are in `response_store.py`; `background` is refused.
 """
 
 from __future__ import annotations
@@ -215,11 +215,13 @@ class ResponsesRequest(BaseModel):
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
     seed: schemas.Seed | None = Field(None, description="Extension (vLLM's): the sampling seed.")
-    # Accepted only at the values that mean "not used": this server keeps no responses.
-    store: Annotated[Any, Only((False,))] = Field(
-        None, description="Only false: this server keeps no responses.")
-    previous_response_id: Annotated[Any, Only(())] = Field(
-        None, description="Not supported: send the conversation in `input`.")
+    store: StrictBool | None = Field(
+        None, description="Default true: the response is kept (in memory, within "
+        "--responses-store-mib) for previous_response_id and GET /v1/responses/{id}.")
+    previous_response_id: Text | None = Field(
+        None, description="Continue a stored response: its conversation and output come "
+        "before `input` (not its instructions).")
+    # Accepted only at the values that mean "not used".
     background: Annotated[Any, Only((False,))] = Field(None, description="Only false.")
     include: Annotated[Any, Only(([],))] = Field(None, description="Only [].")
     truncation: Annotated[Any, Only(("disabled",))] = Field(None, description="Only disabled.")
@@ -332,6 +334,14 @@ class ResponseError(BaseModel):
     message: str
 
 
+class DeletedResponse(BaseModel):
+    """`DELETE /v1/responses/{id}`'s answer."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
+
+
 class ResponseObject(BaseModel):
     """The Responses API's response: also what its stream's lifecycle events carry."""
 
@@ -354,12 +364,13 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     truncation: Literal["disabled"] = "disabled"
     store: bool = False
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
 
     @classmethod
-    def start(cls, response_id: str, created_at: int, model: str, body: ResponsesRequest) -> ResponseObject:
+    def start(cls, response_id: str, created_at: int, model: str, body: ResponsesRequest,
+              store: bool) -> ResponseObject:
         """The response in progress: the request's settings, no output yet."""
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         return cls(id=response_id, created_at=created_at, status="in_progress", model=model,
@@ -374,4 +385,5 @@ class ResponseObject(BaseModel):
                           for t in body.tools or []],
                    text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                          else {"type": "text"}},
-                   metadata=body.metadata or {}, user=body.user)
+                   metadata=body.metadata or {}, user=body.user, store=store,
+                   previous_response_id=body.previous_response_id)

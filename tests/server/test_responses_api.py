@@ -166,7 +166,6 @@ def test_the_fleet_router_sees_the_replicas_prompt(client: openai.OpenAI,
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"store": True}, "store"),
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": "x", "call_id": "c"}]}, "input[0]"),
