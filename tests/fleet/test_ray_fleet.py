@@ -152,6 +152,16 @@ def test_answers_as_one_server(fleet: Fleet, tiny_model_path: Path) -> None:
     wrong = httpx.post(fleet.url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=60)
     assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
     assert httpx.get(fleet.url + "/v1/models", timeout=60).json()["data"][0]["id"] == "tiny"
+    # vLLM's /tokenize reaches a replica; the Responses API stores nothing on a fleet (a
+    # follow-up could reach another replica), and says so.
+    counted = httpx.post(fleet.url + "/tokenize", json={"prompt": prompts[0]}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["count"] == answers[0].json()["usage"]["prompt_tokens"]
+    response = httpx.post(fleet.url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": "Hi", "max_output_tokens": 2})
+    assert response.status_code == 200 and response.json()["store"] is False
+    continued = httpx.post(fleet.url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": "Hi", "previous_response_id": response.json()["id"]})
+    assert continued.status_code == 400 and continued.json()["error"]["param"] == "previous_response_id"
 
 
 def test_metrics_per_replica_and_fleet(fleet: Fleet) -> None:
