@@ -61,6 +61,7 @@ class FleetOptions:
     stats_period_s: float = 0.5  # how often replicas send the router their stats
     cpus_per_replica: float = 1.0  # Ray's CPU reservation for each replica
     tool_call_parser: str = "auto"  # as one server's
+    reasoning_parser: str = "auto"  # as one server's
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -104,7 +105,8 @@ class Fleet:
         spec = ReplicaSpec(engine_args=engine_args, served_model_name=self.name,
                            api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
                            grace_period_s=opts.grace_period_s,
-                           tool_call_parser=opts.tool_call_parser)
+                           tool_call_parser=opts.tool_call_parser,
+                           reasoning_parser=opts.reasoning_parser)
         app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
                          opts.stats_period_s)
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)

@@ -48,6 +48,7 @@ class ReplicaSpec:
     max_body_bytes: int
     grace_period_s: float
     tool_call_parser: str = "auto"  # the format of the model's tool calls (server/tools)
+    reasoning_parser: str = "auto"  # split <think> blocks from the answer (server/reasoning)
     # The prefix cache's hashes a replica reports at most (the most recently used ones).
     max_prefix_hashes: int = 8192
 
@@ -61,6 +62,7 @@ class EngineReplica:
         self.app = build_app(self.llm, spec.served_model_name, api_key=spec.api_key,
                              max_body_bytes=spec.max_body_bytes,
                              tool_call_parser=spec.tool_call_parser,
+                             reasoning_parser=spec.reasoning_parser,
                              # NOTE: a stored response would live on one replica, and the
                              # router does not send its follow-up there: none are stored
                              responses_store_mib=0)

@@ -17,7 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from fastserve.engine.async_llm import AsyncLLM
-from fastserve.server import schemas, tools
+from fastserve.server import reasoning, schemas, tools
 from fastserve.server.gate import (
     DEFAULT_MAX_BODY_BYTES,
     RequestGate,
@@ -60,6 +60,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tool_call_parser: str = tools.AUTO,
     responses_store_mib: float = DEFAULT_RESPONSES_STORE_MIB,
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """The FastAPI app serving `llm` under `served_model_name`.
 
@@ -67,17 +68,21 @@ def build_app(
     over `max_body_bytes` are refused with 413. Both are checked before the body is parsed.
     `tool_call_parser`: the format of the model's tool calls (`tools.FORMATS`), or "auto"
     (read off its chat template). `responses_store_mib`: the memory stored responses may take
-    (0: none are stored).
+    (0: none are stored). `reasoning_parser`: whether chat outputs are split into thinking and
+    answer (`reasoning.NAMES`; "auto": when the chat template has `<think>` blocks).
     """
     tool_format, why = tools.choose(tool_call_parser, llm.tokenizer.chat_template)
     logger.info("tool calls: the %s format (%s)", tool_format.name, why)
+    thinks, why = reasoning.choose(reasoning_parser, llm.tokenizer.chat_template)
+    logger.info("reasoning: %s (%s)", "<think> blocks are split from the answer" if thinks
+                else "not split", why)
     app = FastAPI(
         title="fastserve",
         summary="OpenAI-compatible LLM serving with skip-join MLFQ scheduling",
         version="0.1.0",
     )
     metrics = ServerMetrics(llm)
-    serving = OpenAIServing(llm, served_model_name, metrics, tool_format)
+    serving = OpenAIServing(llm, served_model_name, metrics, tool_format, thinks)
     app.state.serving = serving
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     add_error_handlers(app, metrics)

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from fastserve.args import add_engine_args, engine_config_from_args
+from fastserve.server import reasoning
 from fastserve.server.tools import AUTO, FORMATS
 
 if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastserve -h` fast)
@@ -50,6 +51,7 @@ class ServeOptions:
     access_log: bool = True
     tool_call_parser: str = "auto"  # the format of the model's tool calls (server/tools)
     responses_store_mib: float = 64.0  # the Responses API's stored responses (0: none)
+    reasoning_parser: str = "auto"  # split <think> blocks from the answer (server/reasoning)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -101,6 +103,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                    help="memory for the Responses API's stored responses (previous_response_id, "
                    "GET /v1/responses/ID), least recently used dropped first; 0 stores none "
                    "(default: 64)")
+    p.add_argument("--reasoning-parser", default="auto", choices=reasoning.NAMES,
+                   help="reasoning models: return the <think> block as reasoning_content "
+                   "(deepseek_r1 and qwen3 read the same blocks); auto: when the chat template "
+                   "has them (default); none: the thinking stays in the content")
     add_engine_args(p, skip=("model",))
     # A server runs the faster dtype for its machine unless told (measured on a CPU:
     # executor/dtype_choice.py); the Python API stays float32 unless asked.
@@ -119,6 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
         responses_store_mib=args.responses_store_mib,
+        reasoning_parser=args.reasoning_parser,
     )
     return serve(opts, args)
 
@@ -137,7 +144,8 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
         llm = AsyncLLM(config)
         app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
                         tool_call_parser=opts.tool_call_parser,
-                        responses_store_mib=opts.responses_store_mib)
+                        responses_store_mib=opts.responses_store_mib,
+                        reasoning_parser=opts.reasoning_parser)
         return _run(_main_loop(app, llm, sock, name, opts))
     finally:
         sock.close()

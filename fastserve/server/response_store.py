@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from fastserve.server.responses_schemas import (
     InputItem,
-    OutputFunctionCall,
+    OutputItem,
     OutputMessage,
+    OutputReasoning,
     ResponseObject,
 )
 
@@ -82,15 +83,17 @@ class ResponseStore:
         items: list[InputItem] = []
         for entry in reversed(chain):
             items += entry.input_items
-            items += [_as_input(item) for item in entry.response.output]
+            items += [_as_input(item) for item in entry.response.output
+                      if not isinstance(item, OutputReasoning)]  # thinking is not shown again
         return items
 
 
-def _as_input(item: OutputMessage | OutputFunctionCall) -> InputItem:
+def _as_input(item: OutputItem) -> InputItem:
     """An output item as the next request's input. NOTE: not validated again: a call the
     model named freely (auto) may not fit the request's name pattern, but it was said."""
     if isinstance(item, OutputMessage):
         return InputItem.model_construct(type="message", role="assistant",
                                          content="".join(p.text for p in item.content))
+    assert not isinstance(item, OutputReasoning)
     return InputItem.model_construct(type="function_call", call_id=item.call_id, name=item.name,
                                      arguments=item.arguments)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from fastserve.request import RequestOutput
-from fastserve.server import chat_tools, schemas, streaming
+from fastserve.server import chat_tools, reasoning, schemas, streaming
 from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses_schemas import (
     DeletedResponse,
@@ -28,7 +28,9 @@ from fastserve.server.responses_schemas import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
@@ -68,6 +70,20 @@ class OutputItems:
         self._emit("response.output_text.delta", item_id=item.id, output_index=len(self.items) - 1,
                    content_index=0, delta=delta, logprobs=[])
 
+    def reasoning(self, delta: str) -> None:
+        """A reasoning model's thinking (an item before the answer's)."""
+        if not delta:
+            return
+        item = self._open
+        if not isinstance(item, OutputReasoning):
+            self.close()
+            item = OutputReasoning(id=f"rs_{uuid.uuid4().hex}", status="in_progress",
+                                   content=[ReasoningText(text="")])
+            self._add(item)
+        item.content[0].text += delta
+        self._emit("response.reasoning_text.delta", item_id=item.id,
+                   output_index=len(self.items) - 1, content_index=0, delta=delta)
+
     def call(self, delta: schemas.ToolCallDelta) -> None:
         arguments = delta.function.arguments or ""
         item = self._open
@@ -95,6 +111,9 @@ class OutputItems:
                        content_index=0, text=part.text, logprobs=[])
             self._emit("response.content_part.done", item_id=item.id, output_index=index,
                        content_index=0, part=part.model_dump())
+        elif isinstance(item, OutputReasoning):
+            self._emit("response.reasoning_text.done", item_id=item.id, output_index=index,
+                       content_index=0, text=item.content[0].text)
         else:
             self._emit("response.function_call_arguments.done", item_id=item.id,
                        output_index=index, name=item.name, arguments=item.arguments)
@@ -143,7 +162,7 @@ class ResponsesServing:
             return streaming.EventStream(self._events(job, response, first, outputs, body))
         (final,) = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         items = OutputItems()
-        _read(job, items, chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format), final)
+        _read(job, items, _Readers(job), final)
         _finish(response, items, job, final)
         self._keep(response, body)
         return JSONResponse(response.model_dump())
@@ -188,7 +207,7 @@ class ResponsesServing:
         yield event({"type": "response.created", "response": response.model_dump()})
         yield event({"type": "response.in_progress", "response": response.model_dump()})
         items = OutputItems()
-        tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
+        readers = _Readers(job)
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 response.status = "failed"
@@ -199,7 +218,7 @@ class ResponsesServing:
                              "message": out.info.message, "param": out.info.param})
                 yield event({"type": "response.failed", "response": response.model_dump()})
                 return
-            _read(job, items, tools, out)
+            _read(job, items, readers, out)
             if out.finished:
                 _finish(response, items, job, out)
             for payload in items.events:
@@ -210,13 +229,26 @@ class ResponsesServing:
         yield event({"type": kind, "response": response.model_dump()})
 
 
-def _read(job: Job, items: OutputItems, tools: chat_tools.ChoiceToolCalls, out: RequestOutput) -> None:
-    """Add the output's new text and calls to the items (a whole response: all of it)."""
+class _Readers:
+    """What reads a response's output: thinking apart (reasoning models), then calls."""
+
+    def __init__(self, job: Job) -> None:
+        self.tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
+        self.thoughts = (reasoning.ChoiceReasoning(job.reasoning_inside)
+                         if job.reasoning_inside is not None else None)
+
+
+def _read(job: Job, items: OutputItems, readers: _Readers, out: RequestOutput) -> None:
+    """Add the output's new thinking, text and calls to the items (a whole response: all of
+    it)."""
     text = out.text if job.params.final_only else out.new_text
+    if readers.thoughts is not None:
+        thinking, text = readers.thoughts.read(out.index, text, out.finished)
+        items.reasoning(thinking)
     if job.tool_mode == "none":
         items.text(text)
         return
-    for piece in tools.read(out.index, text, out.finished):
+    for piece in readers.tools.read(out.index, text, out.finished):
         items.text(piece) if isinstance(piece, str) else items.call(piece)
 
 

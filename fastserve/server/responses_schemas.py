@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import annotated_types
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -39,7 +40,7 @@ class ContentPart(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text", "output_text", "reasoning_text"]
     text: Text
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
@@ -81,12 +82,22 @@ def _user_message(value: Any) -> Any:
     return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
 
-ItemType = Literal["message", "function_call", "function_call_output"]
+def _not_only_reasoning(items: list[InputItem]) -> list[InputItem]:
+    if all(item.type == "reasoning" for item in items):
+        raise PydanticCustomError("input", "needs a message, a function call or its output "
+                                  "besides reasoning items (which the model is not shown)")
+    return items
+
+
+ItemType = Literal["message", "function_call", "function_call_output", "reasoning"]
 # Which fields each item type has (besides `type`, `id` and `status`), and which it needs.
 _ITEM_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "message": (("role", "content"), ("role", "content")),
     "function_call": (("call_id", "name", "arguments"), ("call_id", "name", "arguments")),
     "function_call_output": (("call_id", "output"), ("call_id", "output")),
+    # An earlier answer's thinking, sent back with the rest of its output: not shown to the
+    # model again (reasoning models' templates drop earlier thinking too).
+    "reasoning": (("summary", "content", "encrypted_content"), ()),
 }
 
 
@@ -109,6 +120,8 @@ class InputItem(BaseModel):
     name: FunctionName | None = None
     arguments: Text | None = None
     output: Parts | None = None
+    summary: list[Any] | None = None
+    encrypted_content: Text | None = None
 
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> InputItem:
@@ -138,7 +151,7 @@ class InputItem(BaseModel):
                                    **{k: _not_null(props[k]) for k in required}}}
 
         return {"anyOf": [shape("message", False), shape("function_call", True),
-                          shape("function_call_output", True)]}
+                          shape("function_call_output", True), shape("reasoning", True)]}
 
 
 
@@ -199,7 +212,8 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Text
-    input: Annotated[list[InputItem], annotated_types.MinLen(1), BeforeValidator(_user_message)] = Field(
+    input: Annotated[list[InputItem], annotated_types.MinLen(1), BeforeValidator(_user_message),
+                     AfterValidator(_not_only_reasoning)] = Field(
         ..., description="A user message's text, or a list of input items.",
         json_schema_extra=_or_a_string)
     instructions: Text | None = Field(None, description="A system message before the input.")
@@ -269,6 +283,8 @@ class ResponsesRequest(BaseModel):
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif item.type == "function_call_output":
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            elif item.type == "reasoning":
+                continue
             else:
                 messages.append({"role": item.role, "content": item.content})
         return messages
@@ -304,7 +320,22 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's thinking (`--reasoning-parser`), before its answer."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(BaseModel):

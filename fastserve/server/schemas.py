@@ -590,6 +590,9 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="Only in assistant messages.")
     tool_call_id: Text | None = Field(None, description="Required in (and only in) tool messages.")
+    reasoning_content: Text | None = Field(
+        None, description="Only in assistant messages: a reasoning model's earlier thinking, "
+        "given to the chat template (which may drop it).")
 
     @classmethod
     def __get_pydantic_json_schema__(cls, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
@@ -605,7 +608,7 @@ class ChatMessage(BaseModel):
                                    **{k: props[k] for k in keys}}}
 
         return {"anyOf": [shape(["system", "developer", "user"]),
-                          shape(["assistant"], "tool_calls"),
+                          shape(["assistant"], "tool_calls", "reasoning_content"),
                           {**(tool := shape(["tool"], required=("tool_call_id",))),
                            "properties": {**tool["properties"], "tool_call_id": {"type": "string"}}}]}
 
@@ -613,6 +616,9 @@ class ChatMessage(BaseModel):
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise PydanticCustomError("tool_calls", "tool_calls is only allowed in assistant messages")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise PydanticCustomError("reasoning_content",
+                                      "reasoning_content is only allowed in assistant messages")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise PydanticCustomError("tool_call_id", "tool_call_id is given exactly in tool messages")
         return self
@@ -634,6 +640,8 @@ class ChatMessage(BaseModel):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -852,10 +860,13 @@ class ChatResponseMessage(BaseModel):
     content: str | None  # null when the message holds tool calls only
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's thinking (`--reasoning-parser`; DeepSeek's and vLLM's field name).
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
+        return {k: v for k, v in handler(self).items()
+                if k not in ("tool_calls", "reasoning_content") or v is not None}
 
 
 class ChatChoice(_TokenIds):
@@ -904,6 +915,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

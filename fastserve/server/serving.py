@@ -23,7 +23,7 @@ from fastserve.engine.async_llm import (
 from fastserve.executor import grammar
 from fastserve.model.tokenizer import check_encodable
 from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
-from fastserve.server import chat_tools, schemas, streaming
+from fastserve.server import chat_tools, reasoning, schemas, streaming
 from fastserve.server.gate import ClientDisconnected, bad_input, engine_dead, engine_failure
 from fastserve.server.logprobs import LogprobsFormatter
 from fastserve.server.metrics import ServerMetrics
@@ -59,17 +59,21 @@ class Job:
     # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
     return_token_ids: bool = False
     priority: int = 0  # vLLM's: lower runs first
+    # Reasoning models: the output is split into thinking and answer, and whether it begins
+    # inside the thinking (None: not split; see `reasoning.py`).
+    reasoning_inside: bool | None = None
 
 
 class OpenAIServing:
     """The `/v1` handlers' logic, shared by completions and chat completions."""
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
-                 tool_format: ToolFormat = HERMES) -> None:
+                 tool_format: ToolFormat = HERMES, reasoning: bool = False) -> None:
         self.llm = llm
         self.model_name = served_model_name
         self.metrics = metrics
         self.tool_format = tool_format  # how the served model writes tool calls
+        self.reasoning = reasoning  # split chat outputs into thinking and answer
         self.max_model_len: int = llm.engine.max_model_len
         self.created = schemas.now_s()
         self.logprobs = LogprobsFormatter(llm.tokenizer)
@@ -126,19 +130,23 @@ class OpenAIServing:
         """The conversation's job: rendered with the chat template, tokenized, checked.
         `prefix` starts the response id (`chatcmpl`; the Responses API's `resp`)."""
         self.check_model(body.model)
-        ids = await self.render_chat(body)
+        text, ids = await self.render_chat(body)
         field, requested = body.requested_max_tokens
         ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1)
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
                                   tool_mode=body.tool_mode, tool_format=self.tool_format)
-        if job.params.structured_output is not None and job.params.structured_output.kind == "structural_tag":
+        structured = job.params.structured_output
+        if structured is not None and structured.kind == "structural_tag":
             chat_tools.check_schemas(body)
+        if self.reasoning:  # NOTE: a grammar's output is the answer unless it opens a <think>
+            inside = structured is None and reasoning.starts_inside(text)
+            job = dataclasses.replace(job, reasoning_inside=inside)
         return job
 
     async def render_chat(self, body: schemas.ChatCompletionRequest,
-                          add_generation_prompt: bool = True) -> list[int]:
-        """The conversation's prompt token ids: rendered with the chat template, tokenized."""
+                          add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The conversation's prompt, rendered with the chat template, and its token ids."""
         messages, kwargs = body.template_args()
         render = functools.partial(self.llm.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=add_generation_prompt, **kwargs)
@@ -146,19 +154,22 @@ class OpenAIServing:
             text = await _off_loop(render, sum(len(m["content"]) for m in messages))
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
-        return await self.encode(text, "messages")
+        return text, await self.encode(text, "messages")
 
     def _chat_choice(self, job: Job, final: RequestOutput) -> schemas.ChatChoice:
-        content, calls, finish = final.text, None, _finish_reason(final)
+        content, calls, finish, thinking = final.text, None, _finish_reason(final), None
+        if job.reasoning_inside is not None:
+            thinking, content = reasoning.ReasoningParser(job.reasoning_inside).split(content)
         if job.tool_mode != "none":
             tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
-            content, deltas = chat_tools.split(tools.read(final.index, final.text, finished=True))
+            content, deltas = chat_tools.split(tools.read(final.index, content, finished=True))
             calls = chat_tools.assemble(deltas)
             finish = tools.finish_reason(final, finish)
         return schemas.ChatChoice(
             index=final.index,
             message=schemas.ChatResponseMessage(content=(content or None) if calls else content,
-                                                tool_calls=calls or None),
+                                                tool_calls=calls or None,
+                                                reasoning_content=thinking),
             logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish,
             token_ids=_ids(job, final.token_ids))
 
@@ -376,6 +387,8 @@ class OpenAIServing:
         done: set[int] = set()  # the choices that have sent their finish_reason
         tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
                  if job.tool_mode != "none" else None)
+        thoughts = (reasoning.ChoiceReasoning(job.reasoning_inside)
+                    if job.reasoning_inside is not None else None)
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 for line in _cut_short(job, latest, done, out,
@@ -387,19 +400,23 @@ class OpenAIServing:
             so_far = job_usage(job, latest.values()) if job.continuous_usage else None
             if out.finished:
                 done.add(out.index)
-            text, calls = out.new_text, None
+            text, calls, thinking = out.new_text, None, ""
+            if thoughts is not None:
+                thinking, text = thoughts.read(out.index, text, out.finished)
             if tools is not None:
-                text, calls = chat_tools.split(tools.read(out.index, out.new_text, out.finished))
+                text, calls = chat_tools.split(tools.read(out.index, text, out.finished))
             # return_token_ids: the output's new tokens, in the first chunk it makes
             ids = _ids(job, out.new_token_ids) if out.new_token_ids else None
             new_lps = self._chat_logprobs(out, len(out.new_token_ids))
-            if new_lps is not None and (text or out.new_token_ids):
+            delta = schemas.ChatDelta(content=text if text or not thinking else None,
+                                      reasoning_content=thinking or None)
+            if new_lps is not None and (text or thinking or out.new_token_ids):
                 # Each chunk carries its tokens' log-probabilities (text may lag behind them).
-                yield chunk(schemas.ChatDelta(content=text), usage=so_far,
-                            index=out.index, logprobs=new_lps, token_ids=ids)
+                yield chunk(delta, usage=so_far, index=out.index, logprobs=new_lps, token_ids=ids)
                 ids = None
-            elif (so_far is not None and (text or not out.finished)) or (text and ids):
-                yield chunk(schemas.ChatDelta(content=text), usage=so_far, index=out.index, token_ids=ids)
+            elif (so_far is not None and (text or thinking or not out.finished)) or thinking \
+                    or (text and ids):
+                yield chunk(delta, usage=so_far, index=out.index, token_ids=ids)
                 ids = None
             elif text:
                 yield text_chunks(out.index, text)

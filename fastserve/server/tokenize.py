@@ -94,7 +94,7 @@ class TokenizeServing:
         body.check()
         if body.messages is not None:
             chat = body.chat()
-            ids = await serving.render_chat(chat, body.add_generation_prompt)
+            _, ids = await serving.render_chat(chat, body.add_generation_prompt)
         else:
             ids = await serving.encode(body.prompt or "", "prompt",
                                        add_special_tokens=body.add_special_tokens is not False,

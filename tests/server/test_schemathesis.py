@@ -82,6 +82,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
             return None
         if error["code"] == "previous_response_not_found":  # state, not shape: no such response
             return None
+        if error["param"] == "input" and "besides reasoning items" in error["message"]:
+            return None
         # max_tokens 0 only with echo, top_logprobs only with logprobs, logit_bias keys in
         # the vocabulary (JSON Schema cannot bound a key's number).
         limits = {"max_tokens": "0 only with echo", "top_logprobs": "needs logprobs",
