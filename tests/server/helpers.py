@@ -100,3 +100,18 @@ def managed(server: ServerProcess) -> Iterator[ServerProcess]:
     finally:
         code = server.stop()
         assert code == 0, f"server exited with {code}:\n{server.log()[-3000:]}"
+
+
+def with_template(tmp_dir: Path, model: Path, name: str, chat_template: str) -> Path:
+    """A checkpoint like `model` (its files linked, not copied) whose chat template is
+    `chat_template`: what a model family's template does, on the tiny model."""
+    out = tmp_dir / name
+    out.mkdir(exist_ok=True)
+    for f in model.iterdir():
+        if f.name not in ("chat_template.jinja", "tokenizer_config.json") and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").write_text(chat_template)
+    return out

@@ -15,7 +15,7 @@ import pytest
 
 from fastserve.server import reasoning
 from fastserve.server.reasoning import ReasoningParser
-from tests.server.helpers import ServerProcess, managed, start_server
+from tests.server.helpers import ServerProcess, managed, start_server, with_template
 from tests.server.test_responses_api import events
 
 CASES = [  # (output, the prompt left <think> open, thinking, answer)
@@ -68,16 +68,7 @@ THOUGHT = r"<think>Two and three\.</think>\n\nFive\."
 
 @pytest.fixture(scope="module")
 def thinking_server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerProcess]:
-    model = server_tmp / "tiny-think-template"
-    model.mkdir(exist_ok=True)
-    for f in tiny_model_ready.iterdir():
-        if f.name != "chat_template.jinja" and not (model / f.name).exists():
-            (model / f.name).symlink_to(f)
-    config = json.loads((tiny_model_ready / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (model / "tokenizer_config.json").unlink()
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    (model / "chat_template.jinja").write_text(TEMPLATE)
+    model = with_template(server_tmp, tiny_model_ready, "tiny-think-template", TEMPLATE)
     yield from managed(start_server(server_tmp, str(model), "--served-model-name", "tiny",
                                     "--no-warmup", "--no-startup-profile"))
 

@@ -16,7 +16,7 @@ from fastserve.server import tools
 from fastserve.server.tools.base import CallDelta
 from fastserve.server.tools.llama3_json import LLAMA3_JSON, Llama3JsonParser
 from fastserve.server.tools.mistral import MISTRAL, MistralParser
-from tests.server.helpers import ServerProcess, managed, start_server
+from tests.server.helpers import ServerProcess, managed, start_server, with_template
 from tests.server.test_tool_calls import ADD_SCHEMA, check_grammar, parse
 
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
@@ -202,16 +202,7 @@ ASK = [{"role": "user", "content": "What is 1 + 2?"}]
 @pytest.fixture(scope="module")
 def llama_server(server_tmp: Path, tiny_model_ready: Path) -> Iterator[ServerProcess]:
     """The tiny checkpoint with a Llama 3.1-style chat template (weights linked, not copied)."""
-    model = server_tmp / "tiny-llama3-template"
-    model.mkdir(exist_ok=True)
-    for f in tiny_model_ready.iterdir():
-        if f.name != "chat_template.jinja" and not (model / f.name).exists():
-            (model / f.name).symlink_to(f)
-    config = json.loads((tiny_model_ready / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (model / "tokenizer_config.json").unlink()
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    (model / "chat_template.jinja").write_text(LLAMA_TEMPLATE)
+    model = with_template(server_tmp, tiny_model_ready, "tiny-llama3-template", LLAMA_TEMPLATE)
     yield from managed(start_server(server_tmp, str(model), "--served-model-name", "tiny",
                                     "--no-warmup", "--no-startup-profile"))
 
