@@ -430,10 +430,19 @@ class _GenerationRequest(BaseModel):
         return {"n": self.n or 1}
 
 
-def _check_prompt(value: Any) -> str | list[int]:
-    # A batch of exactly one prompt is unwrapped; larger batches would need `n` choices.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
+def _check_prompt(value: Any) -> str | list[int] | tuple[str | list[int], ...]:
+    """One prompt (a string or token ids), or a batch of them: a tuple (a batch of one is
+    unwrapped)."""
+    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        if len(value) > MAX_PROMPTS:
+            raise PydanticCustomError("prompt_batch", "a batch holds at most {max} prompts, got {n}",
+                                      {"max": MAX_PROMPTS, "n": len(value)})
+        batch = tuple(_one_prompt(p) for p in value)
+        return batch[0] if len(batch) == 1 else batch
+    return _one_prompt(value)
+
+
+def _one_prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         return _check_text(value)
     if isinstance(value, list):
@@ -441,21 +450,19 @@ def _check_prompt(value: Any) -> str | list[int]:
         if all(type(t) is int for t in value):
             return value
     raise PydanticCustomError(
-        "prompt_type",
-        "must be a string or a list of token ids (a batch of several prompts is not "
-        "supported: send one request per prompt)",
-    )
+        "prompt_type", "must be a string, a list of token ids, or a list of either (a batch)")
 
 
 # NOTE: the app narrows `maximum` of the token ids to the served model's vocabulary.
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+MAX_PROMPTS = 128  # in one completions request (each runs as its own request)
 Prompt = Annotated[
     Any,
     BeforeValidator(_check_prompt),
     WithJsonSchema({"anyOf": [
         _NON_EMPTY_TEXT, _TOKEN_IDS,
-        {"type": "array", "items": _NON_EMPTY_TEXT, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _NON_EMPTY_TEXT, "minItems": 1, "maxItems": MAX_PROMPTS},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS},
     ]}),
 ]
 
@@ -464,7 +471,8 @@ class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`."""
 
     prompt: Prompt = Field(
-        ..., description="A string, a list of token ids, or a list holding one of either."
+        ..., description="A string, a list of token ids, or a batch: a list of either (each "
+        "prompt's n choices in turn; not with stream)."
     )
     max_tokens: Count | None = Field(None, description="Default 16; 0 only with echo (the prompt alone).")
     best_of: NumSequences | None = Field(

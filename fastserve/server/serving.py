@@ -94,7 +94,58 @@ class OpenAIServing:
 
     async def completion(self, body: schemas.CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        prompt = body.prompt
+        if isinstance(body.prompt, tuple):
+            return await self._batch_completion(body, body.prompt, request)
+        job = await self._completion_job(body, body.prompt)
+        if job.echo_text is not None or job.params.logprobs is not None or job.return_token_ids:
+            return await self._respond(
+                job, request, "prompt", self._completion_logprob_events,
+                schemas.CompletionResponse, lambda final: self._completion_choice(job, final))
+        return await self._respond(
+            job, request, "prompt", self._completion_events, schemas.CompletionResponse,
+            lambda final: schemas.CompletionChoice(index=final.index, text=final.text,
+                                                   finish_reason=_finish_reason(final)),
+        )
+
+    async def _batch_completion(self, body: schemas.CompletionRequest,
+                                prompts: tuple[str | list[int], ...], request: Request) -> Response:
+        """A batch of prompts: each runs as its own request (all at once), and the response
+        lists each prompt's `n` choices in turn (choice `i * n + j` is prompt i's j-th)."""
+        if body.stream:
+            raise schemas.APIError(400, "stream: a batch of prompts is answered whole; stream "
+                                   "one prompt per request", param="stream")
+        jobs: list[Job] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                job = await self._completion_job(body, prompt)
+            except schemas.APIError as exc:  # name the prompt: prompt[i]
+                raise _for_prompt(exc, i) from exc
+            jobs.append(job)
+        response_id = jobs[0].response_id  # each prompt's request: the response's id, numbered
+        jobs = [dataclasses.replace(job, response_id=f"{response_id}-{i}") for i, job in enumerate(jobs)]
+        started = await asyncio.gather(*(self.start(job, request, f"prompt[{i}]")
+                                         for i, job in enumerate(jobs)), return_exceptions=True)
+        failed = next((s for s in started if isinstance(s, BaseException)), None)
+        if failed is not None:  # the others run for nobody: abort them
+            for s in started:
+                if not isinstance(s, BaseException):
+                    await s[1].aclose()  # type: ignore[attr-defined]
+            raise failed
+        runs = [s for s in started if not isinstance(s, BaseException)]
+        finals = await streaming.race_disconnect(request, asyncio.gather(
+            *(streaming.final_outputs(first, outputs) for first, outputs in runs)))
+        n = jobs[0].params.n
+        choices = [self._completion_choice(job, final).model_copy(update={"index": i * n + final.index})
+                   for i, (job, job_finals) in enumerate(zip(jobs, finals, strict=True))
+                   for final in job_finals]
+        usages = [job_usage(job, job_finals) for job, job_finals in zip(jobs, finals, strict=True)]
+        whole = schemas.CompletionResponse(id=response_id, created=jobs[0].created,
+                                           model=self.model_name, choices=choices,
+                                           usage=_sum_usage(usages))
+        return JSONResponse(whole.model_dump())
+
+    async def _completion_job(self, body: schemas.CompletionRequest, prompt: str | list[int]) -> Job:
+        """One prompt's job: tokenized, truncated, its budget checked."""
         ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         num_given = len(ids)
         ids = self._truncate(ids, body.truncate_prompt_tokens, body.max_tokens,
@@ -105,18 +156,10 @@ class OpenAIServing:
         )
         job = self._job("cmpl", body, ids, max_tokens)
         if body.echo:  # the prompt the model read: what truncation left of it
-            whole = isinstance(prompt, str) and len(ids) == num_given
-            echo = prompt if whole else self.llm.tokenizer.decode(ids)
+            echo = (prompt if isinstance(prompt, str) and len(ids) == num_given
+                    else self.llm.tokenizer.decode(ids))
             job = dataclasses.replace(job, echo_text=echo)
-        if job.echo_text is not None or job.params.logprobs is not None or job.return_token_ids:
-            return await self._respond(
-                job, request, "prompt", self._completion_logprob_events,
-                schemas.CompletionResponse, lambda final: self._completion_choice(job, final))
-        return await self._respond(
-            job, request, "prompt", self._completion_events, schemas.CompletionResponse,
-            lambda final: schemas.CompletionChoice(index=final.index, text=final.text,
-                                                   finish_reason=_finish_reason(final)),
-        )
+        return job
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
         job = await self.chat_job(body, "chatcmpl")
@@ -572,6 +615,25 @@ def _cut_short(
 def _ids(job: Job, token_ids: list[int]) -> list[int] | None:
     """Token ids for the response when it asked for them (return_token_ids)."""
     return list(token_ids) if job.return_token_ids else None
+
+
+def _sum_usage(usages: list[schemas.Usage]) -> schemas.Usage:
+    """A batch's usage: its prompts' (cached tokens summed too)."""
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
+    return schemas.Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        total_tokens=sum(u.total_tokens for u in usages),
+        prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached))
+
+
+def _for_prompt(exc: schemas.APIError, i: int) -> schemas.APIError:
+    """A prompt's error in a batch, naming it (`prompt[i]`)."""
+    param = exc.info.param
+    if param != "prompt":
+        return exc
+    return schemas.APIError(exc.status_code, f"prompt[{i}]" + exc.info.message.removeprefix("prompt"),
+                            exc.info.type, f"prompt[{i}]", exc.info.code, exc.headers)
 
 
 def _finish_reason(out: RequestOutput) -> schemas.FinishReason:

@@ -84,6 +84,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
             return None
         if error["param"] == "input" and "besides reasoning items" in error["message"]:
             return None
+        if error["param"] == "stream" and "a batch of prompts" in error["message"]:
+            return None
         # max_tokens 0 only with echo, top_logprobs only with logprobs, logit_bias keys in
         # the vocabulary (JSON Schema cannot bound a key's number).
         limits = {"max_tokens": "0 only with echo", "top_logprobs": "needs logprobs",

@@ -1,0 +1,69 @@
+"""A batch of prompts in one completions request (OpenAI's `prompt` as a list; lm-eval's
+local-completions sends them so): each prompt runs as its own request, and the response lists
+each prompt's `n` choices in turn, as a request per prompt would have answered them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.helpers import ServerProcess, validate
+
+MODEL = "tiny"
+PROMPTS: list[Any] = ["Once upon a time", [5, 17, 99, 3, 42], "The capital of France is"]
+GREEDY = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def complete(server: ServerProcess, **body: Any) -> httpx.Response:
+    return httpx.post(server.v1 + "/completions", json={**GREEDY, **body}, timeout=120)
+
+
+def test_a_batch_answers_as_a_request_per_prompt(server: ServerProcess) -> None:
+    batch = complete(server, prompt=PROMPTS)
+    assert batch.status_code == 200, batch.text
+    validate(batch.json(), "CreateCompletionResponse")
+    singles = [complete(server, prompt=p).json() for p in PROMPTS]
+    assert [c["index"] for c in batch.json()["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in batch.json()["choices"]] == [s["choices"][0]["text"] for s in singles]
+    usage = batch.json()["usage"]
+    assert usage["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert usage["completion_tokens"] == 3 * 6 and usage["total_tokens"] == usage["prompt_tokens"] + 18
+
+
+def test_each_prompts_n_choices_come_in_turn(server: ServerProcess) -> None:
+    resp = complete(server, prompt=PROMPTS[:2], n=2, seed=7, temperature=1.0, echo=True)
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert all(c["text"].startswith("Once upon a time") for c in choices[:2])
+    assert not any(c["text"].startswith("Once upon a time") for c in choices[2:])
+
+
+def test_lm_eval_loglikelihood_batch(server: ServerProcess) -> None:
+    """What lm-eval's local-completions sends to score continuations: echo, logprobs, and
+    one token (or none) to generate, for a batch of contexts."""
+    texts = ["The quick brown fox", "jumps over the lazy dog"]
+    batch = complete(server, prompt=texts, max_tokens=0, echo=True, logprobs=1)
+    assert batch.status_code == 200, batch.text
+    for text, choice in zip(texts, batch.json()["choices"], strict=True):
+        single = complete(server, prompt=text, max_tokens=0, echo=True, logprobs=1).json()["choices"][0]
+        assert choice["text"] == text == single["text"]
+        assert choice["logprobs"]["tokens"] == single["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(single["logprobs"]["token_logprobs"])
+
+
+def test_the_openai_client_sends_a_batch(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt=["a b c", "d e f"], max_tokens=3)
+    assert len(resp.choices) == 2 and resp.usage is not None and resp.usage.completion_tokens <= 6
+
+
+def test_a_bad_prompt_in_a_batch_is_named(server: ServerProcess) -> None:
+    max_model_len = httpx.get(server.v1 + "/models").json()["data"][0]["max_model_len"]
+    resp = complete(server, prompt=["fine", [7] * max_model_len])
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "prompt[1]" and error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("prompt[1]:")
