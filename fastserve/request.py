@@ -85,6 +85,9 @@ class StructuredOutputParams:
     spec: str | tuple[str, ...] = ""
     # The request field it came from: a 400 for an invalid grammar names it.
     param: str = "structured_output"
+    # The grammar holds the output only after this text ("" from the start): a reasoning
+    # model's `</think>`, so that it thinks freely, then answers in the grammar.
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

@@ -114,6 +114,27 @@ def test_json_object_and_grammar_over_min_tokens(llm: LLM) -> None:
         assert isinstance(json.loads(out_obj.text), dict)
 
 
+def test_a_grammar_that_begins_after_a_text_leaves_the_text_before_free(llm: LLM) -> None:
+    """`after` (a reasoning model's `</think>`): the output is free until it holds that text,
+    then held by the grammar. Built on greedy decoding: the free output's first tokens are
+    the marker, so the grammar begins right after them."""
+    free = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    marker = llm.engine.tokenizer.decode(free.token_ids[:2], skip_special_tokens=False)
+    assert marker.strip()
+    schema = SCHEMAS[1]  # {"color": enum, "ok": bool}: short
+    held = SamplingParams(max_tokens=80, temperature=0.0, structured_output=StructuredOutputParams(
+        "json", json.dumps(schema), "response_format", after=marker))
+    never = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                           structured_output=StructuredOutputParams(
+                               "json", json.dumps(schema), "response_format", after="\x00never"))
+    out, unheld = llm.generate([PROMPT, PROMPT], [held, never], use_tqdm=False)
+    assert out.text.startswith(marker) and out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text[len(marker):]), schema)
+    assert unheld.text == free.text  # the grammar never began
+    assert len(llm.engine.grammars) == 0
+
+
 @pytest.mark.parametrize(("kind", "spec"), [
     ("json", '{"type": "integer", "minimum": 5, "maximum": 2}'),
     ("json", '{"type": '),

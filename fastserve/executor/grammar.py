@@ -179,7 +179,13 @@ class _Matcher:
     # (all), "tags" (all but newlines: tool calls), "" (none: free text may follow a grammar).
     controls: str
     matcher: Any = None  # xgrammar.GrammarMatcher, made once the grammar is compiled
-    num_accepted: int = 0  # output tokens fed to the matcher so far
+    num_accepted: int = 0  # output tokens fed to the matcher (or read before it began) so far
+    after: str = ""  # the text after which the grammar begins ("" from the start)
+    tail: str = ""  # before it began: the output's last characters, to find `after` in
+
+    @property
+    def is_active(self) -> bool:
+        return not self.after
 
 
 class StructuredOutputs:
@@ -226,7 +232,7 @@ class StructuredOutputs:
         if not is_available():
             raise InvalidRequestError(INSTALL_HINT, params.param)
         self._matchers[request_id] = _Matcher(self.cache.compile(params), params.param,
-                                              controls=_controls(params))
+                                              controls=_controls(params), after=params.after)
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -240,14 +246,29 @@ class StructuredOutputs:
         new = req.output_token_ids[m.num_accepted:]
         if not new:
             return False
+        m.num_accepted = req.num_output_tokens
+        if not m.is_active:
+            new = self._begin(m, new)
+            if not m.is_active:
+                return False
         matcher = self._matcher(m)
         for tok in new:
             if matcher.is_terminated():
                 break
             if not matcher.accept_token(tok):
                 raise ValueError(f"token {tok} does not continue the grammar of {m.param}")
-        m.num_accepted = req.num_output_tokens
         return bool(matcher.is_terminated())
+
+    def _begin(self, m: _Matcher, new: list[int]) -> list[int]:
+        """Read `new` tokens for `m.after`; the tokens after the one that completes it are
+        the grammar's first (and `m` is active from then on)."""
+        for i, tok in enumerate(new):
+            text = self.tokenizer.decode([tok], skip_special_tokens=False)
+            m.tail = (m.tail + text)[-(len(m.after) + 64):]
+            if m.after in m.tail:
+                m.after, m.tail = "", ""
+                return new[i + 1:]
+        return []
 
     # -- the sampler's side ---------------------------------------------------------------
 
@@ -263,7 +284,7 @@ class StructuredOutputs:
         bitmask = self._bitmask_for(len(reqs))
         for i in rows:
             m = self._matchers.get(reqs[i].request_id)
-            if m is None:
+            if m is None or not m.is_active:  # not yet begun: the output is free
                 continue
             try:
                 self._matcher(m).fill_next_token_bitmask(bitmask, i)

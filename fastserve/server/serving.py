@@ -182,8 +182,12 @@ class OpenAIServing:
         structured = job.params.structured_output
         if structured is not None and structured.kind == "structural_tag":
             chat_tools.check_schemas(body)
-        if self.reasoning:  # NOTE: a grammar's output is the answer unless it opens a <think>
-            inside = structured is None and reasoning.starts_inside(text)
+        if self.reasoning:
+            inside = reasoning.starts_inside(text)
+            if inside and structured is not None:  # think freely, then answer in the grammar
+                params = dataclasses.replace(job.params, structured_output=dataclasses.replace(
+                    structured, after=reasoning.END))
+                job = dataclasses.replace(job, params=params)
             job = dataclasses.replace(job, reasoning_inside=inside)
         return job
 
