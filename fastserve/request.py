@@ -122,6 +122,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # The text leaves out special tokens (EOS, a chat template's markers); False keeps them.
+    skip_special_tokens: bool = True
     # Offline API only: each is called as `proc(num_output_tokens, logits)` on the request's
     # row of logits ([vocab] tensor) before sampling and returns the row to sample from. One
     # that raises (or yields NaN) fails its own request, not the batch.

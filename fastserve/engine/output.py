@@ -33,7 +33,9 @@ class OutputProcessor:
         self._streams: dict[str, _Stream] = {}
 
     def add(self, req: Request, prompt: str | None) -> None:
-        self._streams[req.request_id] = _Stream(prompt, IncrementalDetokenizer(self.tokenizer))
+        skip = req.params.skip_special_tokens
+        self._streams[req.request_id] = _Stream(
+            prompt, IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip))
 
     def discard(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -63,7 +65,7 @@ class OutputProcessor:
         if not stops and req.is_finished and st.num_detok_tokens == 0:
             # All of it at once (a final-only request): one decode, the same text (see
             # IncrementalDetokenizer's NOTE).
-            st.text = self.tokenizer.decode(req.output_token_ids)
+            st.text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
             st.num_detok_tokens = req.num_output_tokens
             return False
         start = len(st.text)

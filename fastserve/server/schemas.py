@@ -324,7 +324,9 @@ class _GenerationRequest(BaseModel):
     # vLLM's extensions, accepted only at the values that mean "not used".
     length_penalty: Annotated[Any, Only((1,))] = Field(None, description="Extension: only 1.")
     use_beam_search: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
-    skip_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
+    skip_special_tokens: StrictBool | None = Field(
+        None, description="Extension: false keeps special tokens (EOS, template markers) in the "
+        "text. Default true.")
     spaces_between_special_tokens: Annotated[Any, Only((True,))] = Field(
         None, description="Extension: only true.")
     truncate_prompt_tokens: TruncatePrompt | None = Field(
@@ -410,6 +412,7 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens or 0,
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
             **self._logits_params(),
             **self._sequences(),
             structured_output=self.structured_output(tool_format),

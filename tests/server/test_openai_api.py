@@ -371,6 +371,19 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess, max
     assert over.status_code == 400 and error_of(over)["code"] == "context_length_exceeded"
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(server: ServerProcess, tokenizer: Any) -> None:
+    """vLLM's extension: the EOS token (pushed by logit_bias, ignore_eos) is text only when
+    asked for, streamed or not."""
+    eos = tokenizer.eos_token_ids[0]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "temperature": 0,
+            "logit_bias": {str(eos): 100}}
+    dropped = post(server, CMPL, body).json()["choices"][0]["text"]
+    kept = post(server, CMPL, {**body, "skip_special_tokens": False}).json()["choices"][0]["text"]
+    assert (dropped, kept) == ("", tokenizer.eos_token * 3)
+    streamed = sse_events(server, CMPL, {**body, "skip_special_tokens": False})
+    assert "".join(e["choices"][0]["text"] for e in streamed[:-1] if e["choices"]) == kept
+
+
 def test_the_fleet_router_reads_the_truncated_prompt(tokenizer: Any) -> None:
     """`--replicas N` routes by the prompt the replica runs: the truncated one."""
     pytest.importorskip("ray")

@@ -49,6 +49,7 @@ CASES = {
                                                         '{"name": "f", "para', []),
     "JSON without a name is text": ('{"city": "Paris"}\n', '{"city": "Paris"}\n', []),
     "a call's start at the end is text": ('see {"na', 'see {"na', []),
+    "<|python_tag|> kept (skip_special_tokens false)": ("<|python_tag|>" + WEATHER, "", [PARIS]),
     "parameters first is no call's start": ('{"parameters": {"a": 1}, "name": "f"}',
                                             '{"parameters": {"a": 1}, "name": "f"}', []),
 }
@@ -85,6 +86,8 @@ MISTRAL_CASES = {
     "text then calls": ('Sure. [{"name": "f", "arguments": {}}]', "Sure.", [("f", "{}")]),
     "a list that is no call stays text": ('[{"name": "Bob"}] and [1, 2]', '[{"name": "Bob"}] and [1, 2]', []),
     "a list's start at the end is text": ("see [{", "see [{", []),
+    "[TOOL_CALLS] kept (skip_special_tokens false)": (
+        'Sure.[TOOL_CALLS][{"name": "f", "arguments": {}}]', "Sure.", [("f", "{}")]),
 }
 
 

@@ -147,7 +147,10 @@ class JsonCallsParser:
 
 
 class Llama3JsonParser(JsonCallsParser):
-    """Llama 3's: a call begins at `{"name"`; calls are separated by `;`."""
+    """Llama 3's: a call begins at `{"name"` (after `<|python_tag|>`, which is in the text
+    only with skip_special_tokens false); calls are separated by `;`."""
+
+    STARTS = ('<|python_tag|>{"name"', '{"name"')
 
 
 LLAMA3_JSON = ToolFormat(

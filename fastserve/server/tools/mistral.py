@@ -16,7 +16,8 @@ from fastserve.server.tools.llama3_json import JsonCallsParser
 
 
 class MistralParser(JsonCallsParser):
-    STARTS = ('[{"name"', '{"name"')
+    # (`[TOOL_CALLS]` itself is in the text only with skip_special_tokens false.)
+    STARTS = ('[TOOL_CALLS][{"name"', '[{"name"', '{"name"')
     SEPARATORS = " \t\r\n,]"
 
 
