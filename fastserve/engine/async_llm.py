@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +124,7 @@ class AsyncLLM:
         oracle_output_len: int | None = None,
         coalesce: bool = False,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as tokens come; the last has `finished=True`. With
         `n` or `best_of` > 1 the sequences' outputs interleave, each with its `index` and its
         own `finished`; the request's last output has `ends_request`.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from fastserve.server.responses_schemas import (
     InputItem,
-    OutputItem,
+    OutputFunctionCall,
     OutputMessage,
     OutputReasoning,
     ResponseObject,
@@ -88,12 +88,11 @@ class ResponseStore:
         return items
 
 
-def _as_input(item: OutputItem) -> InputItem:
+def _as_input(item: OutputMessage | OutputFunctionCall) -> InputItem:
     """An output item as the next request's input. NOTE: not validated again: a call the
     model named freely (auto) may not fit the request's name pattern, but it was said."""
     if isinstance(item, OutputMessage):
         return InputItem.model_construct(type="message", role="assistant",
                                          content="".join(p.text for p in item.content))
-    assert not isinstance(item, OutputReasoning)
     return InputItem.model_construct(type="function_call", call_id=item.call_id, name=item.name,
                                      arguments=item.arguments)

@@ -129,7 +129,7 @@ class OpenAIServing:
         if failed is not None:  # the others run for nobody: abort them
             for s in started:
                 if not isinstance(s, BaseException):
-                    await s[1].aclose()  # type: ignore[attr-defined]
+                    await s[1].aclose()
             raise failed
         runs = [s for s in started if not isinstance(s, BaseException)]
         finals = await streaming.race_disconnect(request, asyncio.gather(
@@ -336,7 +336,7 @@ class OpenAIServing:
 
     async def start(
         self, job: Job, request: Request, prompt_param: str
-    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    ) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
         """Submit the job and wait for its first output, so errors still get a status code.
 
         NOTE: the response is not started before the engine has accepted the request, so a
