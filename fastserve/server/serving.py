@@ -36,6 +36,9 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
+# A batch of prompts: the sequences one request may run (prompts x n or best_of), so that
+# one client cannot queue thousands at once.
+MAX_BATCH_SEQUENCES = 1024
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,12 @@ class OpenAIServing:
         if body.stream:
             raise schemas.APIError(400, "stream: a batch of prompts is answered whole; stream "
                                    "one prompt per request", param="stream")
+        num_sequences = len(prompts) * max(body.n or 1, body.best_of or 1)
+        if num_sequences > MAX_BATCH_SEQUENCES:
+            raise schemas.APIError(
+                400, f"prompt: {len(prompts)} prompts of {num_sequences // len(prompts)} sequences "
+                f"each make {num_sequences}; one request may run at most {MAX_BATCH_SEQUENCES}",
+                param="prompt")
         jobs: list[Job] = []
         for i, prompt in enumerate(prompts):
             try:
@@ -198,7 +207,7 @@ class OpenAIServing:
         render = functools.partial(self.llm.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=add_generation_prompt, **kwargs)
         try:
-            text = await _off_loop(render, sum(len(m["content"]) for m in messages))
+            text = await off_loop(render, sum(len(m["content"]) for m in messages))
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
         return text, await self.encode(text, "messages")
@@ -231,7 +240,7 @@ class OpenAIServing:
             return list(self.llm.tokenizer.encode(check_encodable(text, param), add_special_tokens))
 
         try:
-            return await _off_loop(encode, len(text))
+            return await off_loop(encode, len(text))
         except InvalidRequestError as exc:
             raise bad_input(exc, param) from exc
 
@@ -565,7 +574,7 @@ class OpenAIServing:
 INLINE_TEXT_CHARS = 4096
 
 
-async def _off_loop(work: Callable[[], T], num_chars: int) -> T:
+async def off_loop(work: Callable[[], T], num_chars: int) -> T:
     """`work()`, on a worker thread when its input is large (the tokenizer releases the GIL)."""
     if num_chars <= INLINE_TEXT_CHARS:
         return work()

@@ -16,7 +16,7 @@ from pydantic import (
 )
 
 from fastserve.server import schemas
-from fastserve.server.serving import OpenAIServing
+from fastserve.server.serving import OpenAIServing, off_loop
 
 
 class TokenizeRequest(BaseModel):
@@ -114,4 +114,7 @@ class TokenizeServing:
                 raise schemas.APIError(
                     400, f"tokens[{i}]: {token} is not a token id of the model (its vocabulary "
                     f"has {vocab_size})", param=f"tokens[{i}]")
-        return DetokenizeResponse(prompt=serving.llm.tokenizer.decode(body.tokens))
+        tokenizer = serving.llm.tokenizer
+        # NOTE: a 1 MiB body holds ~150k ids: decoded off the event loop, as prompts are encoded
+        text = await off_loop(lambda: tokenizer.decode(body.tokens), len(body.tokens) * 4)
+        return DetokenizeResponse(prompt=text)

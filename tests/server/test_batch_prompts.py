@@ -67,3 +67,9 @@ def test_a_bad_prompt_in_a_batch_is_named(server: ServerProcess) -> None:
     error = resp.json()["error"]
     assert error["param"] == "prompt[1]" and error["code"] == "context_length_exceeded"
     assert error["message"].startswith("prompt[1]:")
+
+
+def test_a_batch_may_not_queue_thousands_of_sequences(server: ServerProcess) -> None:
+    resp = complete(server, prompt=["hi"] * 128, n=9)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "prompt" and "1152" in resp.json()["error"]["message"]

@@ -61,6 +61,12 @@ def test_a_conversation_counts_what_chat_bills(server: ServerProcess) -> None:
     assert no_opening.json()["count"] < without_tools
 
 
+def test_a_megabyte_of_ids_is_detokenized(server: ServerProcess, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Hello there, general Kenobi. " * 4000, add_special_tokens=False)
+    resp = post(server, "/detokenize", {"tokens": ids})
+    assert resp.status_code == 200 and resp.json()["prompt"] == "Hello there, general Kenobi. " * 4000
+
+
 @pytest.mark.parametrize(("path", "body", "param", "status"), [
     ("/tokenize", {}, "prompt", 400),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages", 400),
