@@ -43,7 +43,7 @@ class ChoiceToolCalls:
         (one delta per call and run: a call's first names it and gets its id)."""
         parser = self._parsers.get(index)
         if parser is None:
-            parser = self._parsers[index] = self.format.parser()
+            parser = self._parsers[index] = self.format.parser_for(self.mode)
         parsed = parser.feed(text)
         if finished:
             parsed.extend(parser.finish())

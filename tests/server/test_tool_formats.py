@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 from fastserve.server import tools
-from fastserve.server.tools.base import CallDelta
+from fastserve.server.tools.base import CallDelta, FunctionSpec
 from fastserve.server.tools.llama3_json import LLAMA3_JSON, Llama3JsonParser
 from fastserve.server.tools.mistral import MISTRAL, MistralParser
+from fastserve.server.tools.pythonic import PYTHONIC, PythonicParser
 from tests.server.helpers import ServerProcess, managed, start_server, with_template
 from tests.server.test_tool_calls import ADD_SCHEMA, check_grammar, parse
 
@@ -99,6 +101,43 @@ def test_mistral_calls_parse_alike_whole_and_streamed(name: str) -> None:
     assert parse(list(text), MistralParser) == (content, calls)
 
 
+PYTHONIC_CASES = {
+    "one call": ('[get_weather(city="Paris")]', "", [PARIS]),
+    "two calls, literals of every kind": (
+        "[add(a=1, b=-2.5), f(s='it\\'s', flag=True, none=None, xs=[1, (2, 3)], d={'k': 'v'})]", "",
+        [("add", '{"a": 1, "b": -2.5}'),
+         ("f", '{"s": "it\'s", "flag": true, "none": null, "xs": [1, [2, 3]], "d": {"k": "v"}}')]),
+    "JSON's literals too": ("[f(ok=true, x=null)]", "", [("f", '{"ok": true, "x": null}')]),
+    "text around a list": ("Sure.\n[f()]\nDone.", "Sure.\nDone.", [("f", "{}")]),
+    "a bracket in a string": ('[f(s="])[")]', "", [("f", '{"s": "])["}')]),
+    "a list that is no call stays text": ("Pick [a, b] or [1, 2].", "Pick [a, b] or [1, 2].", []),
+    "a positional argument is no call": ("[f(1)]", "[f(1)]", []),
+    "a variable is no literal": ("[f(x=y)]", "[f(x=y)]", []),
+    "a call cut short stays text": ('[get_weather(city="Par', '[get_weather(city="Par', []),
+    "a list's start at the end is text": ("see [get_we", "see [get_we", []),
+}
+
+
+@pytest.mark.parametrize("name", PYTHONIC_CASES)
+def test_pythonic_calls_parse_alike_whole_and_streamed(name: str) -> None:
+    text, content, calls = PYTHONIC_CASES[name]
+    for cut in range(len(text) + 1):
+        assert parse([text[:cut], text[cut:]], PythonicParser) == (content, calls), cut
+    assert parse(list(text), PythonicParser) == (content, calls)
+
+
+def test_pythonic_forced_calls_are_llama3_json() -> None:
+    """No grammar holds Python calls: under auto they are free; a forced output is written
+    and read in Llama 3's JSON, as vLLM forces calls in JSON."""
+    functions = [FunctionSpec("add", ADD_SCHEMA, True)]
+    assert PYTHONIC.grammar_spec(functions, "auto", parallel=True) is None
+    assert PYTHONIC.grammar_spec(functions, "required", True) == LLAMA3_JSON.grammar_spec(
+        functions, "required", True)
+    assert isinstance(PYTHONIC.parser_for("named"), Llama3JsonParser)
+    assert isinstance(PYTHONIC.parser_for("auto"), PythonicParser)
+    assert tools.choose("auto", "Respond as [func_name1(params_name1=params_value1)]")[0] is PYTHONIC
+
+
 MISTRAL_TEMPLATE = """{%- for message in messages %}
 {%- if message.role == 'assistant' and message.tool_calls %}{{- '[TOOL_CALLS][' }}
 {%- for tool_call in message.tool_calls %}
@@ -177,8 +216,8 @@ def test_the_format_is_read_off_the_chat_template(asked: str, template: str, cho
 
 
 def test_an_unknown_format_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
-        tools.choose("pythonic", "")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
+        tools.choose("granite", "")
 
 
 # -- a checkpoint whose chat template writes Llama 3's calls, served --------------------------
@@ -242,3 +281,35 @@ def test_a_llama3_template_gets_llama3_calls(llama_server: ServerProcess) -> Non
             *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": "3"}]})
     assert followup.status_code == 200, followup.text
+
+
+def test_a_pythonic_server_reads_python_calls_and_forces_json(tiny_model_ready: Path) -> None:
+    """`--tool-call-parser pythonic`: free text in Python's call syntax is read as calls; a
+    forced call is held to (and read in) Llama 3's JSON."""
+    pytest.importorskip("xgrammar")
+    import asyncio
+
+    from fastserve.args import engine_config
+    from fastserve.engine.async_llm import AsyncLLM
+    from fastserve.server.app import build_app
+    from tests.conftest import TEST_DTYPE
+
+    llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, warmup=False))
+    app = build_app(llm, "tiny", tool_call_parser="pythonic")
+    body = {"model": "tiny", "messages": ASK, "tools": [ADD_TOOL], "max_tokens": 60}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://fastserve", timeout=120) as http:
+            return [await http.post("/v1/chat/completions", json={**body, **extra}) for extra in (
+                {"guided_regex": r"Sure\. \[add\(a=1, b=2\)\]"},
+                {"tool_choice": "required", "parallel_tool_calls": False, "seed": 3})]
+
+    free, forced = (r.json()["choices"][0] for r in asyncio.run(run()))
+    asyncio.run(llm.shutdown(grace_s=0))
+    assert free["message"]["content"] == "Sure." and free["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in free["message"]["tool_calls"]] \
+        == [("add", '{"a": 1, "b": 2}')]
+    (call,) = forced["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and forced["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ADD_SCHEMA)

@@ -105,11 +105,22 @@ class ToolFormat:
     parser: type[ToolCallParser]
     # A new call's id. NOTE: a client sends it back, and some templates check its shape.
     call_id: Callable[[], str] = field(default=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    # A format with no grammar of its own (pythonic): its calls are free under auto, and a
+    # forced output (required, a named function) is written and read in this format.
+    forced: ToolFormat | None = None
+
+    def parser_for(self, mode: str) -> ToolCallParser:
+        """A parser for an output under `tool_choice` `mode`."""
+        if self.forced is not None and mode != "auto":
+            return self.forced.parser()
+        return self.parser()
 
     def grammar_spec(self, functions: Sequence[FunctionSpec], mode: str, parallel: bool,
                      named: str | None = None) -> str | None:
         """The xgrammar structural tag (its JSON text) the output must match, or None when it
         is free. `mode`: "auto", "required" or "named" (a call of function `named`)."""
+        if self.forced is not None:
+            return None if mode == "auto" else self.forced.grammar_spec(functions, mode, parallel, named)
         if mode == "auto":
             if parallel and not any(f.strict for f in functions):
                 return None  # free text; the parser picks out the calls
