@@ -57,15 +57,6 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_whole_and_streamed_text_parse_alike(name: str) -> None:
-    text, content, calls = CASES[name]
-    assert parse([text], Llama3JsonParser) == (content, calls)
-    for cut in range(len(text) + 1):
-        assert parse([text[:cut], text[cut:]], Llama3JsonParser) == (content, calls), cut
-    assert parse(list(text), Llama3JsonParser) == (content, calls)
-
-
 def test_a_call_streams_its_name_then_its_arguments() -> None:
     parser = Llama3JsonParser()
     assert parser.feed('{"name": "add", "parameters": ').calls == []
@@ -93,14 +84,6 @@ MISTRAL_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", MISTRAL_CASES)
-def test_mistral_calls_parse_alike_whole_and_streamed(name: str) -> None:
-    text, content, calls = MISTRAL_CASES[name]
-    for cut in range(len(text) + 1):
-        assert parse([text[:cut], text[cut:]], MistralParser) == (content, calls), cut
-    assert parse(list(text), MistralParser) == (content, calls)
-
-
 PYTHONIC_CASES = {
     "one call": ('[get_weather(city="Paris")]', "", [PARIS]),
     "two calls, literals of every kind": (
@@ -118,12 +101,17 @@ PYTHONIC_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", PYTHONIC_CASES)
-def test_pythonic_calls_parse_alike_whole_and_streamed(name: str) -> None:
-    text, content, calls = PYTHONIC_CASES[name]
+PARSED = {Llama3JsonParser: CASES, MistralParser: MISTRAL_CASES, PythonicParser: PYTHONIC_CASES}
+
+
+@pytest.mark.parametrize(("parser_type", "name"), [(p, n) for p, cases in PARSED.items() for n in cases],
+                         ids=[f"{p.__name__}-{n}" for p, cases in PARSED.items() for n in cases])
+def test_whole_and_streamed_text_parse_alike(parser_type: type, name: str) -> None:
+    text, content, calls = PARSED[parser_type][name]
+    assert parse([text], parser_type) == (content, calls)
     for cut in range(len(text) + 1):
-        assert parse([text[:cut], text[cut:]], PythonicParser) == (content, calls), cut
-    assert parse(list(text), PythonicParser) == (content, calls)
+        assert parse([text[:cut], text[cut:]], parser_type) == (content, calls), cut
+    assert parse(list(text), parser_type) == (content, calls)
 
 
 def test_pythonic_forced_calls_are_llama3_json() -> None:
