@@ -11,9 +11,9 @@ parsing; the route validates the body (pydantic, `schemas.py`) and hands it to `
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import Response
 
 from fastserve.engine.async_llm import AsyncLLM
@@ -26,7 +26,12 @@ from fastserve.server.gate import (
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses import ResponsesServing
-from fastserve.server.responses_schemas import DeletedResponse, ResponseObject, ResponsesRequest
+from fastserve.server.responses_schemas import (
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from fastserve.server.serving import OpenAIServing
 from fastserve.server.tokenize import (
     DetokenizeRequest,
@@ -139,6 +144,15 @@ def build_app(
     async def get_response(response_id: str) -> ResponseObject:
         """A stored response (`store` was not false), as it was returned."""
         return responses.get(response_id)
+
+    @v1.get("/responses/{response_id}/input_items", responses=_ERROR_RESPONSES)
+    async def list_input_items(
+        response_id: str, after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> InputItemList:
+        """A stored response's own input items, a page at a time (newest first by default)."""
+        return responses.input_items(response_id, after, limit, order)
 
     @v1.delete("/responses/{response_id}", responses=_ERROR_RESPONSES)
     async def delete_response(response_id: str) -> DeletedResponse:

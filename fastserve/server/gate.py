@@ -194,7 +194,9 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 def _validation_api_error(exc: RequestValidationError) -> APIError:
     """The first pydantic error as a 400 whose message starts with the field's name."""
     err = exc.errors()[0]
-    loc = [p for p in err.get("loc", ()) if p != "body"]
+    loc = list(err.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path"):  # where the field is: not its name
+        loc = loc[1:]
     kind = err.get("type", "")
     if kind == "json_invalid":
         reason = (err.get("ctx") or {}).get("error", err.get("msg", ""))

@@ -9,6 +9,7 @@ over, as OpenAI's are not).
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ from fastserve.server.responses_schemas import (
     OutputReasoning,
     ResponseObject,
 )
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}
 
 
 @dataclass
@@ -45,7 +49,11 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, response: ResponseObject, input_items: list[InputItem], previous_id: str | None) -> None:
-        """Keep `response` (a larger one than the whole budget is not kept)."""
+        """Keep `response` (a larger one than the whole budget is not kept). Input items
+        without an id get one (`GET .../input_items` lists them by id)."""
+        input_items = [item if item.id is not None else
+                       item.model_copy(update={"id": f"{_ID_PREFIX[item.type or 'message']}_{uuid.uuid4().hex}"})
+                       for item in input_items]
         size = len(response.model_dump_json()) + sum(len(i.model_dump_json()) for i in input_items)
         self.delete(response.id)
         if size > self.max_bytes:

@@ -24,6 +24,8 @@ from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses_schemas import (
     DeletedResponse,
     IncompleteDetails,
+    InputItem,
+    InputItemList,
     InputTokensDetails,
     OutputFunctionCall,
     OutputItem,
@@ -173,6 +175,25 @@ class ResponsesServing:
             raise _not_stored(response_id)
         return entry.response
 
+    def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
+        """The stored response's own input items (not those of the response it continued),
+        newest first unless `order` is "asc"; a page of `limit` after item `after`."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise _not_stored(response_id)
+        items = [_listed(item) for item in entry.input_items]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise schemas.APIError(400, f"after: no input item {after!r} in response "
+                                       f"{response_id!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                             last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+
     def delete(self, response_id: str) -> DeletedResponse:
         if not self.store.delete(response_id):
             raise _not_stored(response_id)
@@ -265,6 +286,26 @@ def _finish(response: ResponseObject, items: OutputItems, job: Job, final: Reque
         input_tokens_details=InputTokensDetails(
             cached_tokens=usage.prompt_tokens_details.cached_tokens
             if usage.prompt_tokens_details else 0))
+
+
+def _listed(item: InputItem) -> dict[str, Any]:
+    """An input item as `GET .../input_items` lists it (OpenAI's item shapes)."""
+    kind = item.type or "message"
+    if kind == "message":
+        part = "output_text" if item.role == "assistant" else "input_text"
+        content: dict[str, Any] = {"type": part, "text": item.content or ""}
+        if part == "output_text":
+            content["annotations"] = []
+        return {"id": item.id, "type": "message", "role": item.role, "content": [content],
+                "status": "completed"}
+    if kind == "function_call":
+        return {"id": item.id, "type": kind, "call_id": item.call_id, "name": item.name,
+                "arguments": item.arguments, "status": "completed"}
+    if kind == "function_call_output":
+        return {"id": item.id, "type": kind, "call_id": item.call_id, "output": item.output,
+                "status": "completed"}
+    return {"id": item.id, "type": kind, "summary": item.summary or [],
+            "content": [{"type": "reasoning_text", "text": item.content}] if item.content else []}
 
 
 def _not_stored(response_id: str) -> schemas.APIError:

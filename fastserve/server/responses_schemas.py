@@ -365,6 +365,16 @@ class ResponseError(BaseModel):
     message: str
 
 
+class InputItemList(BaseModel):
+    """`GET /v1/responses/{id}/input_items`'s page."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class DeletedResponse(BaseModel):
     """`DELETE /v1/responses/{id}`'s answer."""
 

@@ -61,6 +61,27 @@ def test_a_stored_response_is_retrieved_and_deleted(client: openai.OpenAI, serve
     assert httpx.delete(server.v1 + f"/responses/{kept.id}").status_code == 404
 
 
+def test_input_items_list_what_the_response_was_given(client: openai.OpenAI, server: ServerProcess) -> None:
+    first = client.responses.create(input="Tell me a joke.", **GREEDY)
+    second = client.responses.create(previous_response_id=first.id, **GREEDY, input=[
+        {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Sure."},
+        {"role": "user", "content": "Go."}])
+
+    def texts(page: Any) -> list[str]:
+        return [item.content[0].text for item in page.data]
+
+    newest_first = client.responses.input_items.list(second.id)  # its own input, not first's
+    assert texts(newest_first) == ["Go.", "Sure.", "Another?"] and not newest_first.has_more
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert texts(page) == ["Another?", "Sure."] and page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert texts(rest) == ["Go."] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    bad = httpx.get(server.v1 + f"/responses/{second.id}/input_items", params={"limit": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
 def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
     gone = client.responses.create(input="Hello!", store=False, **GREEDY)
     assert gone.store is False
