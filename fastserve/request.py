@@ -417,6 +417,11 @@ class RequestOutput:
     outputs: list[RequestOutput] = field(default_factory=list)
 
     @property
+    def is_failure(self) -> bool:
+        """The request ended without finishing: an engine error, or an abort."""
+        return self.finish_reason in ("error", "abort")
+
+    @property
     def ends_request(self) -> bool:
         """The request's last output: no more come for any of its sequences."""
         return self.finished if self.request_finished is None else self.request_finished

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from operator import attrgetter
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
@@ -251,7 +252,7 @@ class Scheduler(ABC):
         (the policy's starvation promotion works within a priority)."""
         if not self._num_prioritized:
             return order
-        return sorted(order, key=_priority)
+        return sorted(order, key=attrgetter("priority"))
 
     def _not_in_flight(self, order: Sequence[Request]) -> Sequence[Request]:
         if not self.in_flight:
@@ -572,10 +573,6 @@ class Scheduler(ABC):
         if num_output >= p.max_tokens or len(req.prompt_token_ids) + num_output >= req.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-def _priority(req: Request) -> int:
-    return req.priority
 
 
 def check_fits(req: Request, kv: KVCacheManager) -> None:

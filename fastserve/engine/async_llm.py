@@ -55,10 +55,6 @@ def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
-def _failed(out: RequestOutput) -> bool:
-    return out.finish_reason in ("error", "abort")
-
-
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""
 
@@ -167,7 +163,7 @@ class AsyncLLM:
                     if stream.queue.empty():
                         break
                     nxt = stream.queue.get_nowait()
-                    if isinstance(nxt, BaseException) or nxt.index != item.index or _failed(nxt):
+                    if isinstance(nxt, BaseException) or nxt.index != item.index or nxt.is_failure:
                         # NOTE: another sequence's output (`n` > 1) is not merged, nor is a
                         # failure: tokens before it still come first, as they would have to
                         # a fast reader (a stream that began is not turned into an error)

@@ -215,7 +215,7 @@ class RequestGroups:
         """The `n` outputs to return, best first, re-indexed; a failed one comes first, so
         that the caller sees the failure."""
         def key(out: RequestOutput) -> tuple[bool, float]:
-            failed = out.finish_reason in ("error", "abort")
+            failed = out.is_failure
             return failed, group.scores[out.index]
 
         best = sorted(group.finals, key=key, reverse=True)[: group.n]

@@ -371,7 +371,7 @@ class OpenAIServing:
             raise engine_dead(exc) from exc
         except ValueError as exc:
             raise bad_input(exc, prompt_param) from exc
-        if first.finish_reason in ("error", "abort"):  # failed before any token: still a status
+        if first.is_failure:  # failed before any token: still a status
             raise engine_failure(first)
         return first, outputs
 

@@ -61,7 +61,7 @@ async def stream_outputs(
     try:
         out = first
         while True:
-            if out.finish_reason in ("error", "abort"):
+            if out.is_failure:
                 yield engine_failure(out)
                 return
             yield out
