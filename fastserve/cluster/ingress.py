@@ -46,7 +46,7 @@ _RETRY_BACKOFF_S = 0.2
 class Encoder(Protocol):
     """What routing needs of the tokenizer."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str: ...
 
@@ -82,7 +82,8 @@ class RouteHints:
                 return list(prompt)
             if not isinstance(prompt, str):
                 return None
-            return await _off_loop(lambda: list(self.tokenizer.encode(prompt)), len(prompt))
+            bos = data.get("add_special_tokens") is not False
+            return await _off_loop(lambda: list(self.tokenizer.encode(prompt, bos)), len(prompt))
         chat = (ResponsesRequest.model_validate(data).to_chat() if path == "/v1/responses"
                 else ChatCompletionRequest.model_validate(data))
         messages, kwargs = chat.template_args()

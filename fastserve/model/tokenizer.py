@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
@@ -101,6 +102,7 @@ class Tokenizer:
         self.has_own_chat_template = own_template is not None
         self.chat_template: str = own_template or DEFAULT_CHAT_TEMPLATE
         self._compiled_template: jinja2.Template | None = None
+        self._template_variables: frozenset[str] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -157,6 +159,14 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **kwargs,
         )
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable `name` (one it does not read cannot
+        change the prompt)."""
+        if self._template_variables is None:
+            self._template_variables = frozenset(
+                jinja2.meta.find_undeclared_variables(_jinja_env().parse(self.chat_template)))
+        return name in self._template_variables
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True

@@ -14,6 +14,7 @@ Pure Python over text.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fastserve.server.tools.base import partial_tag
@@ -98,6 +99,27 @@ class ReasoningParser:
         if self.state == "thinking" or (self.state == "start" and self.inside):
             return rest, ""
         return "", "" if self.strip else rest
+
+
+def count_tokens(token_ids: Sequence[int], inside: bool,
+                 decode: Callable[[Sequence[int]], str]) -> int:
+    """How many of an output's tokens are thinking (usage's `reasoning_tokens`): those up to
+    the one that completes `</think>`, that token included; all of them when the output has
+    not closed its thinking; none when it had none. `decode` keeps special tokens, so the
+    tags are found whether or not the response shows them."""
+    text = decode(token_ids)
+    if ReasoningParser(inside).split(text)[0] is None:
+        return 0
+    if END not in text:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # the fewest tokens whose text holds END
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if END in decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class ChoiceReasoning:

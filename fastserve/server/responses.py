@@ -32,6 +32,7 @@ from fastserve.server.responses_schemas import (
     OutputMessage,
     OutputReasoning,
     OutputText,
+    OutputTokensDetails,
     ReasoningText,
     ResponseError,
     ResponseObject,
@@ -42,6 +43,7 @@ from fastserve.server.serving import Job, OpenAIServing, job_usage
 
 # Chat's field names in errors, as the Responses API names them (longest first).
 _PARAM_NAMES = (("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
+                ("reasoning_effort", "reasoning.effort"),
                 ("response_format.json_schema.", "text.format."),
                 ("response_format", "text.format"), (".function.", "."))
 
@@ -276,13 +278,16 @@ def _read(job: Job, items: OutputItems, readers: _Readers, out: RequestOutput) -
 def _finish(response: ResponseObject, items: OutputItems, job: Job, final: RequestOutput) -> None:
     cut = final.finish_reason == "length"
     items.close("incomplete" if cut else "completed")
-    usage = job_usage(job, [final])
+    usage = job_usage(job, [final], final=True)
     response.status = "incomplete" if cut else "completed"
     response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if cut else None
     response.output = items.items
     response.usage = ResponseUsage(
         input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=usage.completion_tokens_details.reasoning_tokens
+            if usage.completion_tokens_details else 0),
         input_tokens_details=InputTokensDetails(
             cached_tokens=usage.prompt_tokens_details.cached_tokens
             if usage.prompt_tokens_details else 0))

@@ -206,6 +206,17 @@ class TextConfig(BaseModel):
     verbosity: Annotated[Any, Only(("medium",))] = None
 
 
+class ReasoningConfig(BaseModel):
+    """`reasoning`: the effort is given to the chat template (as chat's reasoning_effort)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: schemas.ReasoningEffort | None = None
+    # Summaries of the thinking are not made: the reasoning item holds the thinking itself.
+    summary: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+    generate_summary: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`."""
 
@@ -239,7 +250,10 @@ class ResponsesRequest(BaseModel):
     background: Annotated[Any, Only((False,))] = Field(None, description="Only false.")
     include: Annotated[Any, Only(([],))] = Field(None, description="Only [].")
     truncation: Annotated[Any, Only(("disabled",))] = Field(None, description="Only disabled.")
-    reasoning: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+    reasoning: ReasoningConfig | None = Field(
+        None, description="effort: given to the chat template as reasoning_effort (a 400 when "
+        "it does not read it). The thinking of a model served with --reasoning-parser comes "
+        "back as a reasoning item.")
     service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
         None, description="Accepted for compatibility; ignored.")
     top_logprobs: Annotated[Any, Only((0,))] = Field(None, description="Only 0.")
@@ -266,6 +280,7 @@ class ResponsesRequest(BaseModel):
             "tool_choice": (choice if not isinstance(choice, FunctionChoice) else
                             {"type": "function", "function": {"name": choice.name}}),
             "parallel_tool_calls": self.parallel_tool_calls,
+            "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
         })
 
     def _messages(self) -> list[dict[str, Any]]:

@@ -111,12 +111,10 @@ class Only:
     def _check(self, value: Any) -> Any:
         if value is None or any(_same(value, a) for a in self.allowed):
             return value
-        shown = ", ".join(json.dumps(a) for a in self.allowed)
+        shown = "".join(f" or {json.dumps(a)}" for a in self.allowed)
         raise PydanticCustomError(
-            "unsupported",
-            "not supported by this server (accepted only as null or {shown})",
-            {"shown": shown},
-        )
+            "unsupported", "not supported by this server (accepted only as null{shown})",
+            {"shown": shown})
 
 
 def _same(value: Any, allowed: Any) -> bool:
@@ -482,7 +480,8 @@ class CompletionRequest(_GenerationRequest):
         None, description="Sequences generated, at least n; the n with the highest cumulative "
         "log-probability are returned. Not with stream unless equal to n.")
     suffix: Annotated[Any, Only(("",))] = Field(None, description="Not supported.")
-    add_special_tokens: Annotated[Any, Only((True,))] = Field(None, description="Extension: only true.")
+    add_special_tokens: StrictBool | None = Field(
+        None, description="Extension: false reads the prompt without the model's BOS (default true).")
     # Log-probabilities and echo (issue 27).
     logprobs: NumLogprobs | None = Field(
         None, description="Log-probabilities of each token and of this many most likely alternatives.")
@@ -656,6 +655,9 @@ class ChatMessage(BaseModel):
         return out
 
 
+# OpenAI's reasoning_effort values.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
 # What the chat template is given by the server (`tools`: from the request's field);
 # chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
@@ -699,6 +701,9 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
     modalities: Annotated[Any, Only((["text"],))] = Field(None, description="Only ['text'] is supported.")
     store: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="Given to the chat template as `reasoning_effort` (gpt-oss's reads "
+        "it); a 400 when the served model's template does not read it.")
     # vLLM's extensions.
     chat_template_kwargs: TemplateKwargs = Field(
         None, description="Extension: more variables for the chat template.")
@@ -713,6 +718,8 @@ class ChatCompletionRequest(_GenerationRequest):
         """The chat template's messages and further variables (the tools, and
         chat_template_kwargs): what a replica renders, and the fleet's router with it."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
         if self.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return [m.template_dict() for m in self.messages], kwargs
@@ -800,11 +807,23 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # a reasoning model's thinking, `</think>` included
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Chat with a reasoning model (--reasoning-parser), in the request's last usage.
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No `completion_tokens_details` rather than a null (OpenAI's schema has no null)."""
+        return {k: v for k, v in handler(self).items()
+                if k != "completion_tokens_details" or v is not None}
 
 
 class CompletionLogprobs(BaseModel):

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -65,6 +65,8 @@ class Job:
     # Reasoning models: the output is split into thinking and answer, and whether it begins
     # inside the thinking (None: not split; see `reasoning.py`).
     reasoning_inside: bool | None = None
+    # ... and how many of an output's tokens are thinking (usage's reasoning_tokens).
+    count_reasoning: Callable[[Sequence[int]], int] | None = None
 
 
 class OpenAIServing:
@@ -155,7 +157,8 @@ class OpenAIServing:
 
     async def _completion_job(self, body: schemas.CompletionRequest, prompt: str | list[int]) -> Job:
         """One prompt's job: tokenized, truncated, its budget checked."""
-        ids = await self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        ids = (await self.encode(prompt, "prompt", body.add_special_tokens is not False)
+               if isinstance(prompt, str) else list(prompt))
         num_given = len(ids)
         ids = self._truncate(ids, body.truncate_prompt_tokens, body.max_tokens,
                              DEFAULT_COMPLETION_MAX_TOKENS)
@@ -197,13 +200,18 @@ class OpenAIServing:
                 params = dataclasses.replace(job.params, structured_output=dataclasses.replace(
                     structured, after=reasoning.END))
                 job = dataclasses.replace(job, params=params)
-            job = dataclasses.replace(job, reasoning_inside=inside)
+            count = functools.partial(reasoning.count_tokens, inside=inside,
+                                      decode=self._decode_special)
+            job = dataclasses.replace(job, reasoning_inside=inside, count_reasoning=count)
         return job
 
     async def render_chat(self, body: schemas.ChatCompletionRequest,
                           add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         """The conversation's prompt, rendered with the chat template, and its token ids."""
         messages, kwargs = body.template_args()
+        if body.reasoning_effort is not None and not self.llm.tokenizer.template_reads("reasoning_effort"):
+            raise schemas.APIError(400, "reasoning_effort: not supported with this model (its chat "
+                                   "template does not read the effort)", param="reasoning_effort")
         render = functools.partial(self.llm.tokenizer.apply_chat_template, messages,
                                    add_generation_prompt=add_generation_prompt, **kwargs)
         try:
@@ -211,6 +219,9 @@ class OpenAIServing:
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
         return text, await self.encode(text, "messages")
+
+    def _decode_special(self, ids: Sequence[int]) -> str:
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _chat_choice(self, job: Job, final: RequestOutput) -> schemas.ChatChoice:
         content, calls, finish, thinking = final.text, None, _finish_reason(final), None
@@ -340,7 +351,7 @@ class OpenAIServing:
             return streaming.EventStream(events(job, first, outputs))
         finals = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         body = response(id=job.response_id, created=job.created, model=self.model_name,
-                        choices=[choice(f) for f in finals], usage=job_usage(job, finals))
+                        choices=[choice(f) for f in finals], usage=job_usage(job, finals, final=True))
         return JSONResponse(body.model_dump())
 
     async def start(
@@ -406,7 +417,7 @@ class OpenAIServing:
             if out.finished:
                 yield chunk(out.new_text, _finish_reason(out), so_far, out.index)
                 if job.include_usage and out.ends_request:
-                    yield chunk(None, usage=job_usage(job, latest.values()))
+                    yield chunk(None, usage=job_usage(job, latest.values(), final=True))
             elif so_far is not None:  # a chunk per output, text or not
                 yield chunk(out.new_text, usage=so_far, index=out.index)
             elif out.new_text:
@@ -485,7 +496,7 @@ class OpenAIServing:
                 finish = finish if tools is None else tools.finish_reason(out, finish)
                 yield chunk(schemas.ChatDelta(), finish, so_far, out.index, token_ids=ids)
                 if job.include_usage and out.ends_request:
-                    yield chunk(None, usage=job_usage(job, latest.values()))
+                    yield chunk(None, usage=job_usage(job, latest.values(), final=True))
             elif ids:  # tokens whose text is held back (a call's start, say): still sent
                 yield chunk(schemas.ChatDelta(), index=out.index, token_ids=ids)
         yield "data: [DONE]\n\n"
@@ -595,16 +606,26 @@ class _TextChunks:
         return chunk(text)
 
 
-def job_usage(job: Job, outs: Iterable[RequestOutput]) -> schemas.Usage:
+def job_usage(job: Job, outs: Iterable[RequestOutput], final: bool = False) -> schemas.Usage:
     """The request's token counts from each sequence's latest output (none: before any): the
     prompt once, every sequence's tokens; cached tokens are those the request found cached
-    (the fewest of any sequence: the later ones share the first one's prompt blocks)."""
+    (the fewest of any sequence: the later ones share the first one's prompt blocks).
+
+    `final`: the request's last usage, which counts the thinking tokens of a reasoning
+    model's outputs (`completion_tokens_details`); a running count during a stream
+    (continuous_usage_stats) leaves them out, as finding the thinking's end decodes the
+    whole output."""
     num_prompt = len(job.prompt_token_ids)
     outs = list(outs)
     num_out = sum(len(out.token_ids) for out in outs)
     cached = min((out.num_cached_tokens for out in outs), default=0)
+    details = None
+    if final and job.count_reasoning is not None:
+        details = schemas.CompletionTokensDetails(
+            reasoning_tokens=sum(job.count_reasoning(out.token_ids) for out in outs))
     return schemas.Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
-                 prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached))
+                         prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached),
+                         completion_tokens_details=details)
 
 
 def _cut_short(
@@ -620,7 +641,7 @@ def _cut_short(
     so_far = job_usage(job, latest.values()) if job.continuous_usage else None
     lines = [finish(i, so_far) for i in range(job.params.n) if i not in done]
     if job.include_usage:
-        lines.append(usage(job_usage(job, latest.values())))
+        lines.append(usage(job_usage(job, latest.values(), final=True)))
     lines.append(streaming.sse_data(error.response_body()))
     return lines
 

@@ -34,6 +34,7 @@ class TokenizeRequest(BaseModel):
         True, description="With messages: end with the assistant turn's opening.")
     tools: list[schemas.Tool] | None = Field(None, max_length=schemas.MAX_TOOLS)
     chat_template_kwargs: schemas.TemplateKwargs = None
+    reasoning_effort: schemas.ReasoningEffort | None = None
     return_token_strs: StrictBool = Field(
         False, description="Also each token's string, as the vocabulary spells it.")
 
@@ -43,7 +44,7 @@ class TokenizeRequest(BaseModel):
             param = "prompt" if self.prompt is None else "messages"
             raise schemas.APIError(400, f"{param}: give exactly one of prompt and messages",
                                    param=param)
-        for name in ("tools", "chat_template_kwargs"):
+        for name in ("tools", "chat_template_kwargs", "reasoning_effort"):
             if self.messages is None and getattr(self, name) is not None:
                 raise schemas.APIError(400, f"{name}: only with messages", param=name)
         if self.messages is not None and self.add_special_tokens:
@@ -54,7 +55,8 @@ class TokenizeRequest(BaseModel):
         """The chat request whose prompt this is."""
         return schemas.ChatCompletionRequest.model_validate({
             "model": self.model or "", "messages": self.messages, "tools": self.tools,
-            "chat_template_kwargs": self.chat_template_kwargs})
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "reasoning_effort": self.reasoning_effort})
 
 
 class TokenizeResponse(BaseModel):

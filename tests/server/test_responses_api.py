@@ -174,7 +174,7 @@ def test_the_fleet_router_sees_the_replicas_prompt(client: openai.OpenAI,
     ({"tools": [TOOL, TOOL]}, "tools[1].name"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}},
      "text.format.schema"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the template has no effort
 ])
 def test_bad_fields_are_400_naming_them(server: ServerProcess, fields: dict[str, Any],
                                         param: str) -> None:

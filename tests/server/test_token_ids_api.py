@@ -104,3 +104,19 @@ def test_no_token_ids_unless_asked(server: ServerProcess) -> None:
     assert "prompt_token_ids" not in whole and "token_ids" not in whole["choices"][0]
     chunks = stream(server, "/completions", {"prompt": PROMPT, "max_tokens": 3, "logprobs": 1})
     assert not any("token_ids" in c or "prompt_token_ids" in c for ch in chunks for c in ch["choices"])
+
+
+def test_add_special_tokens_false_reads_the_prompt_without_bos(server: ServerProcess,
+                                                               tokenizer: Tokenizer) -> None:
+    """vLLM's completions extension: a prompt that already holds what the model must read
+    (say, a rendered chat) is read as it is."""
+    text = "Count to three."
+    assert tokenizer.bos_token_id is not None
+    with_bos = tokenizer.encode(text)
+    assert with_bos[0] == tokenizer.bos_token_id  # the tiny model's tokenizer adds one
+    body = {"prompt": text, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    default = post(server, "/completions", body)
+    bare = post(server, "/completions", {**body, "add_special_tokens": False})
+    assert default["choices"][0]["prompt_token_ids"] == with_bos
+    assert bare["choices"][0]["prompt_token_ids"] == with_bos[1:]
+    assert bare["usage"]["prompt_tokens"] == default["usage"]["prompt_tokens"] - 1
