@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from fastserve.request import RequestOutput
 from fastserve.server import chat_tools, reasoning, schemas, streaming
+from fastserve.server.job import Job, job_usage
 from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses_schemas import (
     DeletedResponse,
@@ -39,7 +40,7 @@ from fastserve.server.responses_schemas import (
     ResponsesRequest,
     ResponseUsage,
 )
-from fastserve.server.serving import Job, OpenAIServing, job_usage
+from fastserve.server.serving import OpenAIServing
 
 # Chat's field names in errors, as the Responses API names them (longest first).
 _PARAM_NAMES = (("max_completion_tokens", "max_output_tokens"), ("messages", "input"),

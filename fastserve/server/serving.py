@@ -7,8 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from fastapi import Request
@@ -22,9 +21,18 @@ from fastserve.engine.async_llm import (
 )
 from fastserve.executor import grammar
 from fastserve.model.tokenizer import check_encodable
-from fastserve.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from fastserve.request import InvalidRequestError, RequestOutput
 from fastserve.server import chat_tools, reasoning, schemas, streaming
+from fastserve.server.completion_stream import CompletionChoices
 from fastserve.server.gate import ClientDisconnected, bad_input, engine_dead, engine_failure
+from fastserve.server.job import (
+    Job,
+    cut_short,
+    finish_reason,
+    ids_if_asked,
+    job_usage,
+    sum_usage,
+)
 from fastserve.server.logprobs import LogprobsFormatter
 from fastserve.server.metrics import ServerMetrics
 from fastserve.server.tools import FORMATS, ToolFormat
@@ -41,34 +49,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completio
 MAX_BATCH_SEQUENCES = 1024
 
 
-@dataclass(frozen=True)
-class Job:
-    """One validated generation request, ready for the engine."""
-
-    request_id: str  # the engine's: unique while the request runs
-    response_id: str  # the response `id`: the client's `request_id` when it sent one
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool  # usage in every chunk (vLLM's continuous_usage_stats)
-    created: int
-    # Completions' echo: the prompt's text, returned before the completion (None: no echo).
-    echo_text: str | None = None
-    # Chat's tool_choice: "none" (the output is all content), "auto", "required" or "named"
-    # (calls are read out of the output, in the served model's format).
-    tool_mode: str = "none"
-    tool_format: ToolFormat = HERMES
-    # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
-    return_token_ids: bool = False
-    priority: int = 0  # vLLM's: lower runs first
-    # Reasoning models: the output is split into thinking and answer, and whether it begins
-    # inside the thinking (None: not split; see `reasoning.py`).
-    reasoning_inside: bool | None = None
-    # ... and how many of an output's tokens are thinking (usage's reasoning_tokens).
-    count_reasoning: Callable[[Sequence[int]], int] | None = None
-
-
 class OpenAIServing:
     """The `/v1` handlers' logic, shared by completions and chat completions."""
 
@@ -82,6 +62,7 @@ class OpenAIServing:
         self.max_model_len: int = llm.engine.max_model_len
         self.created = schemas.now_s()
         self.logprobs = LogprobsFormatter(llm.tokenizer)
+        self.completions = CompletionChoices(served_model_name, self.logprobs)
 
     def model_card(self) -> schemas.ModelCard:
         return schemas.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
@@ -104,21 +85,21 @@ class OpenAIServing:
         job = await self._completion_job(body, body.prompt)
         if job.echo_text is not None or job.params.logprobs is not None or job.return_token_ids:
             return await self._respond(
-                job, request, "prompt", self._completion_logprob_events,
-                schemas.CompletionResponse, lambda final: self._completion_choice(job, final))
+                job, request, "prompt",
+                lambda job, first, outputs: self.completions.events(
+                    [job], [streaming.stream_outputs(first, outputs)], job.response_id),
+                schemas.CompletionResponse, lambda final: self.completions.choice(job, final))
         return await self._respond(
             job, request, "prompt", self._completion_events, schemas.CompletionResponse,
             lambda final: schemas.CompletionChoice(index=final.index, text=final.text,
-                                                   finish_reason=_finish_reason(final)),
+                                                   finish_reason=finish_reason(final)),
         )
 
     async def _batch_completion(self, body: schemas.CompletionRequest,
                                 prompts: tuple[str | list[int], ...], request: Request) -> Response:
         """A batch of prompts: each runs as its own request (all at once), and the response
-        lists each prompt's `n` choices in turn (choice `i * n + j` is prompt i's j-th)."""
-        if body.stream:
-            raise schemas.APIError(400, "stream: a batch of prompts is answered whole; stream "
-                                   "one prompt per request", param="stream")
+        lists each prompt's `n` choices in turn (choice `i * n + j` is prompt i's j-th), or
+        streams them as they come."""
         num_sequences = len(prompts) * max(body.n or 1, body.best_of or 1)
         if num_sequences > MAX_BATCH_SEQUENCES:
             raise schemas.APIError(
@@ -143,16 +124,21 @@ class OpenAIServing:
                     await s[1].aclose()
             raise failed
         runs = [s for s in started if not isinstance(s, BaseException)]
+        if body.stream:
+            return streaming.EventStream(self.completions.events(
+                jobs, [streaming.stream_outputs(first, outputs) for first, outputs in runs],
+                response_id))
         finals = await streaming.race_disconnect(request, asyncio.gather(
             *(streaming.final_outputs(first, outputs) for first, outputs in runs)))
         n = jobs[0].params.n
-        choices = [self._completion_choice(job, final).model_copy(update={"index": i * n + final.index})
+        choices = [self.completions.choice(job, final, i * n + final.index)
                    for i, (job, job_finals) in enumerate(zip(jobs, finals, strict=True))
                    for final in job_finals]
-        usages = [job_usage(job, job_finals) for job, job_finals in zip(jobs, finals, strict=True)]
+        usages = [job_usage(job, job_finals, final=True)
+                  for job, job_finals in zip(jobs, finals, strict=True)]
         whole = schemas.CompletionResponse(id=response_id, created=jobs[0].created,
                                            model=self.model_name, choices=choices,
-                                           usage=_sum_usage(usages))
+                                           usage=sum_usage(usages))
         return JSONResponse(whole.model_dump())
 
     async def _completion_job(self, body: schemas.CompletionRequest, prompt: str | list[int]) -> Job:
@@ -176,7 +162,7 @@ class OpenAIServing:
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
         job = await self.chat_job(body, "chatcmpl")
         response = functools.partial(schemas.ChatCompletionResponse,
-                                     prompt_token_ids=_ids(job, job.prompt_token_ids))
+                                     prompt_token_ids=ids_if_asked(job, job.prompt_token_ids))
         return await self._respond(
             job, request, "messages", self._chat_events, response,
             lambda final: self._chat_choice(job, final))
@@ -224,7 +210,7 @@ class OpenAIServing:
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _chat_choice(self, job: Job, final: RequestOutput) -> schemas.ChatChoice:
-        content, calls, finish, thinking = final.text, None, _finish_reason(final), None
+        content, calls, finish, thinking = final.text, None, finish_reason(final), None
         if job.reasoning_inside is not None:
             thinking, content = reasoning.ReasoningParser(job.reasoning_inside).split(content)
         if job.tool_mode != "none":
@@ -238,7 +224,7 @@ class OpenAIServing:
                                                 tool_calls=calls or None,
                                                 reasoning_content=thinking),
             logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish,
-            token_ids=_ids(job, final.token_ids))
+            token_ids=ids_if_asked(job, final.token_ids))
 
     # -- validation -----------------------------------------------------------------------
 
@@ -405,7 +391,7 @@ class OpenAIServing:
         done: set[int] = set()  # the choices that have sent their finish_reason
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
-                for line in _cut_short(job, latest, done, out,
+                for line in cut_short(job, latest, done, out,
                                        lambda i, u: chunk("", "abort", u, i),
                                        lambda u: chunk(None, usage=u)):
                     yield line
@@ -415,7 +401,7 @@ class OpenAIServing:
             if out.finished:
                 done.add(out.index)
             if out.finished:
-                yield chunk(out.new_text, _finish_reason(out), so_far, out.index)
+                yield chunk(out.new_text, finish_reason(out), so_far, out.index)
                 if job.include_usage and out.ends_request:
                     yield chunk(None, usage=job_usage(job, latest.values(), final=True))
             elif so_far is not None:  # a chunk per output, text or not
@@ -449,7 +435,7 @@ class OpenAIServing:
         for i in range(job.params.n):  # each choice's role first, as OpenAI sends it
             yield chunk(schemas.ChatDelta(role="assistant", content=""),
                         usage=job_usage(job, ()) if job.continuous_usage else None, index=i,
-                        prompt_token_ids=_ids(job, job.prompt_token_ids) if i == 0 else None)
+                        prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if i == 0 else None)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
         tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
@@ -458,7 +444,7 @@ class OpenAIServing:
                     if job.reasoning_inside is not None else None)
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
-                for line in _cut_short(job, latest, done, out,
+                for line in cut_short(job, latest, done, out,
                                        lambda i, u: chunk(schemas.ChatDelta(), "abort", u, i),
                                        lambda u: chunk(None, usage=u)):
                     yield line
@@ -473,7 +459,7 @@ class OpenAIServing:
             if tools is not None:
                 text, calls = chat_tools.split(tools.read(out.index, text, out.finished))
             # return_token_ids: the output's new tokens, in the first chunk it makes
-            ids = _ids(job, out.new_token_ids) if out.new_token_ids else None
+            ids = ids_if_asked(job, out.new_token_ids) if out.new_token_ids else None
             new_lps = self._chat_logprobs(out, len(out.new_token_ids))
             delta = schemas.ChatDelta(content=text if text or not thinking else None,
                                       reasoning_content=thinking or None)
@@ -492,7 +478,7 @@ class OpenAIServing:
                             token_ids=ids)
                 ids = None
             if out.finished:
-                finish = _finish_reason(out)
+                finish = finish_reason(out)
                 finish = finish if tools is None else tools.finish_reason(out, finish)
                 yield chunk(schemas.ChatDelta(), finish, so_far, out.index, token_ids=ids)
                 if job.include_usage and out.ends_request:
@@ -509,75 +495,6 @@ class OpenAIServing:
         if out.logprobs is None:
             return None
         return self.logprobs.chat(out.logprobs[len(out.logprobs) - num_last:] if num_last else [])
-
-    def _completion_logprobs(
-        self, job: Job, out: RequestOutput, num_last: int, with_prompt: bool, text_offset: int
-    ) -> tuple[schemas.CompletionLogprobs | None, int]:
-        """Completions' log-probabilities of the output's last `num_last` tokens, after the
-        prompt's when `with_prompt` (echo); and the text offset after them."""
-        if job.params.logprobs is None:
-            return None, text_offset
-        ids: list[int] = []
-        entries: list[TokenLogprobs | None] = []
-        if with_prompt:
-            ids += job.prompt_token_ids
-            entries += out.prompt_logprobs or [None] * len(job.prompt_token_ids)
-        if num_last:
-            ids += out.token_ids[-num_last:]
-            entries += (out.logprobs or [])[-num_last:]
-        return self.logprobs.completion(ids, entries, text_offset)
-
-    def _completion_choice(self, job: Job, final: RequestOutput) -> schemas.CompletionChoice:
-        echo = job.echo_text is not None
-        logprobs, _ = self._completion_logprobs(job, final, len(final.token_ids), echo, 0)
-        return schemas.CompletionChoice(index=final.index, text=(job.echo_text or "") + final.text,
-                                        logprobs=logprobs, finish_reason=_finish_reason(final),
-                                        prompt_token_ids=_ids(job, job.prompt_token_ids),
-                                        token_ids=_ids(job, final.token_ids))
-
-    async def _completion_logprob_events(
-        self, job: Job, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
-    ) -> AsyncGenerator[str, None]:
-        """Completions' stream with echo or log-probabilities: each choice's first chunk
-        carries the prompt (and its log-probabilities), then a chunk per output with new
-        tokens."""
-        exclude = None if job.include_usage else {"usage"}
-
-        def chunk(choice: schemas.CompletionChoice | None, usage: schemas.Usage | None = None) -> str:
-            resp = schemas.CompletionResponse(id=job.response_id, created=job.created,
-                                              model=self.model_name,
-                                              choices=[] if choice is None else [choice], usage=usage)
-            return streaming.sse_data(resp.model_dump(exclude=exclude))
-
-        offsets: dict[int, int] = {}  # each choice's text offset so far
-        latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
-        done: set[int] = set()  # the choices that have sent their finish_reason
-        async for out in streaming.stream_outputs(first, outputs):
-            if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
-                for line in _cut_short(job, latest, done, out, lambda i, u: chunk(
-                        schemas.CompletionChoice(index=i, text="", finish_reason="abort"), u),
-                        lambda u: chunk(None, usage=u)):
-                    yield line
-                break
-            if out.finished:
-                done.add(out.index)
-            first_of_choice = out.index not in offsets
-            echo_pending = job.echo_text is not None and first_of_choice
-            text = (job.echo_text or "") + out.new_text if echo_pending else out.new_text
-            logprobs, offsets[out.index] = self._completion_logprobs(
-                job, out, len(out.new_token_ids), echo_pending, offsets.get(out.index, 0))
-            latest[out.index] = out
-            so_far = job_usage(job, latest.values()) if job.continuous_usage else None
-            if text or out.new_token_ids or out.finished or so_far is not None:
-                yield chunk(schemas.CompletionChoice(
-                    index=out.index, text=text, logprobs=logprobs,
-                    finish_reason=_finish_reason(out) if out.finished else None,
-                    prompt_token_ids=_ids(job, job.prompt_token_ids) if first_of_choice else None,
-                    token_ids=_ids(job, out.new_token_ids)), so_far)
-            if out.ends_request and job.include_usage:
-                yield chunk(None, usage=job_usage(job, latest.values()))
-        yield "data: [DONE]\n\n"
-
 
 # Texts longer than this are tokenized (and chat templates rendered) on a worker thread: a
 # 1 MiB prompt takes about a second, which would stall every other request and /health. Below
@@ -606,61 +523,6 @@ class _TextChunks:
         return chunk(text)
 
 
-def job_usage(job: Job, outs: Iterable[RequestOutput], final: bool = False) -> schemas.Usage:
-    """The request's token counts from each sequence's latest output (none: before any): the
-    prompt once, every sequence's tokens; cached tokens are those the request found cached
-    (the fewest of any sequence: the later ones share the first one's prompt blocks).
-
-    `final`: the request's last usage, which counts the thinking tokens of a reasoning
-    model's outputs (`completion_tokens_details`); a running count during a stream
-    (continuous_usage_stats) leaves them out, as finding the thinking's end decodes the
-    whole output."""
-    num_prompt = len(job.prompt_token_ids)
-    outs = list(outs)
-    num_out = sum(len(out.token_ids) for out in outs)
-    cached = min((out.num_cached_tokens for out in outs), default=0)
-    details = None
-    if final and job.count_reasoning is not None:
-        details = schemas.CompletionTokensDetails(
-            reasoning_tokens=sum(job.count_reasoning(out.token_ids) for out in outs))
-    return schemas.Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
-                         prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached),
-                         completion_tokens_details=details)
-
-
-def _cut_short(
-    job: Job, latest: dict[int, RequestOutput], done: set[int], error: schemas.APIError,
-    finish: Callable[[int, schemas.Usage | None], str], usage: Callable[[schemas.Usage], str],
-) -> list[str]:
-    """The last events of a stream the server ended (shutdown, engine error): a finish chunk
-    ("abort") for each choice that has not sent one, the usage chunk when asked for (the
-    tokens sent), then the error event.
-
-    NOTE: the finish and usage chunks come before the error event, at which the openai SDK
-    stops reading (it raises)."""
-    so_far = job_usage(job, latest.values()) if job.continuous_usage else None
-    lines = [finish(i, so_far) for i in range(job.params.n) if i not in done]
-    if job.include_usage:
-        lines.append(usage(job_usage(job, latest.values(), final=True)))
-    lines.append(streaming.sse_data(error.response_body()))
-    return lines
-
-
-def _ids(job: Job, token_ids: list[int]) -> list[int] | None:
-    """Token ids for the response when it asked for them (return_token_ids)."""
-    return list(token_ids) if job.return_token_ids else None
-
-
-def _sum_usage(usages: list[schemas.Usage]) -> schemas.Usage:
-    """A batch's usage: its prompts' (cached tokens summed too)."""
-    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
-    return schemas.Usage(
-        prompt_tokens=sum(u.prompt_tokens for u in usages),
-        completion_tokens=sum(u.completion_tokens for u in usages),
-        total_tokens=sum(u.total_tokens for u in usages),
-        prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached))
-
-
 def _for_prompt(exc: schemas.APIError, i: int) -> schemas.APIError:
     """A prompt's error in a batch, naming it (`prompt[i]`)."""
     param = exc.info.param
@@ -668,8 +530,3 @@ def _for_prompt(exc: schemas.APIError, i: int) -> schemas.APIError:
         return exc
     return schemas.APIError(exc.status_code, f"prompt[{i}]" + exc.info.message.removeprefix("prompt"),
                             exc.info.type, f"prompt[{i}]", exc.info.code, exc.headers)
-
-
-def _finish_reason(out: RequestOutput) -> schemas.FinishReason:
-    return "length" if out.finish_reason == "length" else "stop"
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -77,6 +77,33 @@ async def stream_outputs(
                 return
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
+
+
+async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
+    """The items of several streams as they come, each with its stream's place in the list.
+
+    NOTE: closing this generator closes every stream (`stream_outputs`: aborts its request),
+    the ones it was waiting on included."""
+    async def next_of(i: int) -> tuple[int, T] | None:  # None: stream i has ended
+        try:
+            return i, await anext(streams[i])
+        except StopAsyncIteration:
+            return None
+
+    waiting = {asyncio.ensure_future(next_of(i)) for i in range(len(streams))}
+    try:
+        while waiting:
+            ready, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            pairs = [pair for task in ready if (pair := task.result()) is not None]
+            for i, item in sorted(pairs, key=lambda pair: pair[0]):
+                yield i, item
+                waiting.add(asyncio.ensure_future(next_of(i)))
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def final_outputs(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> list[RequestOutput]:

@@ -1,9 +1,12 @@
 """A batch of prompts in one completions request (OpenAI's `prompt` as a list; lm-eval's
 local-completions sends them so): each prompt runs as its own request, and the response lists
-each prompt's `n` choices in turn, as a request per prompt would have answered them."""
+each prompt's `n` choices in turn, as a request per prompt would have answered them; streamed,
+the choices' chunks come as they are made, in one stream."""
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 import httpx
@@ -73,3 +76,77 @@ def test_a_batch_may_not_queue_thousands_of_sequences(server: ServerProcess) -> 
     resp = complete(server, prompt=["hi"] * 128, n=9)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "prompt" and "1152" in resp.json()["error"]["message"]
+
+
+def stream(server: ServerProcess, **body: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """A stream's chunks, and its lines after the last chunk."""
+    chunks: list[dict[str, Any]] = []
+    tail: list[str] = []
+    with httpx.stream("POST", server.v1 + "/completions", timeout=120,
+                      json={**GREEDY, "stream": True, **body}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+            elif line.startswith("data: "):
+                tail.append(line)
+    return chunks, tail
+
+
+@pytest.mark.parametrize("extra", [{}, {"echo": True, "logprobs": 2, "return_token_ids": True},
+                                   {"n": 2, "seed": 11, "temperature": 1.0}])
+def test_a_streamed_batch_adds_up_to_the_whole_batch(server: ServerProcess, extra: dict[str, Any]) -> None:
+    whole = complete(server, prompt=PROMPTS, **extra).json()
+    chunks, tail = stream(server, prompt=PROMPTS, stream_options={"include_usage": True}, **extra)
+    assert tail == ["data: [DONE]"]
+    assert len({c["id"] for c in chunks}) == 1 and len(chunks[0]["id"]) == len(whole["id"])
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    tokens: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        tokens.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
+        if choice["finish_reason"] is not None:
+            finishes.setdefault(choice["index"], []).append(choice["finish_reason"])
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert finishes == {c["index"]: [c["finish_reason"]] for c in whole["choices"]}
+    if extra.get("return_token_ids"):
+        assert tokens == {c["index"]: c["token_ids"] for c in whole["choices"]}
+    usage = chunks[-1]
+    assert usage["choices"] == [] and all(c["usage"] is None for c in chunks[:-1])
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage["usage"][field] == whole["usage"][field]
+
+
+def test_the_openai_client_streams_a_batch(client: openai.OpenAI) -> None:
+    texts = ["", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=["a b c", [5, 17, 99]],
+                                           max_tokens=4, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    whole = client.completions.create(model=MODEL, prompt=["a b c", [5, 17, 99]], max_tokens=4,
+                                      temperature=0)
+    assert all(texts) and len(whole.choices) == 2
+
+
+def test_leaving_a_streamed_batch_aborts_every_prompt(server: ServerProcess) -> None:
+    aborted = 'fastserve_requests_finished_total{finish_reason="abort"}'
+    before = server.metrics().get(aborted, 0.0)
+    body = {"prompt": PROMPTS, "max_tokens": 1500}  # no prompt ends before the client goes
+    with httpx.stream("POST", server.v1 + "/completions", timeout=60,
+                      json={**GREEDY, "stream": True, **body}) as resp:
+        indices: set[int] = set()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                indices |= {c["index"] for c in json.loads(line[6:])["choices"]}
+            if len(indices) == len(PROMPTS):
+                break
+    deadline = time.monotonic() + 10
+    while True:
+        m = server.metrics()
+        if m[aborted] == before + len(PROMPTS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert m[aborted] == before + len(PROMPTS)
+    assert m["fastserve_requests_running"] == 0 and m["fastserve_requests_waiting"] == 0

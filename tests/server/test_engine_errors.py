@@ -121,6 +121,30 @@ def test_engine_error_mid_stream_is_an_error_event(url: str) -> None:
     assert chat.status_code == 200, chat.text
 
 
+def test_engine_error_in_a_streamed_batch_ends_the_stream(url: str, llm: AsyncLLM) -> None:
+    """A prompt of a streamed batch fails (its iteration fails the others with it): every
+    choice that had not finished gets an abort finish, then the usage, the error event and
+    [DONE]; nothing is left running."""
+    body = _body([[5, 6, 7], [POISON, 9], [8, 9, 10]], stream=True, max_tokens=1500,
+                 stream_options={"include_usage": True})
+    events: list[Any] = []
+    with httpx.stream("POST", url + "/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    *chunks, usage, error, done = events
+    assert done == "[DONE]" and "injected device fault" in error["error"]["message"]
+    finishes = {c["index"]: c["finish_reason"] for chunk in chunks for c in chunk["choices"]
+                if c["finish_reason"] is not None}
+    assert finishes == {0: "abort", 1: "abort", 2: "abort"}
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 3 + 2 + 3
+    deadline = time.monotonic() + 10
+    while llm.engine.has_unfinished and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished
+
+
 def test_engine_error_mid_response_stream_fails_the_response(url: str) -> None:
     """The Responses API's stream: an `error` event, then `response.failed` with the error."""
     from openai.types.responses import ResponseStreamEvent
