@@ -140,10 +140,20 @@ def build_app(
         """OpenAI's Responses API, stateless: the conversation goes whole in `input`."""
         return await responses.create(body, request)
 
-    @v1.get("/responses/{response_id}", responses=_ERROR_RESPONSES)
-    async def get_response(response_id: str) -> ResponseObject:
-        """A stored response (`store` was not false), as it was returned."""
-        return responses.get(response_id)
+    @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=_stream_responses(
+        "a background response's typed server-sent events"))
+    async def get_response(response_id: str, stream: bool = False,
+                           starting_after: Annotated[int | None, Query(ge=0)] = None) -> Response:
+        """A stored response (`store` was not false), or a background one as it is now.
+        `stream=true`: a background response's events (after `starting_after`), following
+        it while it runs."""
+        return responses.get(response_id, stream, starting_after)
+
+    @v1.post("/responses/{response_id}/cancel", responses=_ERROR_RESPONSES)
+    async def cancel_response(response_id: str) -> ResponseObject:
+        """Stop a background response (status `cancelled`); one that has ended is returned
+        as it is."""
+        return await responses.cancel(response_id)
 
     @v1.get("/responses/{response_id}/input_items", responses=_ERROR_RESPONSES)
     async def list_input_items(
@@ -157,7 +167,7 @@ def build_app(
     @v1.delete("/responses/{response_id}", responses=_ERROR_RESPONSES)
     async def delete_response(response_id: str) -> DeletedResponse:
         """Forget a stored response (a response that continues it can no longer be continued)."""
-        return responses.delete(response_id)
+        return await responses.delete(response_id)
 
     app.include_router(v1)
     tokens = TokenizeServing(serving)

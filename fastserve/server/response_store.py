@@ -31,6 +31,8 @@ class StoredResponse:
     input_items: list[InputItem]  # the request's own input (not what it continued)
     previous_id: str | None
     num_bytes: int  # what it counts against the budget
+    # A background response's stream events (SSE text), replayed by GET ?stream=true.
+    events: list[str] | None = None
 
 
 class ResponseStore:
@@ -48,17 +50,23 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: ResponseObject, input_items: list[InputItem], previous_id: str | None) -> None:
-        """Keep `response` (a larger one than the whole budget is not kept). Input items
-        without an id get one (`GET .../input_items` lists them by id)."""
+    def put(self, response: ResponseObject, input_items: list[InputItem], previous_id: str | None,
+            events: list[str] | None = None) -> None:
+        """Keep `response` (a larger one than the whole budget is not kept; its `events` are
+        dropped first). Input items without an id get one (`GET .../input_items` lists them
+        by id)."""
         input_items = [item if item.id is not None else
                        item.model_copy(update={"id": f"{_ID_PREFIX[item.type or 'message']}_{uuid.uuid4().hex}"})
                        for item in input_items]
         size = len(response.model_dump_json()) + sum(len(i.model_dump_json()) for i in input_items)
+        num_event_bytes = sum(len(line) for line in events) if events is not None else 0
+        if size + num_event_bytes > self.max_bytes:
+            events, num_event_bytes = None, 0
+        size += num_event_bytes
         self.delete(response.id)
         if size > self.max_bytes:
             return
-        self._entries[response.id] = StoredResponse(response, input_items, previous_id, size)
+        self._entries[response.id] = StoredResponse(response, input_items, previous_id, size, events)
         self.num_bytes += size
         while self.num_bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)

@@ -10,16 +10,19 @@ continues one, `GET /v1/responses/{id}` returns it, `DELETE` forgets it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from fastserve.request import RequestOutput
-from fastserve.server import chat_tools, reasoning, schemas, streaming
+from fastserve.server import background, chat_tools, reasoning, schemas, streaming
+from fastserve.server.background import BackgroundRun
 from fastserve.server.job import Job, job_usage
 from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses_schemas import (
@@ -41,6 +44,9 @@ from fastserve.server.responses_schemas import (
     ResponseUsage,
 )
 from fastserve.server.serving import OpenAIServing
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # Chat's field names in errors, as the Responses API names them (longest first).
 _PARAM_NAMES = (("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
@@ -140,6 +146,7 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving = serving
         self.store = store
+        self._runs: dict[str, BackgroundRun] = {}  # background responses still running
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         keep = self._keeps(body)
@@ -158,13 +165,16 @@ class ResponsesServing:
             raise schemas.APIError(400, f"input: {err['msg']}", param="input") from exc
         try:
             job = await self.serving.chat_job(chat, "resp")
-            first, outputs = await self.serving.start(job, request, "input")
+            if body.background:
+                return self._start_background(job, body)
+            started = await self.serving.start(job, request, "input")
         except schemas.APIError as exc:
             raise _renamed(exc) from exc
         response = ResponseObject.start(job.response_id, job.created, self.serving.model_name, body,
                                         store=keep)
         if body.stream:
-            return streaming.EventStream(self._events(job, response, first, outputs, body))
+            return streaming.EventStream(self._events(job, response, body, _ready(started)))
+        first, outputs = started
         (final,) = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         items = OutputItems()
         _read(job, items, _Readers(job), final)
@@ -172,10 +182,46 @@ class ResponsesServing:
         self._keep(response, body)
         return JSONResponse(response.model_dump())
 
-    def get(self, response_id: str) -> ResponseObject:
+    def get(self, response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
+        """A stored response, or a background one as it is now; `stream`: a background
+        response's events after `starting_after` (all by default), then as they come."""
+        run = self._runs.get(response_id)
+        entry = self.store.get(response_id) if run is None else None
+        if run is None and entry is None:
+            raise _not_stored(response_id)
+        if not stream:
+            if starting_after is not None:
+                raise schemas.APIError(400, "starting_after: only with stream=true", param="starting_after")
+            response = run.response if run is not None else entry.response  # type: ignore[union-attr]
+            return JSONResponse(response.model_dump())
+        after = -1 if starting_after is None else starting_after
+        if run is not None:
+            return streaming.EventStream(run.follow(after))
+        assert entry is not None
+        if entry.events is None:
+            raise schemas.APIError(
+                400, f"stream: response {response_id!r} has no events to stream (only a "
+                "background response's are kept, within --responses-store-mib)", param="stream")
+        return streaming.EventStream(background.replay(entry.events, after))
+
+    async def cancel(self, response_id: str) -> ResponseObject:
+        """Stop a background response (status `cancelled`, its output so far kept); one that
+        has ended is returned as it is."""
+        run = self._runs.get(response_id)
+        if run is not None:
+            assert run.task is not None
+            run.task.cancel()
+            await asyncio.gather(run.task, return_exceptions=True)
+            if response_id in self._runs:  # cancelled before it began: its task never ran
+                self._end(run, "cancelled")
+            return run.response
         entry = self.store.get(response_id)
         if entry is None:
             raise _not_stored(response_id)
+        if not entry.response.background:
+            raise schemas.APIError(400, f"response_id: {response_id!r} was not created with "
+                                   "background: true; only a background response can be cancelled",
+                                   param="response_id")
         return entry.response
 
     def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
@@ -197,16 +243,63 @@ class ResponsesServing:
         return InputItemList(data=page, first_id=page[0]["id"] if page else None,
                              last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
 
-    def delete(self, response_id: str) -> DeletedResponse:
+    async def delete(self, response_id: str) -> DeletedResponse:
+        """Forget a stored response; a background one that runs is cancelled first."""
+        if response_id in self._runs:
+            await self.cancel(response_id)
         if not self.store.delete(response_id):
             raise _not_stored(response_id)
         return DeletedResponse(id=response_id)
 
+    def _start_background(self, job: Job, body: ResponsesRequest) -> Response:
+        """Answer at once (status `queued`); a task of its own generates the response."""
+        response = ResponseObject.start(job.response_id, job.created, self.serving.model_name, body,
+                                        store=True)
+        run = self._runs[job.response_id] = BackgroundRun(response, body.input, body.previous_response_id)
+        run.task = asyncio.create_task(self._run_background(run, job, body))
+        if body.stream:
+            return streaming.EventStream(run.follow())
+        return JSONResponse(response.model_dump())
+
+    async def _run_background(self, run: BackgroundRun, job: Job, body: ResponsesRequest) -> None:
+        events = self._events(job, run.response, body,
+                              lambda: self.serving.start(job, None, "input"), keep=False)
+        status = None  # as the events left it
+        try:
+            async for line in events:
+                run.add(line)
+        except asyncio.CancelledError:  # POST .../cancel (or the server's loop ending)
+            status = "cancelled"
+        except Exception as exc:  # a fault of the server's: this response fails, not the server
+            logger.exception("background response %s failed", run.response.id)
+            run.response.error = ResponseError(message=f"the server failed the response: {exc}")
+            status = "failed"
+        finally:
+            await events.aclose()
+            self._end(run, status)
+
+    def _end(self, run: BackgroundRun, status: str | None) -> None:
+        """Store an ended background response (with its events) and wake its followers;
+        `status`: cancelled or failed by the server (its open items end incomplete)."""
+        response = run.response
+        if status is not None:
+            response.status = status  # type: ignore[assignment]
+            for item in response.output:
+                if item.status == "in_progress":
+                    item.status = "incomplete"
+        self.store.put(response, run.input_items, run.previous_id, run.lines)
+        del self._runs[response.id]
+        run.finish()
+
     def _keeps(self, body: ResponsesRequest) -> bool:
-        """Whether the response is to be stored: by default when the server stores any."""
+        """Whether the response is to be stored: by default when the server stores any. A
+        background response must be."""
+        if body.background and body.store is False:
+            raise schemas.APIError(400, "background: a background response is stored (it is "
+                                   "fetched by id): store may not be false", param="background")
         if self.store.is_enabled:
             return body.store is not False
-        for field in ("store", "previous_response_id"):
+        for field in ("background", "store", "previous_response_id"):
             if getattr(body, field) not in (None, False):
                 raise schemas.APIError(
                     400, f"{field}: this server keeps no responses (--responses-store-mib 0, or "
@@ -217,9 +310,14 @@ class ResponsesServing:
         if response.store:
             self.store.put(response, body.input, body.previous_response_id)
 
-    async def _events(self, job: Job, response: ResponseObject, first: RequestOutput,
-                      outputs: AsyncIterator[RequestOutput], body: ResponsesRequest,
-                      ) -> AsyncGenerator[str, None]:
+    async def _events(
+        self, job: Job, response: ResponseObject, body: ResponsesRequest,
+        start: Callable[[], Awaitable[tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]]],
+        keep: bool = True,
+    ) -> AsyncGenerator[str, None]:
+        """The response's events, from `response.created` (before the engine has taken the
+        request: `start` submits it) to its end; `keep`: store the response at its end (a
+        background response is stored by its task, with its events)."""
         number = 0
 
         def event(payload: dict[str, Any]) -> str:
@@ -229,18 +327,21 @@ class ResponsesServing:
             return streaming.sse_event(payload)
 
         yield event({"type": "response.created", "response": response.model_dump()})
-        yield event({"type": "response.in_progress", "response": response.model_dump()})
         items = OutputItems()
+        response.output = items.items  # NOTE: the same list: a background response shows it grow
+        try:
+            first, outputs = await start()
+            response.status = "in_progress"
+        except schemas.APIError as exc:
+            for payload in self._failed(response, body, _renamed(exc), keep):
+                yield event(payload)
+            return
+        yield event({"type": "response.in_progress", "response": response.model_dump()})
         readers = _Readers(job)
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
-                response.status = "failed"
-                response.output = items.items
-                response.error = ResponseError(message=out.info.message)
-                self._keep(response, body)
-                yield event({"type": "error", "code": out.info.code or out.info.type,
-                             "message": out.info.message, "param": out.info.param})
-                yield event({"type": "response.failed", "response": response.model_dump()})
+                for payload in self._failed(response, body, out, keep):
+                    yield event(payload)
                 return
             _read(job, items, readers, out)
             if out.finished:
@@ -249,8 +350,21 @@ class ResponsesServing:
                 yield event(payload)
             items.events.clear()
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
-        self._keep(response, body)
+        if keep:
+            self._keep(response, body)
         yield event({"type": kind, "response": response.model_dump()})
+
+    def _failed(self, response: ResponseObject, body: ResponsesRequest, error: schemas.APIError,
+                keep: bool) -> list[dict[str, Any]]:
+        """A response the server ended (shutdown, engine error, or a background response the
+        engine refused): the `error` event, then `response.failed`."""
+        response.status = "failed"
+        response.error = ResponseError(message=error.info.message)
+        if keep:
+            self._keep(response, body)
+        return [{"type": "error", "code": error.info.code or error.info.type,
+                 "message": error.info.message, "param": error.info.param},
+                {"type": "response.failed", "response": response.model_dump()}]
 
 
 class _Readers:
@@ -312,6 +426,13 @@ def _listed(item: InputItem) -> dict[str, Any]:
                 "status": "completed"}
     return {"id": item.id, "type": kind, "summary": item.summary or [],
             "content": [{"type": "reasoning_text", "text": item.content}] if item.content else []}
+
+
+def _ready(started: T) -> Callable[[], Awaitable[T]]:
+    """`start` for `_events` when the request has already been started."""
+    async def start() -> T:
+        return started
+    return start
 
 
 def _not_stored(response_id: str) -> schemas.APIError:

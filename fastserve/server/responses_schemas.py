@@ -247,7 +247,11 @@ class ResponsesRequest(BaseModel):
         None, description="Continue a stored response: its conversation and output come "
         "before `input` (not its instructions).")
     # Accepted only at the values that mean "not used".
-    background: Annotated[Any, Only((False,))] = Field(None, description="Only false.")
+    background: StrictBool | None = Field(
+        None, description="true: answered at once (status `queued`) while a task of the server "
+        "generates the response, whatever the client does; poll it with GET "
+        "/v1/responses/{id}, follow or resume its events with ?stream=true&starting_after=N, "
+        "cancel it with POST /v1/responses/{id}/cancel. Needs store.")
     include: Annotated[Any, Only(([],))] = Field(None, description="Only [].")
     truncation: Annotated[Any, Only(("disabled",))] = Field(None, description="Only disabled.")
     reasoning: ReasoningConfig | None = Field(
@@ -404,7 +408,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[OutputItem]
     usage: ResponseUsage | None = None
@@ -420,6 +424,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     truncation: Literal["disabled"] = "disabled"
     store: bool = False
+    background: bool = False
     previous_response_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
@@ -429,7 +434,8 @@ class ResponseObject(BaseModel):
               store: bool) -> ResponseObject:
         """The response in progress: the request's settings, no output yet."""
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
-        return cls(id=response_id, created_at=created_at, status="in_progress", model=model,
+        return cls(id=response_id, created_at=created_at,
+                   status="queued" if body.background else "in_progress", model=model,
                    output=[], instructions=body.instructions,
                    max_output_tokens=body.max_output_tokens,
                    temperature=1.0 if body.temperature is None else body.temperature,
@@ -442,4 +448,4 @@ class ResponseObject(BaseModel):
                    text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                          else {"type": "text"}},
                    metadata=body.metadata or {}, user=body.user, store=store,
-                   previous_response_id=body.previous_response_id)
+                   background=bool(body.background), previous_response_id=body.previous_response_id)

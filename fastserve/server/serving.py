@@ -341,9 +341,11 @@ class OpenAIServing:
         return JSONResponse(body.model_dump())
 
     async def start(
-        self, job: Job, request: Request, prompt_param: str
+        self, job: Job, request: Request | None, prompt_param: str
     ) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
         """Submit the job and wait for its first output, so errors still get a status code.
+        `request`: the client's, whose going away aborts the job (None: nobody's, a
+        background response's).
 
         NOTE: the response is not started before the engine has accepted the request, so a
         full queue is a 429 and bad input a 400 rather than an error event mid-stream.
@@ -353,7 +355,8 @@ class OpenAIServing:
             priority=job.priority,
         )
         try:
-            first = await streaming.race_disconnect(request, anext(outputs))
+            first = await (anext(outputs) if request is None
+                           else streaming.race_disconnect(request, anext(outputs)))
         except ClientDisconnected:
             raise
         except QueueFullError as exc:

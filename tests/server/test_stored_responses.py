@@ -125,12 +125,14 @@ def test_a_server_that_keeps_none_says_so(tiny_model_ready: Path) -> None:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fastserve") as http:
             return [await http.post("/v1/responses", json={**GREEDY, "input": "Hi", **extra})
-                    for extra in ({}, {"store": True}, {"previous_response_id": "resp_1"})]
+                    for extra in ({}, {"store": True}, {"previous_response_id": "resp_1"},
+                                  {"background": True})]
 
-    plain, stored, continued = asyncio.run(run())
+    plain, stored, continued, background = asyncio.run(run())
     asyncio.run(llm.shutdown(grace_s=0))
     assert plain.status_code == 200 and plain.json()["store"] is False
-    for resp, field in ((stored, "store"), (continued, "previous_response_id")):
+    for resp, field in ((stored, "store"), (continued, "previous_response_id"),
+                        (background, "background")):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field
         assert "keeps no responses" in resp.json()["error"]["message"]
 
@@ -141,6 +143,22 @@ def _response(rid: str, text: str) -> ResponseObject:
     return ResponseObject(id=rid, created_at=0, status="completed", model=MODEL,
                           output=[OutputMessage(id="m", status="completed", content=[OutputText(text=text)])],
                           parallel_tool_calls=True, tool_choice="auto", tools=[], text={}, store=True)
+
+
+def test_a_background_responses_events_are_kept_within_the_budget() -> None:
+    """Its events are kept for GET ?stream=true; a response that fits only without them is
+    kept without them."""
+    one = _response("r1", "x" * 100)
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put(one, [InputItem(role="user", content="hi", id="msg_1")], None)
+    size = store.num_bytes  # the response and its input
+    store = ResponseStore(max_bytes=size + 100)
+    store.put(one, [InputItem(role="user", content="hi", id="msg_1")], None, ["a" * 50, "b" * 50])
+    assert store.get("r1").events == ["a" * 50, "b" * 50]  # type: ignore[union-attr]
+    assert store.num_bytes == size + 100
+    store.put(one, [InputItem(role="user", content="hi", id="msg_1")], None, ["a" * 101])
+    kept = store.get("r1")
+    assert kept is not None and kept.events is None and store.num_bytes == size
 
 
 def test_the_least_recently_used_go_first_within_the_budget() -> None:
