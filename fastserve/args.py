@@ -9,6 +9,7 @@ from typing import Any
 from fastserve.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -19,6 +20,7 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "lora": LoRAConfig,
 }
 # Flags whose public name differs from the field (issue-specified CLI names).
 _ALIASES = {"policy": "scheduler"}
@@ -49,6 +51,9 @@ _HELP = {
                         "overlaps its compute; one pipeline stage; every policy but "
                         "mlfq-preempt; None = on for one process on a CUDA device, off "
                         "elsewhere)",
+    "lora_modules": "LoRA adapters to serve beside the model, NAME=PATH each (a PEFT adapter "
+                    "directory); a request names one as its model",
+    "max_lora_rank": "the highest LoRA rank an adapter may have",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }
@@ -94,6 +99,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
                 group.add_argument(
                     flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_
                 )
+            elif str(f.type).startswith("tuple"):
+                group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_)
             else:
                 group.add_argument(flag, dest=f.name, type=kind, default=None, help=help_)
     parser.add_argument("--profile", dest="profile_path", default=None,

@@ -27,7 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
     )
     engine = LLMEngine(engine_config_from_args(args))
-    engine.add_request(args.prompt, params)
+    engine.add_request(args.prompt, params, lora=args.lora)
     print(args.prompt, end="", flush=True)
     final = None
     while engine.has_unfinished:
@@ -60,6 +60,20 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_lora(args: argparse.Namespace) -> int:
+    from fastserve.model.loader import read_arch_config
+    from fastserve.model.lora import make_adapter
+    from fastserve.model.make_model import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    path = make_adapter(read_arch_config(model), args.out, rank=args.rank, alpha=args.alpha,
+                        targets=args.targets.split(","), seed=args.seed, std=args.std,
+                        base=str(model))
+    print(f"wrote a rank-{args.rank} LoRA adapter of {model} to {path}; serve it with "
+          f"--lora-modules NAME={path}")
+    return 0
+
+
 PRESET_NAMES = ["tiny", "small", "llama-2-7b", "llama-3-8b"]
 
 
@@ -75,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--lora", default=None, help="run with this adapter of --lora-modules")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -89,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write model.safetensors (default: yes for tiny and small; no for "
                          "the production shapes, served with --load-format dummy)")
     mk.set_defaults(func=_make_model)
+
+    lo = sub.add_parser("make-lora", help="write a random LoRA adapter (PEFT's format) for a model")
+    lo.add_argument("--model", default=None, help="the base model's directory (default: the tiny preset)")
+    lo.add_argument("--out", required=True)
+    lo.add_argument("--rank", type=int, default=8)
+    lo.add_argument("--alpha", type=float, default=16.0)
+    lo.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj",
+                    help="comma-separated projections (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                         "up_proj, down_proj)")
+    lo.add_argument("--seed", type=int, default=0)
+    lo.add_argument("--std", type=float, default=0.05, help="the random factors' standard deviation")
+    lo.set_defaults(func=_make_lora)
 
     # Subcommands that live with their feature.
     add_serve_parser(sub)

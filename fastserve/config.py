@@ -233,9 +233,39 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (`fastserve.model.lora`): a request names
+    one (the API's `model`) and runs with it applied; requests with different adapters, or
+    none, share every batch."""
+
+    # "NAME=PATH" each: a PEFT adapter directory (adapter_config.json and
+    # adapter_model.safetensors) and the name requests use for it.
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 64  # adapters of a higher rank are refused at start-up
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        _check(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        names = [name for name, _ in self.adapters]
+        _check(len(set(names)) == len(names), f"lora_modules: adapter names repeat: {names}")
+
+    @property
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each adapter, in the order given."""
+        pairs = []
+        for spec in self.lora_modules:
+            name, sep, path = spec.partition("=")
+            _check(bool(sep and name and path),
+                   f"lora_modules: each is NAME=PATH (a PEFT adapter directory), got {spec!r}")
+            pairs.append((name, path))
+        return pairs
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     profile_path: str | None = None  # fitted cost model; None = profile at start-up (cached)

@@ -51,11 +51,13 @@ class LLM:
         prompts: str | list[int] | Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt together; returns one final output per prompt, in order.
 
         With `n` (or `best_of`) > 1 a prompt's output is its sequence 0's (the best, with
-        `best_of`), and `outputs` lists the final output of each of its `n` sequences."""
+        `best_of`), and `outputs` lists the final output of each of its `n` sequences.
+        `lora`: the LoRA adapter (a name of `lora_modules`) every prompt, or each, runs with."""
         if self._is_shut_down:
             raise RuntimeError("this LLM has been shut down; create a new one")
         if isinstance(prompts, str) or (
@@ -71,11 +73,14 @@ class LLM:
                 raise ValueError(
                     f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} LoRA adapter names for {len(prompt_list)} prompts")
         ids = []
-        for prompt, p in zip(prompt_list, param_list):
+        for prompt, p, adapter in zip(prompt_list, param_list, loras, strict=True):
             # Only the final outputs are returned: none is built per token.
             p = p if p.final_only else dataclasses.replace(p, final_only=True)
-            ids.append(self.engine.add_request(prompt, p).request_id)
+            ids.append(self.engine.add_request(prompt, p, lora=adapter).request_id)
         results: dict[str, list[RequestOutput]] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:

@@ -355,6 +355,9 @@ class Request:
     # vLLM's `priority`: requests with a lower value run first, strictly; the policy orders
     # the requests of one priority (`Scheduler.schedule`).
     priority: int = 0
+    # The LoRA adapter it runs with (its slot, 1 and up; 0: the base model). NOTE: its
+    # cache_salt names the adapter too, so no cached block is shared across adapters.
+    lora_id: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

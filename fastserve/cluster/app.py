@@ -113,7 +113,8 @@ class Fleet:
         self.hints = None
         if opts.router in _PROMPT_ROUTERS:
             self.hints = RouteHints(Tokenizer(resolve_model_path(config.model.model)),
-                                    config.cache.block_size)
+                                    config.cache.block_size,
+                                    frozenset(name for name, _ in config.lora.adapters))
         self.metrics = FleetMetrics(self._replica_samples)
         self.handle: DeploymentHandle | None = None
 

@@ -59,6 +59,9 @@ class RouteHints:
 
     tokenizer: Encoder
     block_size: int
+    # LoRA adapters' names: their requests' cached blocks are hashed with the adapter as salt,
+    # which differs between processes, so the router is given their length only.
+    lora_names: frozenset[str] = frozenset()
 
     async def route(self, path: str, body: bytes) -> RouteRequest | None:
         if path not in ROUTED_PATHS:
@@ -73,7 +76,10 @@ class RouteHints:
         keep = data.get("truncate_prompt_tokens")  # the replica reads only the prompt's end
         if type(keep) is int and 0 < keep < len(ids):  # NOTE: -1 (fit the context) is not mirrored
             ids = ids[len(ids) - keep:]
-        return RouteRequest.from_tokens(f"route-{uuid.uuid4().hex}", ids, self.block_size)
+        request_id = f"route-{uuid.uuid4().hex}"
+        if data.get("model") in self.lora_names:
+            return RouteRequest(request_id, len(ids))
+        return RouteRequest.from_tokens(request_id, ids, self.block_size)
 
     async def _prompt_ids(self, path: str, data: Any) -> list[int] | None:
         if path == "/v1/completions":

@@ -73,6 +73,8 @@ class ScheduledRequest:
     # output may be PENDING_TOKEN (async scheduling: the row's input, on the device).
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # The LoRA adapter the model applies to this request's tokens (0: none, the base model).
+    lora_id: int = 0
 
     @property
     def is_prefill(self) -> bool:

@@ -544,6 +544,7 @@ class Scheduler(ABC):
                     samples=start + n == num_tokens,
                     prompt_token_ids=req.prompt_token_ids if history else (),
                     output_token_ids=outputs if history else (),
+                    lora_id=req.lora_id,
                 )
             )
         # Jobs still in flight ran in an earlier batch: they are checked once they are back.

@@ -120,6 +120,7 @@ class AsyncLLM:
         oracle_output_len: int | None = None,
         coalesce: bool = False,
         priority: int = 0,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as tokens come; the last has `finished=True`. With
         `n` or `best_of` > 1 the sequences' outputs interleave, each with its `index` and its
@@ -129,7 +130,8 @@ class AsyncLLM:
         carrying all their new tokens and text (what a saturated server wants: one chunk and
         one socket write instead of several); a caller that keeps up still gets one per token.
 
-        `priority`: lower runs first, over the scheduling policy's order (vLLM's).
+        `priority`: lower runs first, over the scheduling policy's order (vLLM's). `lora`: the
+        LoRA adapter it runs with (a name of `lora_modules`).
 
         Raises ValueError for bad input and QueueFullError when the queue is full. Closing the
         iterator early (a client that went away) aborts the request and frees its blocks.
@@ -142,7 +144,8 @@ class AsyncLLM:
             if limit and self._stats_now()["num_waiting"] >= limit:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting)")
             req = self.engine.add_request(prompt, params, request_id,
-                                          oracle_output_len=oracle_output_len, priority=priority)
+                                          oracle_output_len=oracle_output_len, priority=priority,
+                                          lora=lora)
             self._streams[req.request_id] = stream
             return req.request_id
 

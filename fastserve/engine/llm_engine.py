@@ -24,6 +24,7 @@ from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
+from fastserve.model.lora import attach_adapters, read_adapter
 from fastserve.model.make_model import cache_dir, resolve_model_path
 from fastserve.model.tokenizer import Tokenizer, check_encodable
 from fastserve.profiling.cache import (
@@ -76,10 +77,20 @@ class LLMEngine:
         parallel = config.parallel
         is_distributed = parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
         if is_distributed:
+            if config.lora.lora_modules:
+                raise ValueError("lora_modules: LoRA adapters are not served with tensor or "
+                                 "pipeline parallelism yet")
             self.arch = read_arch_config(path)  # every rank loads its own shard (start_executor)
         else:
             model, self.arch = load_model(path, dtype, config.model.device,
                                           load_format=config.model.load_format)  # names what is missing
+        # LoRA adapters: a request names one; slot i + 1 holds the i-th (0: the base model).
+        self.lora_paths = dict(config.lora.adapters)
+        self.lora_ids = {name: i + 1 for i, name in enumerate(self.lora_paths)}
+        if self.lora_paths:
+            adapters = [read_adapter(name, p, self.arch, config.lora.max_lora_rank)
+                        for name, p in self.lora_paths.items()]
+            model.lora_batch = attach_adapters(model, self.arch, adapters)
         try:
             self.tokenizer = Tokenizer(path)
         except FileNotFoundError as exc:
@@ -156,10 +167,18 @@ class LLMEngine:
         arrival_s: float | None = None,
         oracle_output_len: int | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong. `priority`:
-        lower runs first (vLLM's), over the scheduling policy's order."""
+        lower runs first (vLLM's), over the scheduling policy's order. `lora`: the name of a
+        LoRA adapter to run with (`lora_modules`)."""
         params = (params or SamplingParams()).for_vocab(self.arch.vocab_size)
+        lora_id = 0
+        if lora is not None:
+            lora_id = self.lora_ids.get(lora, 0)
+            if not lora_id:
+                served = ", ".join(self.lora_ids) or "none"
+                raise InvalidRequestError(f"lora: no adapter named {lora!r} (served: {served})", "model")
         if params.logits_processors and isinstance(self.runner, DistributedExecutor):
             raise InvalidRequestError(
                 "logits_processors run in the sampling process: not with tensor or pipeline "
@@ -188,6 +207,8 @@ class LLMEngine:
             oracle_output_len=oracle_output_len,
             max_model_len=self.max_model_len,
             priority=priority,
+            lora_id=lora_id,
+            cache_salt=f"lora:{lora}" if lora_id else None,
         )
         text = prompt if isinstance(prompt, str) else None
         if num_seqs == 1:
@@ -221,7 +242,7 @@ class LLMEngine:
                       params=params, arrival_s=first.arrival_s,
                       oracle_output_len=first.oracle_output_len,
                       max_model_len=first.max_model_len, cache_salt=first.cache_salt,
-                      priority=first.priority,
+                      priority=first.priority, lora_id=first.lora_id,
                       block_hashes=list(first.block_hashes[: first.num_prompt_tokens
                                                             // self.kv.block_size]))
         return self._queue(req, prompt)

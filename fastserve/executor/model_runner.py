@@ -135,7 +135,9 @@ class ModelRunner:
         self.swapper = make_swapper(self.attn, self.num_host_blocks,
                                     cache_config.cpu_copy_worker)
         self.graphs: DecodeGraphs | None = None
-        if self.attn.supports_cuda_graphs and self.can_capture_graphs and not model_config.enforce_eager:
+        # NOTE: not with LoRA adapters: which rows take which adapter changes every batch.
+        if self.attn.supports_cuda_graphs and self.can_capture_graphs and not model_config.enforce_eager \
+                and model.lora_batch is None:
             max_len = model_config.max_model_len or arch.max_position_embeddings
             self.graphs = DecodeGraphs(model, self.attn, model_config.cuda_graph_max_batch_size,
                                        max_blocks_per_seq=-(-max_len // self.block_size))
@@ -233,11 +235,16 @@ class ModelRunner:
         """The forward pass: logits [num_reqs, vocab] (None on a stage that computes none),
         and the prompt log-probabilities of the requests that asked for them (echo)."""
         self.attn.metadata = batch.metadata
+        lora = self.model.lora_batch
+        if lora is not None:
+            lora.set([r.lora_id for r in reqs], [len(r.token_ids) for r in reqs], self.device)
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
         finally:
             self.attn.metadata = None
+            if lora is not None:
+                lora.clear()
         return logits, prompt_logprobs(hidden, reqs, self.model.compute_logits)
 
     def _emit(self, tokens: list[int]) -> None:

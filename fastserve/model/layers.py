@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import torch
 import torch.distributed as dist
@@ -253,6 +253,12 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight
     return F.linear(x, weight, bias)
 
 
+class Adapters(Protocol):
+    """LoRA adapters on a projection (`fastserve.model.lora.LoRALinear`)."""
+
+    def add_to(self, x: Tensor, y: Tensor) -> Tensor: ...
+
+
 class LinearBase(nn.Module):
     """y = x W^T (+ b) for this rank's shard of W [output_size_local, input_size_local]."""
 
@@ -280,6 +286,7 @@ class LinearBase(nn.Module):
         # Set by the executor (`cpu_linear.pack_weights`): the same weight in a backend's
         # pre-packed layout, used for calls of at most `packed.max_rows` rows.
         self.packed: PackedWeight | None = None
+        self.lora: Adapters | None = None  # LoRA adapters served beside the model, if any
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
@@ -287,7 +294,8 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        return _linear(x, self.weight, self.bias, self.packed)
+        y = _linear(x, self.weight, self.bias, self.packed)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -416,6 +424,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: Tensor) -> Tensor:
         y = _linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed)
+        if self.lora is not None:
+            y = self.lora.add_to(x, y)
         if self.tp_size > 1:
             self.all_reduce(y)
         return y

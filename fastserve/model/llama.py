@@ -31,6 +31,7 @@ from fastserve.model.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from fastserve.model.lora import LoRABatch
 
 
 class LlamaAttention(nn.Module):
@@ -200,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, tp_rank, tp_size, layers)
+        # LoRA adapters (`lora.attach_adapters`): which tokens run with which, set per batch.
+        self.lora_batch: LoRABatch | None = None
         self.lm_head = (
             ParallelLMHead(arch.vocab_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
             if self.model.is_last_stage

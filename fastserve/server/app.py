@@ -112,12 +112,12 @@ def build_app(
 
     @v1.get("/models", responses=_ERROR_RESPONSES)
     async def list_models() -> schemas.ModelList:
-        return schemas.ModelList(data=[serving.model_card()])
+        return schemas.ModelList(data=serving.model_cards())
 
     @v1.get("/models/{model_id:path}", responses=_ERROR_RESPONSES)
     async def get_model(model_id: str) -> schemas.ModelCard:
         serving.check_model(model_id)
-        return serving.model_card()
+        return next(card for card in serving.model_cards() if card.id == model_id)
 
     @v1.post("/completions", response_model=schemas.CompletionResponse, responses=_stream_responses())
     async def create_completion(body: schemas.CompletionRequest, request: Request) -> Response:
@@ -182,13 +182,15 @@ def build_app(
         """vLLM's: the text of token ids."""
         return await tokens.detokenize(body)
 
-    _narrow_openapi(app, served_model_name, llm.engine.arch.vocab_size, serving.max_model_len)
+    _narrow_openapi(app, [card.id for card in serving.model_cards()], llm.engine.arch.vocab_size,
+                    serving.max_model_len)
     return app
 
 
-def _narrow_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: int) -> None:
+def _narrow_openapi(app: FastAPI, model_names: list[str], vocab_size: int, max_model_len: int) -> None:
     """Write the served model's limits into the OpenAPI document, so a request valid by the
-    schema is one the server accepts: its name, its token ids, its context.
+    schema is one the server accepts: its names (its own, its LoRA adapters'), its token ids,
+    its context.
 
     NOTE: one limit is across fields and has no JSON Schema: the prompt's tokens plus
     max_tokens must fit the context (and min_tokens <= max_tokens); those get a 400.
@@ -200,10 +202,10 @@ def _narrow_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_le
             return app.openapi_schema
         doc = build()
         for param in doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
-            param["schema"]["enum"] = [model_name]  # the one model there is; others are 404
+            param["schema"]["enum"] = model_names  # the models there are; others are 404
         for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
             props = doc["components"]["schemas"][name]["properties"]
-            props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+            props["model"] = {"type": "string", "enum": model_names, "title": "Model"}
             for field in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
                 if field in props:
                     _set_maximum(props[field], max_model_len - 1)
@@ -214,7 +216,7 @@ def _narrow_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_le
         schemas_ = doc["components"]["schemas"]
         for name in ("TokenizeRequest", "DetokenizeRequest"):
             schemas_[name]["properties"]["model"] = {
-                "anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}], "title": "Model"}
+                "anyOf": [{"type": "string", "enum": model_names}, {"type": "null"}], "title": "Model"}
         _set_maximum(schemas_["DetokenizeRequest"]["properties"]["tokens"], vocab_size - 1)
         app.openapi_schema = doc
         return doc

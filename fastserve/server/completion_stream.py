@@ -16,7 +16,6 @@ from fastserve.server.logprobs import LogprobsFormatter
 class CompletionChoices:
     """Builds completions' choices from a job's outputs."""
 
-    model_name: str
     logprobs: LogprobsFormatter
 
     def logprobs_of(self, job: Job, out: RequestOutput, num_last: int, with_prompt: bool,
@@ -61,7 +60,7 @@ class CompletionChoices:
         exclude = None if lead.include_usage else {"usage"}
 
         def chunk(choice: schemas.CompletionChoice | None, usage: schemas.Usage | None = None) -> str:
-            resp = schemas.CompletionResponse(id=response_id, created=lead.created, model=self.model_name,
+            resp = schemas.CompletionResponse(id=response_id, created=lead.created, model=lead.model,
                                               choices=[] if choice is None else [choice], usage=usage)
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 

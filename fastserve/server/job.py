@@ -34,6 +34,8 @@ class Job:
     # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
     return_token_ids: bool = False
     priority: int = 0  # vLLM's: lower runs first
+    model: str = ""  # the request's `model`: what the response names
+    lora: str | None = None  # the LoRA adapter `model` names (None: the served model itself)
     # Reasoning models: the output is split into thinking and answer, and whether it begins
     # inside the thinking (None: not split; see `reasoning.py`).
     reasoning_inside: bool | None = None

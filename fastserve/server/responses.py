@@ -170,7 +170,7 @@ class ResponsesServing:
             started = await self.serving.start(job, request, "input")
         except schemas.APIError as exc:
             raise _renamed(exc) from exc
-        response = ResponseObject.start(job.response_id, job.created, self.serving.model_name, body,
+        response = ResponseObject.start(job.response_id, job.created, job.model, body,
                                         store=keep)
         if body.stream:
             return streaming.EventStream(self._events(job, response, body, _ready(started)))
@@ -253,7 +253,7 @@ class ResponsesServing:
 
     def _start_background(self, job: Job, body: ResponsesRequest) -> Response:
         """Answer at once (status `queued`); a task of its own generates the response."""
-        response = ResponseObject.start(job.response_id, job.created, self.serving.model_name, body,
+        response = ResponseObject.start(job.response_id, job.created, job.model, body,
                                         store=True)
         run = self._runs[job.response_id] = BackgroundRun(response, body.input, body.previous_response_id)
         run.task = asyncio.create_task(self._run_background(run, job, body))

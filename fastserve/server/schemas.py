@@ -977,6 +977,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "fastserve"
     max_model_len: int  # extension (vLLM reports the same)
+    # Extensions, as vLLM's: a LoRA adapter's directory and the model it adapts.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

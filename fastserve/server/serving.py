@@ -62,19 +62,27 @@ class OpenAIServing:
         self.max_model_len: int = llm.engine.max_model_len
         self.created = schemas.now_s()
         self.logprobs = LogprobsFormatter(llm.tokenizer)
-        self.completions = CompletionChoices(served_model_name, self.logprobs)
+        self.completions = CompletionChoices(self.logprobs)
 
-    def model_card(self) -> schemas.ModelCard:
-        return schemas.ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+    def model_cards(self) -> list[schemas.ModelCard]:
+        """The served model, then each LoRA adapter served beside it."""
+        return [schemas.ModelCard(id=self.model_name, created=self.created,
+                                  max_model_len=self.max_model_len),
+                *(schemas.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len,
+                                    root=path, parent=self.model_name)
+                  for name, path in self.llm.engine.lora_paths.items())]
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise schemas.APIError(
-                404,
-                f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` names (None: the served model itself); a 404 naming the
+        models there are when it names none."""
+        if model == self.model_name:
+            return None
+        if model in self.llm.engine.lora_paths:
+            return model
+        served = ", ".join(repr(card.id) for card in self.model_cards())
+        raise schemas.APIError(
+            404, f"model {model!r} does not exist; this server serves {served}",
+            param="model", code="model_not_found")
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -137,7 +145,7 @@ class OpenAIServing:
         usages = [job_usage(job, job_finals, final=True)
                   for job, job_finals in zip(jobs, finals, strict=True)]
         whole = schemas.CompletionResponse(id=response_id, created=jobs[0].created,
-                                           model=self.model_name, choices=choices,
+                                           model=jobs[0].model, choices=choices,
                                            usage=sum_usage(usages))
         return JSONResponse(whole.model_dump())
 
@@ -316,6 +324,8 @@ class OpenAIServing:
             created=schemas.now_s(),
             return_token_ids=bool(body.return_token_ids),
             priority=body.priority or 0,
+            model=body.model,
+            lora=self.check_model(body.model),
         )
 
     # -- engine ---------------------------------------------------------------------------
@@ -336,7 +346,7 @@ class OpenAIServing:
         if job.stream:
             return streaming.EventStream(events(job, first, outputs))
         finals = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
-        body = response(id=job.response_id, created=job.created, model=self.model_name,
+        body = response(id=job.response_id, created=job.created, model=job.model,
                         choices=[choice(f) for f in finals], usage=job_usage(job, finals, final=True))
         return JSONResponse(body.model_dump())
 
@@ -352,7 +362,7 @@ class OpenAIServing:
         """
         outputs = self.llm.generate(
             job.prompt_token_ids, job.params, request_id=job.response_id, coalesce=True,
-            priority=job.priority,
+            priority=job.priority, lora=job.lora,
         )
         try:
             first = await (anext(outputs) if request is None
@@ -385,7 +395,7 @@ class OpenAIServing:
             choices = [] if text is None else [
                 schemas.CompletionChoice(index=index, text=text, finish_reason=finish)]
             resp = schemas.CompletionResponse(
-                id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
+                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
@@ -428,7 +438,7 @@ class OpenAIServing:
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
                 token_ids=token_ids)]
             resp = schemas.ChatCompletionChunk(
-                id=job.response_id, created=job.created, model=self.model_name, choices=choices,
+                id=job.response_id, created=job.created, model=job.model, choices=choices,
                 usage=usage, prompt_token_ids=prompt_token_ids,
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))

@@ -1,0 +1,226 @@
+"""LoRA adapters (PEFT's format) served beside the base model.
+
+Each adapter is loaded once into a slot (slot 0 is the base model: no adapter); a request
+runs with its adapter's slot, and requests with different adapters share every batch. A
+targeted projection computes y = x W^T + scaling * (x A^T) B^T for each request's rows, as
+PEFT does at inference (dropout off). The fused projections (q|k|v and gate|up) keep one
+low-rank pair per part, each adding to its part's columns of the output.
+
+Not in the attention and MLP projections (embeddings, the LM head), and with tensor or
+pipeline parallelism, adapters are refused at start-up, naming what is not supported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from fastserve.model.arch import ArchConfig
+from fastserve.model.layers import LinearBase
+
+# HF module -> (our module under the layer, the part of a fused projection it is)
+TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served, and why (names the adapter and the cause)."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One PEFT adapter's weights: (layer, HF module) -> (A [rank, in], B [out, rank])."""
+
+    name: str
+    rank: int
+    scaling: float  # lora_alpha / rank (/ sqrt(rank) with rsLoRA)
+    weights: dict[tuple[int, str], tuple[Tensor, Tensor]]
+
+
+def read_adapter(name: str, path: str | Path, arch: ArchConfig, max_rank: int) -> Adapter:
+    """Read a PEFT adapter directory, checked against the base model's shapes."""
+    root = Path(path)
+    config_file, weights_file = root / "adapter_config.json", root / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: {str(root)!r} has no adapter_config.json and "
+                        "adapter_model.safetensors (PEFT's format)")
+    config = json.loads(config_file.read_text())
+    rank = int(config.get("r", 0))
+    unsupported = {"use_dora": True, "fan_in_fan_out": True}
+    for key, bad in unsupported.items():
+        if config.get(key) == bad:
+            raise LoRAError(f"LoRA adapter {name!r}: {key} is not supported")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+        if config.get(key):
+            raise LoRAError(f"LoRA adapter {name!r}: {key} is not supported (one rank and alpha "
+                            "for every module, no fully trained modules)")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
+    if not 1 <= rank <= max_rank:
+        raise LoRAError(f"LoRA adapter {name!r}: rank {rank} is not in [1, max_lora_rank={max_rank}]")
+    alpha = float(config.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    pairs: dict[tuple[int, str], dict[str, Tensor]] = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        match = _KEY.match(key)
+        if match is None or match.group(2) not in TARGETS:
+            raise LoRAError(f"LoRA adapter {name!r}: {key!r} is not supported (adapters of the "
+                            f"attention and MLP projections only: {', '.join(TARGETS)})")
+        layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+        if layer >= arch.num_hidden_layers:
+            raise LoRAError(f"LoRA adapter {name!r}: {key!r} names layer {layer}; the model has "
+                            f"{arch.num_hidden_layers}")
+        pairs.setdefault((layer, module), {})[which] = tensor
+    weights = {}
+    for (layer, module), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_A without "
+                            "lora_B or the reverse")
+        a, b = pair["A"], pair["B"]
+        in_size, out_size = _shape(arch, module)
+        if tuple(a.shape) != (rank, in_size) or tuple(b.shape) != (out_size, rank):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)} do not fit the model (expected ({rank}, {in_size}) and "
+                f"({out_size}, {rank})): an adapter for another model?")
+        weights[(layer, module)] = (a, b)
+    if not weights:
+        raise LoRAError(f"LoRA adapter {name!r}: no lora_A/lora_B weights in {str(weights_file)!r}")
+    return Adapter(name, rank, scaling, weights)
+
+
+def _shape(arch: ArchConfig, module: str) -> tuple[int, int]:
+    """(in, out) features of an HF projection."""
+    hidden, head = arch.hidden_size, arch.head_dim
+    q, kv, mlp = arch.num_attention_heads * head, arch.num_key_value_heads * head, arch.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
+            "down_proj": (mlp, hidden)}[module]
+
+
+class LoRABatch:
+    """Which rows of the batch's flat tokens run with which adapter slot, set by the runner
+    before each forward pass; every adapted layer reads it."""
+
+    def __init__(self) -> None:
+        # (slot, rows): rows None = every token; slot 0 (no adapter) is left out.
+        self.groups: list[tuple[int, Tensor | None]] = []
+
+    def set(self, slots: Sequence[int], num_tokens: Sequence[int], device: torch.device) -> None:
+        """Request i's `num_tokens[i]` tokens (in flat order) run with `slots[i]`."""
+        if not any(slots):
+            self.groups = []
+            return
+        if len(set(slots)) == 1:
+            self.groups = [(slots[0], None)]
+            return
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for slot, n in zip(slots, num_tokens, strict=True):
+            if slot:
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        self.groups = [(slot, torch.tensor(r, dtype=torch.long, device=device))
+                       for slot, r in rows.items()]
+
+    def clear(self) -> None:
+        self.groups = []
+
+
+class LoRALinear:
+    """A projection's adapters, one low-rank pair per part (q, k, v of a fused qkv) and slot:
+    A [slots, rank, in] and B [slots, part's out, rank], the scaling folded into B, zero where
+    an adapter leaves the part alone (or has a lower rank than the slot's)."""
+
+    def __init__(self, batch: LoRABatch, parts: list[tuple[int, int]], num_slots: int,
+                 max_rank: int, in_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.batch = batch
+        self.parts = parts  # (first output column, number of columns) of each part
+        self.a = [torch.zeros(num_slots, max_rank, in_size, dtype=dtype, device=device) for _ in parts]
+        self.b = [torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device) for _, size in parts]
+
+    def put(self, slot: int, part: int, a: Tensor, b: Tensor, scaling: float) -> None:
+        rank = a.shape[0]
+        self.a[part][slot, :rank] = a
+        self.b[part][slot, :, :rank] = b * scaling
+
+    def add_to(self, x: Tensor, y: Tensor) -> Tensor:
+        """y (the base projection of x [tokens, in]) plus each row's adapter's delta."""
+        for slot, rows in self.batch.groups:
+            xs = x if rows is None else x[rows]
+            for (start, size), a, b in zip(self.parts, self.a, self.b, strict=True):
+                delta = (xs @ a[slot].T) @ b[slot].T  # [rows, size]
+                if rows is None:
+                    y[:, start:start + size] += delta
+                else:
+                    y[rows, start:start + size] += delta
+        return y
+
+
+def attach_adapters(model: nn.Module, arch: ArchConfig, adapters: Sequence[Adapter]) -> LoRABatch:
+    """Give every projection some adapter targets a `LoRALinear` holding all adapters (adapter
+    i in slot i + 1); the returned batch state says which rows use which slot."""
+    batch = LoRABatch()
+    param = next(model.parameters())
+    max_rank = max(a.rank for a in adapters)
+    part_sizes = {"self_attn.qkv_proj": [_shape(arch, m)[1] for m in ("q_proj", "k_proj", "v_proj")],
+                  "mlp.gate_up_proj": [_shape(arch, m)[1] for m in ("gate_proj", "up_proj")],
+                  "self_attn.o_proj": [arch.hidden_size], "mlp.down_proj": [arch.hidden_size]}
+    targets = {(layer, TARGETS[module][0]) for a in adapters for layer, module in a.weights}
+    stacks: dict[tuple[int, str], LoRALinear] = {}
+    for layer, ours in sorted(targets):
+        linear = model.get_submodule(f"model.layers.{layer}.{ours}")
+        assert isinstance(linear, LinearBase)
+        sizes = part_sizes[ours]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        linear.lora = stacks[(layer, ours)] = LoRALinear(
+            batch, list(zip(starts, sizes, strict=True)), len(adapters) + 1, max_rank,
+            linear.input_size, param.dtype, param.device)
+    for slot, adapter in enumerate(adapters, start=1):
+        for (layer, module), (a, b) in adapter.weights.items():
+            ours, part = TARGETS[module]
+            stacks[(layer, ours)].put(slot, part, a.to(param.device, param.dtype),
+                                      b.to(param.device, param.dtype), adapter.scaling)
+    return batch
+
+
+def make_adapter(arch: ArchConfig, out: str | Path, rank: int = 8, alpha: float = 16.0,
+                 targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+                 seed: int = 0, std: float = 0.05, base: str = "") -> Path:
+    """Write a random LoRA adapter for a model of `arch`, in PEFT's format, into `out` (for
+    tests, demos and benchmarks: no adapter can be downloaded here). Unlike PEFT's
+    initialization (B = 0) both factors are random, so the adapter changes the outputs."""
+    bad = [t for t in targets if t not in TARGETS]
+    if bad or not targets:
+        raise LoRAError(f"targets: {bad or 'none'}; choose from {', '.join(TARGETS)}")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(arch.num_hidden_layers):
+        for module in targets:
+            in_size, out_size = _shape(arch, module)
+            block = "self_attn" if TARGETS[module][0].startswith("self_attn") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_size, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_size, rank, generator=gen) * std
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(root / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+              "base_model_name_or_path": base}
+    (root / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return root
