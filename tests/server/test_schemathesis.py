@@ -110,10 +110,11 @@ def _is_tool_limit(param: str | None, message: str) -> bool:
 
 
 def _is_tokenize_limit(param: str | None, message: str) -> bool:
-    """/tokenize's: exactly one of prompt and messages; tools, chat_template_kwargs and no
-    add_special_tokens with messages only."""
+    """/tokenize's: exactly one of prompt and messages; tools, chat_template_kwargs,
+    reasoning_effort and no add_special_tokens with messages only."""
     return (param in ("prompt", "messages") and "exactly one of" in message
-            or param in ("tools", "chat_template_kwargs") and "only with messages" in message
+            or param in ("tools", "chat_template_kwargs", "reasoning_effort")
+            and "only with messages" in message
             or param == "add_special_tokens" and "only false with messages" in message)
 
 
