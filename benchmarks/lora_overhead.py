@@ -6,7 +6,8 @@ adapters, in one process, repetitions interleaved.
     .venv/bin/python benchmarks/lora_overhead.py [--preset small] [--dtype float32] \\
         [--rank 16] [--adapters 3] [--batch 32] [--input-len 128] [--output-len 128] [--reps 3]
 
-Adapters are random (`fastserve make-lora`'s), on every attention and MLP projection.
+Adapters are random (`fastserve make-lora`'s), on every attention and MLP projection; prefix
+caching is off, so every run prefills its prompts.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def main() -> None:
     names = [f"lora{i}" for i in range(args.adapters)]
     modules = [f"{name}={make_adapter(arch, tmp / name, rank=args.rank, targets=tuple(TARGETS), seed=i)}"
                for i, name in enumerate(names)]
-    common = dict(model=str(model), dtype=args.dtype, max_batch_size=args.batch, warmup=True)
+    # NOTE: no prefix caching: every run computes its prompts (a repeated batch would
+    # otherwise be cached in one engine and evicted in the other, which holds more variants).
+    common = dict(model=str(model), dtype=args.dtype, max_batch_size=args.batch, warmup=True,
+                  enable_prefix_caching=False)
     plain = LLM(**common)
     served = LLM(**common, lora_modules=modules, max_lora_rank=args.rank)
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(args.input_len)] for i in range(args.batch)]
@@ -64,8 +68,10 @@ def main() -> None:
     for llm, loras in runs.values():  # warm each path once
         tok_per_s(llm, prompts[:4], loras[:4], 8)
     figures: dict[str, list[float]] = {label: [] for label in runs}
-    for _ in range(args.reps):
-        for label, (llm, loras) in runs.items():
+    labels = list(runs)
+    for rep in range(args.reps):  # each rep in another order: drift does not favour one run
+        for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
+            llm, loras = runs[label]
             figures[label].append(tok_per_s(llm, prompts, loras, args.output_len))
     print(f"{args.preset}, {args.dtype}, batch {args.batch}, {args.input_len} in / "
           f"{args.output_len} out, {args.adapters} adapters of rank {args.rank} on every "

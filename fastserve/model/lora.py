@@ -141,32 +141,35 @@ class LoRABatch:
 
 
 class LoRALinear:
-    """A projection's adapters, one low-rank pair per part (q, k, v of a fused qkv) and slot:
-    A [slots, rank, in] and B [slots, part's out, rank], the scaling folded into B, zero where
-    an adapter leaves the part alone (or has a lower rank than the slot's)."""
+    """A projection's adapters, per slot: A [slots, parts * rank, in], every part's A stacked
+    (q, k, v of a fused qkv), and B [slots, out, parts * rank], block-diagonal (part i's
+    columns of the output read only part i's rank rows), the scaling folded in; zero where an
+    adapter leaves a part alone or has a lower rank than `max_rank`. So a group of rows costs
+    two matmuls whatever the number of parts: on a CPU small matmuls cost their call more
+    than their arithmetic."""
 
     def __init__(self, batch: LoRABatch, parts: list[tuple[int, int]], num_slots: int,
                  max_rank: int, in_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.batch = batch
         self.parts = parts  # (first output column, number of columns) of each part
-        self.a = [torch.zeros(num_slots, max_rank, in_size, dtype=dtype, device=device) for _ in parts]
-        self.b = [torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device) for _, size in parts]
+        self.max_rank = max_rank
+        out_size = sum(size for _, size in parts)
+        self.a = torch.zeros(num_slots, len(parts) * max_rank, in_size, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_size, len(parts) * max_rank, dtype=dtype, device=device)
 
     def put(self, slot: int, part: int, a: Tensor, b: Tensor, scaling: float) -> None:
-        rank = a.shape[0]
-        self.a[part][slot, :rank] = a
-        self.b[part][slot, :, :rank] = b * scaling
+        rank, (start, size) = a.shape[0], self.parts[part]
+        first = part * self.max_rank
+        self.a[slot, first:first + rank] = a
+        self.b[slot, start:start + size, first:first + rank] = b * scaling
 
     def add_to(self, x: Tensor, y: Tensor) -> Tensor:
         """y (the base projection of x [tokens, in]) plus each row's adapter's delta."""
         for slot, rows in self.batch.groups:
-            xs = x if rows is None else x[rows]
-            for (start, size), a, b in zip(self.parts, self.a, self.b, strict=True):
-                delta = (xs @ a[slot].T) @ b[slot].T  # [rows, size]
-                if rows is None:
-                    y[:, start:start + size] += delta
-                else:
-                    y[rows, start:start + size] += delta
+            if rows is None:
+                y.addmm_(x @ self.a[slot].T, self.b[slot].T)  # [tokens, out]
+            else:
+                y.index_add_(0, rows, (x[rows] @ self.a[slot].T) @ self.b[slot].T)
         return y
 
 
