@@ -159,12 +159,7 @@ class ResponsesServing:
                                        code="previous_response_not_found") from exc
             full = body.model_copy(update={"input": [*earlier, *body.input]})
         try:
-            chat = full.to_chat()
-        except ValidationError as exc:  # what the Responses fields let through but chat's not
-            err = exc.errors()[0]
-            raise schemas.APIError(400, f"input: {err['msg']}", param="input") from exc
-        try:
-            job = await self.serving.chat_job(chat, "resp")
+            job = await self._job(full)
             if body.background:
                 return self._start_background(job, body)
             started = await self.serving.start(job, request, "input")
@@ -181,6 +176,39 @@ class ResponsesServing:
         _finish(response, items, job, final)
         self._keep(response, body)
         return JSONResponse(response.model_dump())
+
+    async def _job(self, full: ResponsesRequest) -> Job:
+        """The chat job the request (its conversation whole) amounts to. With `truncation:
+        auto`, a conversation beyond the model's context loses its oldest turns (whole: from
+        a user message on; leading system messages stay) until it fits; one that does not fit
+        even then is refused."""
+        try:
+            return await self.serving.chat_job(_chat(full), "resp")
+        except schemas.APIError as exc:
+            if full.truncation != "auto" or exc.info.code != "context_length_exceeded":
+                raise
+            refused = exc
+        items = full.input
+        num_head = next((i for i, item in enumerate(items)  # leading system messages stay
+                         if item.role not in ("system", "developer")), len(items))
+        turns = [i for i, item in enumerate(items)
+                 if i > num_head and (item.type or "message") == "message" and item.role == "user"]
+        fits: dict[int, Job] = {}  # by the index into `turns` kept from
+        lo, hi = 0, len(turns)  # the earliest turn to keep from whose conversation fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            kept = [*items[:num_head], *items[turns[mid]:]]
+            try:
+                fits[mid] = await self.serving.chat_job(
+                    _chat(full.model_copy(update={"input": kept})), "resp")
+                hi = mid
+            except schemas.APIError as exc:
+                if exc.info.code != "context_length_exceeded":
+                    raise
+                lo = mid + 1
+        if lo == len(turns):  # not even the last turn alone fits
+            raise refused
+        return fits[lo]
 
     def get(self, response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
         """A stored response, or a background one as it is now; `stream`: a background
@@ -426,6 +454,14 @@ def _listed(item: InputItem) -> dict[str, Any]:
                 "status": "completed"}
     return {"id": item.id, "type": kind, "summary": item.summary or [],
             "content": [{"type": "reasoning_text", "text": item.content}] if item.content else []}
+
+
+def _chat(full: ResponsesRequest) -> schemas.ChatCompletionRequest:
+    try:
+        return full.to_chat()
+    except ValidationError as exc:  # what the Responses fields let through but chat's not
+        err = exc.errors()[0]
+        raise schemas.APIError(400, f"input: {err['msg']}", param="input") from exc
 
 
 def _ready(started: T) -> Callable[[], Awaitable[T]]:

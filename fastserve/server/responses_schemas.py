@@ -253,7 +253,9 @@ class ResponsesRequest(BaseModel):
         "/v1/responses/{id}, follow or resume its events with ?stream=true&starting_after=N, "
         "cancel it with POST /v1/responses/{id}/cancel. Needs store.")
     include: Annotated[Any, Only(([],))] = Field(None, description="Only [].")
-    truncation: Annotated[Any, Only(("disabled",))] = Field(None, description="Only disabled.")
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="auto: a conversation beyond the model's context loses its oldest "
+        "turns (from a user message on) until it fits; disabled (the default): it is a 400.")
     reasoning: ReasoningConfig | None = Field(
         None, description="effort: given to the chat template as reasoning_effort (a 400 when "
         "it does not read it). The thinking of a model served with --reasoning-parser comes "
@@ -422,7 +424,7 @@ class ResponseObject(BaseModel):
     tool_choice: Any
     tools: list[FunctionTool]
     text: dict[str, Any]
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     store: bool = False
     background: bool = False
     previous_response_id: str | None = None
@@ -448,4 +450,5 @@ class ResponseObject(BaseModel):
                    text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                          else {"type": "text"}},
                    metadata=body.metadata or {}, user=body.user, store=store,
-                   background=bool(body.background), previous_response_id=body.previous_response_id)
+                   background=bool(body.background), previous_response_id=body.previous_response_id,
+                   truncation=body.truncation or "disabled")

@@ -184,3 +184,31 @@ def test_bad_fields_are_400_naming_them(server: ServerProcess, fields: dict[str,
     error = resp.json()["error"]
     assert error["param"] == param, error
     assert param.split("[")[0].split(".")[0] in error["message"]
+
+
+def test_truncation_auto_keeps_the_latest_turns_that_fit(server: ServerProcess) -> None:
+    """A conversation beyond the context: a 400 by default; with `truncation: auto` its oldest
+    turns go (whole, from a user message on; the system message stays) and the answer uses
+    the most that fit."""
+    max_model_len = httpx.get(server.v1 + "/models").json()["data"][0]["max_model_len"]
+    system = {"role": "system", "content": "Answer briefly."}
+    turns: list[dict[str, Any]] = []
+    for t in range(12):
+        turns += [{"role": "user", "content": " ".join(f"item{t}x{i}" for i in range(120))},
+                  {"role": "assistant", "content": f"Noted {t}."}]
+    turns.append({"role": "user", "content": "What now?"})
+    body = {"input": [system, *turns], "max_output_tokens": 16}
+
+    def count(items: list[dict[str, Any]]) -> int:
+        return int(httpx.post(server.url + "/tokenize", timeout=60,
+                              json={"messages": items}).json()["count"])
+
+    assert count([system, *turns]) + 16 > max_model_len  # the state the test is about
+    refused = httpx.post(server.v1 + "/responses", timeout=60, json={"model": MODEL, **body})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    resp = create(server, {**body, "truncation": "auto"})
+    assert resp["truncation"] == "auto"
+    starts = [i for i, item in enumerate(turns) if item["role"] == "user"]
+    fitting = next(i for i in starts if count([system, *turns[i:]]) + 16 <= max_model_len)
+    assert fitting > 0 and resp["usage"]["input_tokens"] == count([system, *turns[fitting:]])
