@@ -26,6 +26,7 @@ from fastserve.server import chat_tools, reasoning, schemas, streaming
 from fastserve.server.completion_stream import CompletionChoices
 from fastserve.server.gate import ClientDisconnected, bad_input, engine_dead, engine_failure
 from fastserve.server.job import (
+    HERMES,
     Job,
     cut_short,
     finish_reason,
@@ -35,11 +36,10 @@ from fastserve.server.job import (
 )
 from fastserve.server.logprobs import LogprobsFormatter
 from fastserve.server.metrics import ServerMetrics
-from fastserve.server.tools import FORMATS, ToolFormat
+from fastserve.server.tools import ToolFormat
 
 T = TypeVar("T")
 
-HERMES = FORMATS["hermes"]
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 
 
