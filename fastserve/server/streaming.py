@@ -84,6 +84,14 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[in
 
     NOTE: closing this generator closes every stream (`stream_outputs`: aborts its request),
     the ones it was waiting on included."""
+    if len(streams) == 1:  # one prompt's stream (the usual case): no task per item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+
     async def next_of(i: int) -> tuple[int, T] | None:  # None: stream i has ended
         try:
             return i, await anext(streams[i])
