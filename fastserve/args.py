@@ -54,6 +54,10 @@ _HELP = {
     "lora_modules": "LoRA adapters to serve beside the model, NAME=PATH each (a PEFT adapter "
                     "directory); a request names one as its model",
     "max_lora_rank": "the highest LoRA rank an adapter may have",
+    "max_loras": "the most LoRA adapters loaded at once (each keeps its weights in device memory)",
+    "allow_runtime_lora_updating": "serve POST /v1/load_lora_adapter and "
+                                   "/v1/unload_lora_adapter (vLLM's), which load an adapter "
+                                   "from a path on the server's disk while it serves",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

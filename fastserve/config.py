@@ -241,13 +241,25 @@ class LoRAConfig:
     # "NAME=PATH" each: a PEFT adapter directory (adapter_config.json and
     # adapter_model.safetensors) and the name requests use for it.
     lora_modules: tuple[str, ...] = ()
-    max_lora_rank: int = 64  # adapters of a higher rank are refused at start-up
+    max_lora_rank: int = 64  # adapters of a higher rank are refused
+    max_loras: int = 8  # adapters loaded at once (each holds its weights in device memory)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): a client names a path
+    # on the server's disk, so they are off unless asked for.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         _check(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _check(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         names = [name for name, _ in self.adapters]
         _check(len(set(names)) == len(names), f"lora_modules: adapter names repeat: {names}")
+        _check(len(names) <= self.max_loras,
+               f"lora_modules: {len(names)} adapters, more than max_loras={self.max_loras}")
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether the model takes adapters at all (at start-up or later)."""
+        return bool(self.lora_modules) or self.allow_runtime_lora_updating
 
     @property
     def adapters(self) -> list[tuple[str, str]]:

@@ -83,6 +83,11 @@ class Fleet:
             # Checked here: a replica failing to start is retried by Ray, then reported
             # as a failed deployment, a worse message than one server's.
             raise ValueError(f"model: {config.model.model!r} is not a model directory")
+        if config.lora.allow_runtime_lora_updating:
+            # NOTE: the ingress forwards a call to one replica; every replica would need it.
+            raise ValueError("allow_runtime_lora_updating: not with --replicas (an adapter "
+                             "loaded while serving would reach one replica); give the "
+                             "adapters with --lora-modules")
         self.name = opts.served_model_name or config.model.model or "tiny"
         self.started_ray = False
         if not ray.is_initialized():

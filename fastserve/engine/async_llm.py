@@ -24,6 +24,7 @@ from typing import Any
 
 from fastserve.config import EngineConfig
 from fastserve.engine.llm_engine import LLMEngine
+from fastserve.engine.loras import ServedAdapter
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,17 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(rid)
+
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> ServedAdapter:
+        """Serve the PEFT adapter at `path` as `name` from now on (read off the engine thread,
+        put in place between iterations). Raises LoRAError naming what is wrong."""
+        adapter = await asyncio.to_thread(self.engine.loras.read, name, path)
+        return await self._call(lambda: self.engine.add_lora(adapter, path, replace=replace))
+
+    async def unload_lora(self, name: str) -> ServedAdapter:
+        """Stop serving adapter `name` (running requests finish with it). Raises
+        LoRANotFoundError."""
+        return await self._call(lambda: self.engine.remove_lora(name))
 
     def abort(self, request_id: str) -> None:
         """Abort without waiting (safe from any thread)."""

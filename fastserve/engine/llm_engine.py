@@ -16,6 +16,7 @@ from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.engine.core import build_engine_core
 from fastserve.engine.group import RequestGroups
+from fastserve.engine.loras import LoRAAdapters, ServedAdapter
 from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.executor.distributed.executor import DistributedExecutor
@@ -24,7 +25,7 @@ from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
 from fastserve.model.loader import load_model, read_arch_config
-from fastserve.model.lora import attach_adapters, read_adapter
+from fastserve.model.lora import Adapter, LoRAWeights
 from fastserve.model.make_model import cache_dir, resolve_model_path
 from fastserve.model.tokenizer import Tokenizer, check_encodable
 from fastserve.profiling.cache import (
@@ -76,21 +77,24 @@ class LLMEngine:
         dtype = TORCH_DTYPES[config.model.dtype]
         parallel = config.parallel
         is_distributed = parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
+        lora = config.lora
+        weights = None
         if is_distributed:
-            if config.lora.lora_modules:
-                raise ValueError("lora_modules: LoRA adapters are not served with tensor or "
+            if lora.is_enabled:
+                flag = "lora_modules" if lora.lora_modules else "allow_runtime_lora_updating"
+                raise ValueError(f"{flag}: LoRA adapters are not served with tensor or "
                                  "pipeline parallelism yet")
             self.arch = read_arch_config(path)  # every rank loads its own shard (start_executor)
         else:
             model, self.arch = load_model(path, dtype, config.model.device,
                                           load_format=config.model.load_format)  # names what is missing
-        # LoRA adapters: a request names one; slot i + 1 holds the i-th (0: the base model).
-        self.lora_paths = dict(config.lora.adapters)
-        self.lora_ids = {name: i + 1 for i, name in enumerate(self.lora_paths)}
-        if self.lora_paths:
-            adapters = [read_adapter(name, p, self.arch, config.lora.max_lora_rank)
-                        for name, p in self.lora_paths.items()]
-            model.lora_batch = attach_adapters(model, self.arch, adapters)
+            if lora.is_enabled:
+                weights = LoRAWeights(model, self.arch, lora.max_loras + 1)
+                model.lora_batch = weights.batch
+        # LoRA adapters: a request names one (its slot of `weights`; 0: the base model).
+        self.loras = LoRAAdapters(weights, self.arch, lora.max_lora_rank, lora.max_loras)
+        for name, adapter_path in lora.adapters:
+            self.loras.add(self.loras.read(name, adapter_path), adapter_path, busy_slots=())
         try:
             self.tokenizer = Tokenizer(path)
         except FileNotFoundError as exc:
@@ -173,11 +177,11 @@ class LLMEngine:
         lower runs first (vLLM's), over the scheduling policy's order. `lora`: the name of a
         LoRA adapter to run with (`lora_modules`)."""
         params = (params or SamplingParams()).for_vocab(self.arch.vocab_size)
-        lora_id = 0
+        adapter = None
         if lora is not None:
-            lora_id = self.lora_ids.get(lora, 0)
-            if not lora_id:
-                served = ", ".join(self.lora_ids) or "none"
+            adapter = self.loras.get(lora)
+            if adapter is None:
+                served = ", ".join(self.loras.paths) or "none"
                 raise InvalidRequestError(f"lora: no adapter named {lora!r} (served: {served})", "model")
         if params.logits_processors and isinstance(self.runner, DistributedExecutor):
             raise InvalidRequestError(
@@ -207,8 +211,8 @@ class LLMEngine:
             oracle_output_len=oracle_output_len,
             max_model_len=self.max_model_len,
             priority=priority,
-            lora_id=lora_id,
-            cache_salt=f"lora:{lora}" if lora_id else None,
+            lora_id=adapter.slot if adapter else 0,
+            cache_salt=adapter.cache_salt if adapter else None,
         )
         text = prompt if isinstance(prompt, str) else None
         if num_seqs == 1:
@@ -278,6 +282,23 @@ class LLMEngine:
             req = self.scheduler.abort(sid, self.clock.now())
             if req is not None:
                 self._aborted.append(req)
+
+    # -- LoRA adapters while serving ----------------------------------------------------
+
+    def add_lora(self, adapter: Adapter, path: str, replace: bool = False) -> ServedAdapter:
+        """Serve `adapter` (read by `self.loras.read`, on any thread) under its name; requests
+        running now keep their adapters' weights. Raises LoRAError naming what is wrong."""
+        busy = {r.lora_id for r in self.scheduler.requests.values()}
+        served = self.loras.add(adapter, path, busy, replace=replace)
+        logger.info("LoRA adapter %r loaded from %s (slot %d)", served.name, path, served.slot)
+        return served
+
+    def remove_lora(self, name: str) -> ServedAdapter:
+        """Stop serving adapter `name`: new requests naming it are refused, running ones
+        finish with it. Raises LoRANotFoundError."""
+        served = self.loras.remove(name)
+        logger.info("LoRA adapter %r unloaded", name)
+        return served
 
     def check_health(self) -> None:
         """Raise `ExecutorDeadError` once the executor can run no more (a distributed rank

@@ -1,9 +1,10 @@
 """LoRA adapters (PEFT's format) served beside the base model.
 
-Each adapter is loaded once into a slot (slot 0 is the base model: no adapter); a request
-runs with its adapter's slot, and requests with different adapters share every batch. A
-targeted projection computes y = x W^T + scaling * (x A^T) B^T for each request's rows, as
-PEFT does at inference (dropout off). The fused projections (q|k|v and gate|up) keep one
+Each adapter is loaded into a slot (slot 0 is the base model: no adapter), at start-up or
+while serving (`LoRAWeights.load`); a request runs with its adapter's slot, and requests with
+different adapters share every batch. A targeted projection computes
+y = x W^T + scaling * (x A^T) B^T for each request's rows, as PEFT does at inference (dropout
+off). The fused projections (q|k|v and gate|up) keep one
 low-rank pair per part, each adding to its part's columns of the output.
 
 Not in the attention and MLP projections (embeddings, the LM head), and with tensor or
@@ -37,7 +38,12 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\
 
 
 class LoRAError(ValueError):
-    """An adapter that cannot be served, and why (names the adapter and the cause)."""
+    """An adapter that cannot be served, and why (names the adapter and the cause). `param`:
+    the API field at fault, where one is (the server's load endpoint names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -144,28 +150,56 @@ class LoRALinear:
     """A projection's adapters, per slot: A [slots, parts * rank, in], every part's A stacked
     (q, k, v of a fused qkv), and B [slots, out, parts * rank], block-diagonal (part i's
     columns of the output read only part i's rank rows), the scaling folded in; zero where an
-    adapter leaves a part alone or has a lower rank than `max_rank`. So a group of rows costs
+    adapter leaves a part alone or has a lower rank than the stack's. So a group of rows costs
     two matmuls whatever the number of parts: on a CPU small matmuls cost their call more
-    than their arithmetic."""
+    than their arithmetic. A slot whose adapter leaves this projection alone costs nothing."""
 
     def __init__(self, batch: LoRABatch, parts: list[tuple[int, int]], num_slots: int,
-                 max_rank: int, in_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 rank: int, in_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.batch = batch
         self.parts = parts  # (first output column, number of columns) of each part
-        self.max_rank = max_rank
+        self.rank = rank
+        self.in_size = in_size
+        self.active: set[int] = set()  # slots holding an adapter of this projection
         out_size = sum(size for _, size in parts)
-        self.a = torch.zeros(num_slots, len(parts) * max_rank, in_size, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, out_size, len(parts) * max_rank, dtype=dtype, device=device)
+        self.a = torch.zeros(num_slots, len(parts) * rank, in_size, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_size, len(parts) * rank, dtype=dtype, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.a.shape[0]
+
+    def grown(self, num_slots: int, rank: int) -> LoRALinear:
+        """A copy with room for `num_slots` slots of rank `rank` (at least the present)."""
+        num_slots, rank = max(num_slots, self.num_slots), max(rank, self.rank)
+        new = LoRALinear(self.batch, self.parts, num_slots, rank, self.in_size, self.a.dtype,
+                         self.a.device)
+        old_slots = self.num_slots
+        for part in range(len(self.parts)):
+            src, dst = slice(part * self.rank, (part + 1) * self.rank), slice(part * rank, part * rank + self.rank)
+            new.a[:old_slots, dst] = self.a[:, src]
+            new.b[:old_slots, :, dst] = self.b[:, :, src]
+        new.active = set(self.active)
+        return new
 
     def put(self, slot: int, part: int, a: Tensor, b: Tensor, scaling: float) -> None:
-        rank, (start, size) = a.shape[0], self.parts[part]
-        first = part * self.max_rank
-        self.a[slot, first:first + rank] = a
-        self.b[slot, start:start + size, first:first + rank] = b * scaling
+        adapter_rank, (start, size) = a.shape[0], self.parts[part]
+        first = part * self.rank
+        self.a[slot, first:first + adapter_rank] = a
+        self.b[slot, start:start + size, first:first + adapter_rank] = b * scaling
+        self.active.add(slot)
+
+    def clear(self, slot: int) -> None:
+        if slot in self.active:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            self.active.discard(slot)
 
     def add_to(self, x: Tensor, y: Tensor) -> Tensor:
         """y (the base projection of x [tokens, in]) plus each row's adapter's delta."""
         for slot, rows in self.batch.groups:
+            if slot not in self.active:
+                continue
             if rows is None:
                 y.addmm_(x @ self.a[slot].T, self.b[slot].T)  # [tokens, out]
             else:
@@ -173,31 +207,65 @@ class LoRALinear:
         return y
 
 
-def attach_adapters(model: nn.Module, arch: ArchConfig, adapters: Sequence[Adapter]) -> LoRABatch:
-    """Give every projection some adapter targets a `LoRALinear` holding all adapters (adapter
-    i in slot i + 1); the returned batch state says which rows use which slot."""
-    batch = LoRABatch()
-    param = next(model.parameters())
-    max_rank = max(a.rank for a in adapters)
-    part_sizes = {"self_attn.qkv_proj": [_shape(arch, m)[1] for m in ("q_proj", "k_proj", "v_proj")],
-                  "mlp.gate_up_proj": [_shape(arch, m)[1] for m in ("gate_proj", "up_proj")],
-                  "self_attn.o_proj": [arch.hidden_size], "mlp.down_proj": [arch.hidden_size]}
-    targets = {(layer, TARGETS[module][0]) for a in adapters for layer, module in a.weights}
-    stacks: dict[tuple[int, str], LoRALinear] = {}
-    for layer, ours in sorted(targets):
-        linear = model.get_submodule(f"model.layers.{layer}.{ours}")
-        assert isinstance(linear, LinearBase)
-        sizes = part_sizes[ours]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        linear.lora = stacks[(layer, ours)] = LoRALinear(
-            batch, list(zip(starts, sizes, strict=True)), len(adapters) + 1, max_rank,
-            linear.input_size, param.dtype, param.device)
-    for slot, adapter in enumerate(adapters, start=1):
+class LoRAWeights:
+    """Every loaded adapter's weights in a model, by slot (1 and up; 0 is the base model):
+    adapters are loaded into a slot and cleared from it while the model serves. A projection
+    gets its `LoRALinear` when an adapter first targets it, and grows (more slots, a higher
+    rank) as adapters that need it are loaded, so memory follows the adapters served."""
+
+    def __init__(self, model: nn.Module, arch: ArchConfig, max_slots: int) -> None:
+        self.model = model
+        self.arch = arch
+        self.max_slots = max_slots  # slot ids are below it
+        self.batch = LoRABatch()
+        self.stacks: dict[tuple[int, str], LoRALinear] = {}
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        hidden = arch.hidden_size
+        self.part_sizes = {
+            "self_attn.qkv_proj": [_shape(arch, m)[1] for m in ("q_proj", "k_proj", "v_proj")],
+            "mlp.gate_up_proj": [_shape(arch, m)[1] for m in ("gate_proj", "up_proj")],
+            "self_attn.o_proj": [hidden], "mlp.down_proj": [hidden]}
+
+    def load(self, slot: int, adapter: Adapter) -> None:
+        """Put `adapter` in `slot` (whatever held it before is cleared)."""
+        if not 1 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is not in [1, {self.max_slots})")
+        self.clear(slot)
         for (layer, module), (a, b) in adapter.weights.items():
             ours, part = TARGETS[module]
-            stacks[(layer, ours)].put(slot, part, a.to(param.device, param.dtype),
-                                      b.to(param.device, param.dtype), adapter.scaling)
-    return batch
+            stack = self._stack(layer, ours, slot, adapter.rank)
+            stack.put(slot, part, a.to(self.device, self.dtype), b.to(self.device, self.dtype),
+                      adapter.scaling)
+
+    def clear(self, slot: int) -> None:
+        """No adapter in `slot` any more (its projections add nothing)."""
+        for stack in self.stacks.values():
+            stack.clear(slot)
+
+    def _stack(self, layer: int, ours: str, slot: int, rank: int) -> LoRALinear:
+        """The projection's stack, with room for `slot` at `rank`."""
+        stack = self.stacks.get((layer, ours))
+        # Slots grow by doubling, up to the limit: few re-allocations as adapters are loaded.
+        num_slots = min(self.max_slots, max(slot + 1, 2 * (stack.num_slots if stack else 1)))
+        if stack is None:
+            sizes = self.part_sizes[ours]
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            stack = LoRALinear(self.batch, list(zip(starts, sizes, strict=True)), num_slots,
+                               rank, self._linear(layer, ours).input_size,
+                               self.dtype, self.device)
+        elif slot >= stack.num_slots or rank > stack.rank:
+            stack = stack.grown(num_slots, rank)
+        else:
+            return stack
+        self.stacks[(layer, ours)] = stack
+        self._linear(layer, ours).lora = stack
+        return stack
+
+    def _linear(self, layer: int, ours: str) -> LinearBase:
+        linear = self.model.get_submodule(f"model.layers.{layer}.{ours}")
+        assert isinstance(linear, LinearBase)
+        return linear
 
 
 def make_adapter(arch: ArchConfig, out: str | Path, rank: int = 8, alpha: float = 16.0,

@@ -11,6 +11,7 @@ parsing; the route validates the body (pydantic, `schemas.py`) and hands it to `
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -23,6 +24,7 @@ from fastserve.server.gate import (
     RequestGate,
     add_error_handlers,
 )
+from fastserve.server.lora_admin import lora_router
 from fastserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses import ResponsesServing
@@ -182,15 +184,21 @@ def build_app(
         """vLLM's: the text of token ids."""
         return await tokens.detokenize(body)
 
-    _narrow_openapi(app, [card.id for card in serving.model_cards()], llm.engine.arch.vocab_size,
-                    serving.max_model_len)
+    def models_changed() -> None:
+        app.openapi_schema = None  # rebuilt with the models served now
+
+    app.include_router(lora_router(serving, llm.config.lora.allow_runtime_lora_updating,
+                                   models_changed))
+    _narrow_openapi(app, lambda: [card.id for card in serving.model_cards()],
+                    llm.engine.arch.vocab_size, serving.max_model_len)
     return app
 
 
-def _narrow_openapi(app: FastAPI, model_names: list[str], vocab_size: int, max_model_len: int) -> None:
+def _narrow_openapi(app: FastAPI, served_models: Callable[[], list[str]], vocab_size: int,
+                    max_model_len: int) -> None:
     """Write the served model's limits into the OpenAPI document, so a request valid by the
-    schema is one the server accepts: its names (its own, its LoRA adapters'), its token ids,
-    its context.
+    schema is one the server accepts: its names (its own, its LoRA adapters' as they are when
+    the document is built), its token ids, its context.
 
     NOTE: one limit is across fields and has no JSON Schema: the prompt's tokens plus
     max_tokens must fit the context (and min_tokens <= max_tokens); those get a 400.
@@ -201,6 +209,7 @@ def _narrow_openapi(app: FastAPI, model_names: list[str], vocab_size: int, max_m
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = build()
+        model_names = served_models()
         for param in doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
             param["schema"]["enum"] = model_names  # the models there are; others are 404
         for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):

@@ -70,14 +70,14 @@ class OpenAIServing:
                                   max_model_len=self.max_model_len),
                 *(schemas.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len,
                                     root=path, parent=self.model_name)
-                  for name, path in self.llm.engine.lora_paths.items())]
+                  for name, path in self.llm.engine.loras.paths.items())]
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter `model` names (None: the served model itself); a 404 naming the
         models there are when it names none."""
         if model == self.model_name:
             return None
-        if model in self.llm.engine.lora_paths:
+        if model in self.llm.engine.loras.paths:
             return model
         served = ", ".join(repr(card.id) for card in self.model_cards())
         raise schemas.APIError(

@@ -102,3 +102,14 @@ def test_the_fleet_router_predicts_no_cache_hits_for_an_adapter(tiny_model_ready
     assert base is not None and lora is not None
     assert len(base.block_hashes) == 2 and lora.block_hashes == ()
     assert lora.num_prompt_tokens == base.num_prompt_tokens == len(PROMPT)
+
+
+def test_loading_adapters_while_serving_is_off_unless_asked(lora_server: ServerProcess,
+                                                            adapter: tuple[Path, Path]) -> None:
+    resp = httpx.post(lora_server.v1 + "/load_lora_adapter", timeout=60,
+                      json={"lora_name": "late", "lora_path": str(adapter[0])})
+    assert resp.status_code == 404
+    assert "--allow-runtime-lora-updating" in resp.json()["error"]["message"]
+    paths = httpx.get(lora_server.url + "/openapi.json").json()["paths"]
+    assert "/v1/load_lora_adapter" not in paths and "/v1/unload_lora_adapter" not in paths
+    assert _complete(lora_server, "late").status_code == 404
