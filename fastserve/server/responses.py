@@ -24,8 +24,10 @@ from fastserve.request import RequestOutput
 from fastserve.server import background, chat_tools, reasoning, schemas, streaming
 from fastserve.server.background import BackgroundRun
 from fastserve.server.job import Job, job_usage
+from fastserve.server.logprobs import LogprobsFormatter
 from fastserve.server.response_store import ResponseStore
 from fastserve.server.responses_schemas import (
+    LOGPROBS_INCLUDE,
     DeletedResponse,
     IncompleteDetails,
     InputItem,
@@ -65,8 +67,10 @@ class OutputItems:
         self._open: OutputItem | None = None
         self.events: list[dict[str, Any]] = []  # not yet sent
 
-    def text(self, delta: str) -> None:
-        if not delta:
+    def text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """More of the answer's text; `logprobs`: its tokens' (include
+        message.output_text.logprobs)."""
+        if not delta and not logprobs:
             return
         item = self._open
         if not isinstance(item, OutputMessage):
@@ -78,8 +82,9 @@ class OutputItems:
             self._emit("response.content_part.added", item_id=item.id, output_index=len(self.items) - 1,
                        content_index=0, part=part.model_dump())
         item.content[0].text += delta
+        item.content[0].logprobs += logprobs or []
         self._emit("response.output_text.delta", item_id=item.id, output_index=len(self.items) - 1,
-                   content_index=0, delta=delta, logprobs=[])
+                   content_index=0, delta=delta, logprobs=logprobs or [])
 
     def reasoning(self, delta: str) -> None:
         """A reasoning model's thinking (an item before the answer's)."""
@@ -119,7 +124,7 @@ class OutputItems:
         if isinstance(item, OutputMessage):
             part = item.content[0]
             self._emit("response.output_text.done", item_id=item.id, output_index=index,
-                       content_index=0, text=part.text, logprobs=[])
+                       content_index=0, text=part.text, logprobs=part.logprobs)
             self._emit("response.content_part.done", item_id=item.id, output_index=index,
                        content_index=0, part=part.model_dump())
         elif isinstance(item, OutputReasoning):
@@ -160,6 +165,7 @@ class ResponsesServing:
             full = body.model_copy(update={"input": [*earlier, *body.input]})
         try:
             job = await self._job(full)
+            _check_logprobs(job)
             if body.background:
                 return self._start_background(job, body)
             started = await self.serving.start(job, request, "input")
@@ -172,7 +178,7 @@ class ResponsesServing:
         first, outputs = started
         (final,) = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         items = OutputItems()
-        _read(job, items, _Readers(job), final)
+        _read(job, items, _Readers(job, self.serving.logprobs), final)
         _finish(response, items, job, final)
         self._keep(response, body)
         return JSONResponse(response.model_dump())
@@ -365,7 +371,7 @@ class ResponsesServing:
                 yield event(payload)
             return
         yield event({"type": "response.in_progress", "response": response.model_dump()})
-        readers = _Readers(job)
+        readers = _Readers(job, self.serving.logprobs)
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 for payload in self._failed(response, body, out, keep):
@@ -396,12 +402,31 @@ class ResponsesServing:
 
 
 class _Readers:
-    """What reads a response's output: thinking apart (reasoning models), then calls."""
+    """What reads a response's output: thinking apart (reasoning models), then calls; and
+    the tokens' log-probabilities, when asked for."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, logprobs: LogprobsFormatter) -> None:
         self.tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
         self.thoughts = (reasoning.ChoiceReasoning(job.reasoning_inside)
                          if job.reasoning_inside is not None else None)
+        self.logprobs = logprobs
+
+    def token_logprobs(self, job: Job, out: RequestOutput) -> list[dict[str, Any]] | None:
+        """The output's new tokens' log-probabilities (a whole response: all of them)."""
+        if out.logprobs is None:
+            return None
+        num = len(out.token_ids) if job.params.final_only else len(out.new_token_ids)
+        entries = out.logprobs[len(out.logprobs) - num:] if num else []
+        return [lp.model_dump() for lp in self.logprobs.chat(entries).content or []]
+
+
+def _check_logprobs(job: Job) -> None:
+    """Log-probabilities belong to the answer's text: refused where its tokens are split
+    between thinking, calls and text (the split is by text, not by token)."""
+    if job.params.logprobs is not None and (job.tool_mode != "none" or job.reasoning_inside is not None):
+        raise schemas.APIError(
+            400, f"include: {LOGPROBS_INCLUDE} is not served with tools (tool_choice other than "
+            "none) or a reasoning model's thinking: their tokens are not the answer's", param="include")
 
 
 def _read(job: Job, items: OutputItems, readers: _Readers, out: RequestOutput) -> None:
@@ -412,7 +437,7 @@ def _read(job: Job, items: OutputItems, readers: _Readers, out: RequestOutput) -
         thinking, text = readers.thoughts.read(out.index, text, out.finished)
         items.reasoning(thinking)
     if job.tool_mode == "none":
-        items.text(text)
+        items.text(text, readers.token_logprobs(job, out))
         return
     for piece in readers.tools.read(out.index, text, out.finished):
         items.text(piece) if isinstance(piece, str) else items.call(piece)

@@ -4,7 +4,8 @@ items, and the response object with its output items.
 A request is translated into the chat completion it amounts to (`ResponsesRequest.to_chat`):
 the instructions become a system message, input items become messages (`function_call` items
 an assistant's tool calls, `function_call_output` items tool messages), and the tools,
-`tool_choice` and `text.format` their chat fields. Stored responses (`store`,
+`tool_choice`, `text.format` and the log-probabilities (`include`, `top_logprobs`) their chat
+fields. Stored responses (`store`,
 `previous_response_id`) are in `response_store.py`; `background` is refused.
 """
 
@@ -217,6 +218,10 @@ class ReasoningConfig(BaseModel):
     generate_summary: Annotated[Any, Only(())] = Field(None, description="Not supported.")
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+IncludeItem = Literal["message.output_text.logprobs", "reasoning.encrypted_content"]
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`."""
 
@@ -252,7 +257,11 @@ class ResponsesRequest(BaseModel):
         "generates the response, whatever the client does; poll it with GET "
         "/v1/responses/{id}, follow or resume its events with ?stream=true&starting_after=N, "
         "cancel it with POST /v1/responses/{id}/cancel. Needs store.")
-    include: Annotated[Any, Only(([],))] = Field(None, description="Only [].")
+    include: list[IncludeItem] | None = Field(
+        None, description="message.output_text.logprobs: each output token's log-probability "
+        "(and top_logprobs alternatives) in the text's logprobs (not with tools or a "
+        "reasoning model's thinking); reasoning.encrypted_content: accepted (a reasoning item "
+        "carries its thinking in clear in content, none encrypted).")
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description="auto: a conversation beyond the model's context loses its oldest "
         "turns (from a user message on) until it fits; disabled (the default): it is a 400.")
@@ -262,8 +271,14 @@ class ResponsesRequest(BaseModel):
         "back as a reasoning item.")
     service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
         None, description="Accepted for compatibility; ignored.")
-    top_logprobs: Annotated[Any, Only((0,))] = Field(None, description="Only 0.")
+    top_logprobs: schemas.NumLogprobs | None = Field(
+        None, description="The most likely alternatives to each output token, returned with "
+        "include message.output_text.logprobs.")
     max_tool_calls: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())
 
     def to_chat(self) -> schemas.ChatCompletionRequest:
         """The chat completion this request amounts to."""
@@ -287,6 +302,8 @@ class ResponsesRequest(BaseModel):
                             {"type": "function", "function": {"name": choice.name}}),
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
+            "logprobs": True if self.wants_logprobs else None,
+            "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
         })
 
     def _messages(self) -> list[dict[str, Any]]:
@@ -425,6 +442,7 @@ class ResponseObject(BaseModel):
     tools: list[FunctionTool]
     text: dict[str, Any]
     truncation: Literal["auto", "disabled"] = "disabled"
+    top_logprobs: int | None = None
     store: bool = False
     background: bool = False
     previous_response_id: str | None = None
@@ -451,4 +469,4 @@ class ResponseObject(BaseModel):
                          else {"type": "text"}},
                    metadata=body.metadata or {}, user=body.user, store=store,
                    background=bool(body.background), previous_response_id=body.previous_response_id,
-                   truncation=body.truncation or "disabled")
+                   truncation=body.truncation or "disabled", top_logprobs=body.top_logprobs)
