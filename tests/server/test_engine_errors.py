@@ -164,3 +164,28 @@ def test_engine_error_mid_response_stream_fails_the_response(url: str) -> None:
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and "injected device fault" in failed["error"]["message"]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_engine_error_fails_a_background_response(url: str) -> None:
+    """A background response the engine fails: stored as `failed` with the error, its
+    events replayed ending in `error` and `response.failed`; the server serves on."""
+    # Instructions of its own: no block of an earlier test's prompt is cached (the poison
+    # is seen only in the tokens a prefill computes).
+    body = {"model": "tiny", "input": "Hi!", "instructions": "In the background.",
+            "max_output_tokens": 8, "background": True}
+    started = httpx.post(url + "/responses", json=body, timeout=60)
+    assert started.status_code == 200 and started.json()["status"] == "queued"
+    response_id = started.json()["id"]
+    deadline = time.monotonic() + 60
+    while (now := httpx.get(f"{url}/responses/{response_id}", timeout=60).json())["status"] in (
+            "queued", "in_progress"):
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now["status"] == "failed" and "injected device fault" in now["error"]["message"]
+    with httpx.stream("GET", f"{url}/responses/{response_id}", params={"stream": "true"},
+                      timeout=60) as resp:
+        kinds = [json.loads(line[6:])["type"] for line in resp.iter_lines()
+                 if line.startswith("data: ")]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"]
+    ok = httpx.post(url + "/completions", json=_body([5, 6, 7]), timeout=60)
+    assert ok.status_code == 200
