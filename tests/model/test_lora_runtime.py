@@ -14,17 +14,13 @@ from fastserve.engine.llm_engine import LLMEngine
 from fastserve.engine.loras import LoRANotFoundError
 from fastserve.llm import LLM
 from fastserve.model.arch import ArchConfig
-from fastserve.model.loader import read_arch_config
 from fastserve.model.lora import LoRAError, make_adapter
 from fastserve.request import RequestOutput
 from tests.conftest import TEST_DTYPE
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
-from tests.model.test_lora import ATTN, GREEDY, MLP, PROMPTS, merged_checkpoint
+from tests.model.test_lora import ATTN, GREEDY, MLP, PROMPTS, arch, merged_checkpoint
 
-
-@pytest.fixture(scope="module")
-def arch(tiny_model_path: Path) -> ArchConfig:
-    return read_arch_config(tiny_model_path)
+__all__ = ["arch"]  # a fixture
 
 
 @pytest.fixture(scope="module")
