@@ -424,7 +424,16 @@ class LLMEngine:
             "prefix_cache_host_blocks": self.kv.num_cached_host_blocks,
             "prefix_cache_host_hit_tokens": self.kv.num_host_hit_blocks * self.kv.block_size,
             "prefix_cache_prefetched_tokens": self.kv.num_prefetched_blocks * self.kv.block_size,
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict[str, object]:
+        if self.loras.weights is None:
+            return {}
+        requests = self.scheduler.requests.values()
+        return {"max_loras": self.loras.max_loras,
+                "lora_requests": self.loras.requests_by_adapter(
+                    (r.lora_id, r.status is RequestStatus.RUNNING) for r in requests)}
 
     # -- start-up -------------------------------------------------------------------------
 

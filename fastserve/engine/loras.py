@@ -11,7 +11,7 @@ with the adapter they started with, never with another one's weights).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from fastserve.model.arch import ArchConfig
@@ -61,6 +61,17 @@ class LoRAAdapters:
     def paths(self) -> dict[str, str]:
         """name -> path of each adapter served, in the order they were loaded."""
         return {a.name: a.path for a in self._served.values()}
+
+    def requests_by_adapter(self, slots: Iterable[tuple[int, bool]]) -> dict[str, dict[str, int]]:
+        """name -> {"running": n, "waiting": m} for each adapter served, from the (slot, is
+        running) of each request; requests of an unloaded adapter count under "(unloaded)"."""
+        names = {a.slot: a.name for a in self._served.values()}
+        counts = {name: {"running": 0, "waiting": 0} for name in names.values()}
+        for slot, is_running in slots:
+            if slot:
+                entry = counts.setdefault(names.get(slot, "(unloaded)"), {"running": 0, "waiting": 0})
+                entry["running" if is_running else "waiting"] += 1
+        return counts
 
     def read(self, name: str, path: str) -> Adapter:
         """The adapter's weights, checked against the model (slow: disk; any thread)."""

@@ -90,6 +90,17 @@ class _EngineCollector(Collector):
         cached.add_metric(["device"], s.get("prefix_cache_device_blocks", 0))
         cached.add_metric(["host"], s.get("prefix_cache_host_blocks", 0))
         yield cached
+        if "max_loras" in s:  # LoRA adapters served
+            yield GaugeMetricFamily("fastserve_max_loras", "LoRA adapters that may be loaded "
+                                    "at once (--max-loras)", value=s["max_loras"])
+            lora = GaugeMetricFamily(
+                "fastserve_lora_requests", "requests per LoRA adapter loaded (every one listed, "
+                "idle ones at 0) and state (running: in the batch; waiting: queued or paused)",
+                labels=["adapter", "state"])
+            for name, counts in s["lora_requests"].items():
+                for state, count in counts.items():
+                    lora.add_metric([name, state], count)
+            yield lora
 
 
 class ServerMetrics:

@@ -5,11 +5,13 @@ document follows; a bad name or path is a 400 naming the field."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.helpers import ServerProcess, managed, start_server
 from tests.server.test_lora_api import _complete, adapter, lora_server
@@ -31,6 +33,14 @@ def _post(server: ServerProcess, path: str, **body: object) -> httpx.Response:
 def _model_enum(server: ServerProcess) -> list[str]:
     doc = httpx.get(server.url + "/openapi.json").json()
     return doc["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"]
+
+
+def _lora_requests(server: ServerProcess) -> dict[tuple[str, str], float]:
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    assert "fastserve_max_loras 2.0" in text
+    return {(m.labels["adapter"], m.labels["state"]): m.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "fastserve_lora_requests" for m in family.samples}
 
 
 def test_an_adapter_loaded_while_serving_runs_as_one_given_at_start(
@@ -57,6 +67,18 @@ def test_an_adapter_loaded_while_serving_runs_as_one_given_at_start(
     assert "load_inplace" in again.json()["error"]["message"]
     assert _post(runtime_server, "/load_lora_adapter", lora_name="late", lora_path=str(adapter[0]),
                  load_inplace=True).status_code == 200
+
+    # /metrics counts each adapter's requests: one streams with "late" while it is read.
+    assert _lora_requests(runtime_server) == {("late", "running"): 0, ("late", "waiting"): 0}
+    with httpx.stream("POST", runtime_server.v1 + "/completions", timeout=120, json={
+            "model": "late", "prompt": "Hi", "max_tokens": 40, "ignore_eos": True,
+            "stream": True}) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        deadline = time.monotonic() + 30
+        while _lora_requests(runtime_server)[("late", "running")] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
     gone = _post(runtime_server, "/unload_lora_adapter", lora_name="late")
     assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'late' removed successfully."
