@@ -25,6 +25,9 @@ from typing import Any
 import httpx
 import pytest
 
+from fastserve.model.loader import read_arch_config
+from fastserve.model.lora import make_adapter
+
 pytest.importorskip("ray.serve", reason="the fleet needs Ray Serve: pip install 'fastserve[cluster]'")
 # The module's fleet starts with its first test: Ray and two engines, minutes when the machine
 # is busy.
@@ -78,10 +81,13 @@ def _replica_pids(root: int) -> list[int]:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     log_path = tmp_path_factory.mktemp("fleet") / "fleet.log"
+    # A LoRA adapter beside the model: each replica loads it; requests naming it run with it.
+    make_adapter(read_arch_config(tiny_model_path), log_path.parent / "attn", seed=5)
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "fastserve.cli", "serve", "--replicas", "2", "--num-threads", "1",
-           "--port", "0", "--dtype", "float32", "--no-access-log", "--no-warmup", "--profile", PROFILE]
+           "--port", "0", "--dtype", "float32", "--no-access-log", "--no-warmup", "--profile", PROFILE,
+           "--lora-modules", f"attn={log_path.parent / 'attn'}"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     f = Fleet(proc, log_path)
@@ -141,6 +147,16 @@ def test_answers_as_one_server(fleet: Fleet, tiny_model_path: Path) -> None:
         want = [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [r.json()["choices"][0]["text"] for r in answers] == want
 
+    # A LoRA adapter's requests, spread over the replicas: its tokens, not the model's.
+    adapter = str(fleet.log_path.parent / "attn")
+    with ThreadPoolExecutor(4) as pool:
+        adapted = list(pool.map(lambda p: _complete(fleet.url, p, 12, model="attn"), prompts))
+    assert all(r.status_code == 200 and r.json()["model"] == "attn" for r in adapted)
+    with LLM(dtype="float32", warmup=False, num_threads=1, profile=PROFILE,
+             lora_modules=[f"attn={adapter}"]) as llm:
+        want_attn = [o.text for o in llm.generate(prompts, params, use_tqdm=False, lora="attn")]
+    assert [r.json()["choices"][0]["text"] for r in adapted] == want_attn != want
+
     events = _stream(fleet.url, "Once upon a time", 12)
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]
@@ -151,7 +167,8 @@ def test_answers_as_one_server(fleet: Fleet, tiny_model_path: Path) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     wrong = httpx.post(fleet.url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=60)
     assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
-    assert httpx.get(fleet.url + "/v1/models", timeout=60).json()["data"][0]["id"] == "tiny"
+    assert [m["id"] for m in httpx.get(fleet.url + "/v1/models", timeout=60).json()["data"]] == [
+        "tiny", "attn"]
     # vLLM's /tokenize reaches a replica; the Responses API stores nothing on a fleet (a
     # follow-up could reach another replica), and says so.
     counted = httpx.post(fleet.url + "/tokenize", json={"prompt": prompts[0]}, timeout=60)
