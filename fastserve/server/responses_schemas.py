@@ -218,6 +218,12 @@ class ReasoningConfig(BaseModel):
     generate_summary: Annotated[Any, Only(())] = Field(None, description="Not supported.")
 
 
+class ResponsesStreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_obfuscation: StrictBool | None = None
+
+
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 IncludeItem = Literal["message.output_text.logprobs", "reasoning.encrypted_content"]
 
@@ -244,6 +250,13 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
+    prompt_cache_key: Text | None = Field(
+        None, description="Accepted; the prefix cache finds shared prefixes by content.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="Accepted; cached prefixes stay while memory allows.")
+    safety_identifier: Text | None = Field(None, description="Accepted; ignored (as `user`).")
+    stream_options: ResponsesStreamOptions | None = Field(
+        None, description="include_obfuscation: accepted; events carry no obfuscation padding.")
     seed: schemas.Seed | None = Field(None, description="Extension (vLLM's): the sampling seed.")
     store: StrictBool | None = Field(
         None, description="Default true: the response is kept (in memory, within "
@@ -269,8 +282,9 @@ class ResponsesRequest(BaseModel):
         None, description="effort: given to the chat template as reasoning_effort (a 400 when "
         "it does not read it). The thinking of a model served with --reasoning-parser comes "
         "back as a reasoning item.")
-    service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
-        None, description="Accepted for compatibility; ignored.")
+    service_tier: schemas.ServiceTier | None = Field(
+        None, description="priority: runs before the default tier; flex: after it; auto, "
+        "default: the default tier.")
     top_logprobs: schemas.NumLogprobs | None = Field(
         None, description="The most likely alternatives to each output token, returned with "
         "include message.output_text.logprobs.")
@@ -302,6 +316,7 @@ class ResponsesRequest(BaseModel):
                             {"type": "function", "function": {"name": choice.name}}),
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
+            "service_tier": self.service_tier,
             "logprobs": True if self.wants_logprobs else None,
             "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
         })
@@ -448,6 +463,9 @@ class ResponseObject(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["default", "flex", "priority"] = "default"  # the tier it ran in
 
     @classmethod
     def start(cls, response_id: str, created_at: int, model: str, body: ResponsesRequest,
@@ -468,5 +486,8 @@ class ResponseObject(BaseModel):
                    text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                          else {"type": "text"}},
                    metadata=body.metadata or {}, user=body.user, store=store,
+                   prompt_cache_key=body.prompt_cache_key, safety_identifier=body.safety_identifier,
+                   service_tier="flex" if body.service_tier == "flex" else
+                   "priority" if body.service_tier == "priority" else "default",
                    background=bool(body.background), previous_response_id=body.previous_response_id,
                    truncation=body.truncation or "disabled", top_logprobs=body.top_logprobs)

@@ -176,6 +176,21 @@ def _check_truncate(value: int) -> int:
 # vLLM's priority (a 32-bit integer: lower runs first).
 Priority = Annotated[StrictInt, annotated_types.Ge(-(2**31)), annotated_types.Lt(2**31),
                      BeforeValidator(_integral)]
+# OpenAI's service tiers, as the scheduler's priority: `priority` before the default tier,
+# `flex` (slower, for batch work) after it.
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+TIER_PRIORITY = {"auto": 0, "default": 0, "flex": 1, "priority": -1}
+
+
+def scheduling_priority(priority: int | None, service_tier: str | None) -> int:
+    """The scheduler's priority from vLLM's `priority` or OpenAI's `service_tier` (not both)."""
+    if priority is not None and service_tier not in (None, "auto", "default"):
+        raise InvalidRequestError(
+            f"service_tier: {service_tier!r} sets the priority; give it or `priority`, not both",
+            "service_tier")
+    return priority if priority is not None else TIER_PRIORITY[service_tier or "auto"]
+
+
 # vLLM's truncate_prompt_tokens: a count of tokens, or -1.
 TruncatePrompt = Annotated[StrictInt, BeforeValidator(_integral), AfterValidator(_check_truncate),
                            WithJsonSchema({"anyOf": [{"const": -1},
@@ -303,9 +318,17 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = Field(None, description="Used only when stream is true.")
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
+    # OpenAI's newer fields (clients built on the current SDK send them), accepted and
+    # ignored: the prefix cache finds shared prefixes by their tokens, without a key.
+    prompt_cache_key: Text | None = Field(
+        None, description="Accepted; the prefix cache finds shared prefixes by content.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="Accepted; cached prefixes stay while memory allows.")
+    safety_identifier: Text | None = Field(None, description="Accepted; ignored (as `user`).")
     # OpenAI fields accepted only at the values that mean "not used".
-    service_tier: Annotated[Any, Only(("auto", "default"))] = Field(
-        None, description="Accepted for compatibility; ignored.")
+    service_tier: ServiceTier | None = Field(
+        None, description="priority: runs before the default tier (vLLM's priority -1); flex: "
+        "after it (priority 1); auto, default: priority 0. Not with `priority`.")
     n: NumSequences | None = Field(
         None, description="Choices to return, each a sequence of its own sampled from the prompt.")
     # vLLM's extensions, implemented.
@@ -713,6 +736,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool | None = Field(None, description="Log-probabilities of the output tokens.")
     top_logprobs: NumLogprobs | None = Field(
         None, description="With logprobs: this many most likely alternatives per token.")
+    verbosity: Annotated[Any, Only(("medium",))] = Field(None, description="Only medium.")
 
     def template_args(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The chat template's messages and further variables (the tools, and

@@ -299,6 +299,7 @@ class OpenAIServing:
             )
         try:
             params = body.sampling_params(max_tokens, self.tool_format)
+            priority = schemas.scheduling_priority(body.priority, body.service_tier)
         except ValueError as exc:
             raise bad_input(exc, "prompt") from exc
         if not body.stream:  # one response body: the engine builds the final outputs only
@@ -323,7 +324,7 @@ class OpenAIServing:
             continuous_usage=body.continuous_usage,
             created=schemas.now_s(),
             return_token_ids=bool(body.return_token_ids),
-            priority=body.priority or 0,
+            priority=priority,
             model=body.model,
             lora=self.check_model(body.model),
         )

@@ -93,7 +93,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
         # the vocabulary (JSON Schema cannot bound a key's number), the Responses API's
         # logprobs not with tools.
         limits = {"max_tokens": "0 only with echo", "top_logprobs": "needs logprobs",
-                  "logit_bias": "vocabulary", "include": "not served with tools"}
+                  "logit_bias": "vocabulary", "include": "not served with tools",
+                  "service_tier": "not both"}
         if error["param"] in limits and limits[error["param"]] in error["message"]:
             return None
     return positive_data_acceptance(ctx, response, case)
