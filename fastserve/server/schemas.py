@@ -10,8 +10,9 @@ Extensions: vLLM's names, as the load tools that benchmark servers send them (gu
 `max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
 `request_id`, `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
 `repetition_penalty`, `min_p` and structured output's `guided_json`, `guided_regex`,
-`guided_choice` (beside OpenAI's `response_format`). The others are accepted only at the
-values that mean "not used".
+`guided_choice` (beside OpenAI's `response_format`); chat's `add_generation_prompt`,
+`continue_final_message` (continue the assistant's last message: a prefill) and `echo`. The
+others are accepted only at the values that mean "not used".
 """
 
 from __future__ import annotations
@@ -660,7 +661,8 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 # What the chat template is given by the server (`tools`: from the request's field);
 # chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "continue_final_message",
+                          "bos_token", "eos_token", "tools")
 
 
 def _check_template_kwargs(value: Any) -> Any:
@@ -707,6 +709,16 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's extensions.
     chat_template_kwargs: TemplateKwargs = Field(
         None, description="Extension: more variables for the chat template.")
+    add_generation_prompt: StrictBool | None = Field(
+        None, description="Extension: end the prompt with the opening of a new assistant "
+        "message, which the model writes. Default true, but false with continue_final_message.")
+    continue_final_message: StrictBool | None = Field(
+        None, description="Extension: leave the last message, which must be the assistant's "
+        "and have content, open: the prompt ends with its content and the model continues it "
+        "(a prefill). Not with add_generation_prompt true.")
+    echo: StrictBool | None = Field(
+        None, description="Extension: when the last message is the assistant's, each choice's "
+        "content begins with that message's content (streamed: in the first delta).")
     add_special_tokens: Annotated[Any, Only((False,))] = Field(
         None, description="Extension: only false (the chat template adds them).")
     # Log-probabilities (issue 27).
@@ -715,14 +727,39 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="With logprobs: this many most likely alternatives per token.")
 
     def template_args(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The chat template's messages and further variables (the tools, and
-        chat_template_kwargs): what a replica renders, and the fleet's router with it."""
+        """The chat template's messages and further variables (the tools, how the prompt
+        ends, and chat_template_kwargs): what a replica renders, and the fleet's router with
+        it (`Tokenizer.apply_chat_template(messages, **kwargs)`). Raises InvalidRequestError
+        naming the field when the prompt's ending asked for cannot be had."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
         if self.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        kwargs["add_generation_prompt"], kwargs["continue_final_message"] = self._prompt_ending()
         return [m.template_dict() for m in self.messages], kwargs
+
+    def _prompt_ending(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message), as vLLM reads them."""
+        keep_open = bool(self.continue_final_message)
+        if keep_open and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "add_generation_prompt: cannot be true with continue_final_message (a new "
+                "assistant message, or the last one continued)", "add_generation_prompt")
+        last = self.messages[-1].role
+        if keep_open and last != "assistant":
+            raise InvalidRequestError(
+                f"continue_final_message: the last message is the {last}'s; only an "
+                "assistant's message can be continued", "continue_final_message")
+        return (not keep_open if self.add_generation_prompt is None else self.add_generation_prompt,
+                keep_open)
+
+    @property
+    def echoed(self) -> str:
+        """What `echo` puts before each choice's content: the last message's, when it is the
+        assistant's (vLLM's rule, the response's role being the assistant's)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def tool_mode(self) -> str:

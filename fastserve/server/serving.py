@@ -184,7 +184,8 @@ class OpenAIServing:
         ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1)
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
-                                  tool_mode=body.tool_mode, tool_format=self.tool_format)
+                                  tool_mode=body.tool_mode, tool_format=self.tool_format,
+                                  echo_text=body.echoed or None)
         structured = job.params.structured_output
         if structured is not None and structured.kind == "structural_tag":
             chat_tools.check_schemas(body)
@@ -199,17 +200,20 @@ class OpenAIServing:
             job = dataclasses.replace(job, reasoning_inside=inside, count_reasoning=count)
         return job
 
-    async def render_chat(self, body: schemas.ChatCompletionRequest,
-                          add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    async def render_chat(self, body: schemas.ChatCompletionRequest) -> tuple[str, list[int]]:
         """The conversation's prompt, rendered with the chat template, and its token ids."""
-        messages, kwargs = body.template_args()
+        try:
+            messages, kwargs = body.template_args()
+        except InvalidRequestError as exc:  # e.g. continue_final_message after a user message
+            raise bad_input(exc, "messages") from exc
         if body.reasoning_effort is not None and not self.llm.tokenizer.template_reads("reasoning_effort"):
             raise schemas.APIError(400, "reasoning_effort: not supported with this model (its chat "
                                    "template does not read the effort)", param="reasoning_effort")
-        render = functools.partial(self.llm.tokenizer.apply_chat_template, messages,
-                                   add_generation_prompt=add_generation_prompt, **kwargs)
+        render = functools.partial(self.llm.tokenizer.apply_chat_template, messages, **kwargs)
         try:
             text = await off_loop(render, sum(len(m["content"]) for m in messages))
+        except InvalidRequestError as exc:  # the final message, which cannot be continued
+            raise bad_input(exc, "messages") from exc
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
         return text, await self.encode(text, "messages")
@@ -226,10 +230,12 @@ class OpenAIServing:
             content, deltas = chat_tools.split(tools.read(final.index, content, finished=True))
             calls = chat_tools.assemble(deltas)
             finish = tools.finish_reason(final, finish)
+        message = (content or None) if calls else content
+        if job.echo_text:  # vLLM's: before the content, whatever the output holds
+            message = job.echo_text + (message or "")
         return schemas.ChatChoice(
             index=final.index,
-            message=schemas.ChatResponseMessage(content=(content or None) if calls else content,
-                                                tool_calls=calls or None,
+            message=schemas.ChatResponseMessage(content=message, tool_calls=calls or None,
                                                 reasoning_content=thinking),
             logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish,
             token_ids=ids_if_asked(job, final.token_ids))
@@ -445,8 +451,8 @@ class OpenAIServing:
 
         text_chunks = _TextChunks(
             lambda i: chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT), index=i))
-        for i in range(job.params.n):  # each choice's role first, as OpenAI sends it
-            yield chunk(schemas.ChatDelta(role="assistant", content=""),
+        for i in range(job.params.n):  # each choice's role first, as OpenAI sends it (and echo)
+            yield chunk(schemas.ChatDelta(role="assistant", content=job.echo_text or ""),
                         usage=job_usage(job, ()) if job.continuous_usage else None, index=i,
                         prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if i == 0 else None)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage

@@ -80,6 +80,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
             return None
         if _is_tokenize_limit(error["param"], error["message"]):
             return None
+        if _is_prompt_ending_limit(error["param"], error["message"]):
+            return None
         if error["code"] == "previous_response_not_found":  # state, not shape: no such response
             return None
         if error["param"] == "input" and "besides reasoning items" in error["message"]:
@@ -109,12 +111,19 @@ def _is_tool_limit(param: str | None, message: str) -> bool:
             or param.startswith("messages[") and "tool_call" in message)
 
 
+def _is_prompt_ending_limit(param: str | None, message: str) -> bool:
+    """continue_final_message: only an assistant's last message with content the template
+    writes can be continued, and not with add_generation_prompt true."""
+    return (param == "continue_final_message" and "with messages" not in message
+            or param == "add_generation_prompt" and "continue_final_message" in message)
+
+
 def _is_tokenize_limit(param: str | None, message: str) -> bool:
     """/tokenize's: exactly one of prompt and messages; tools, chat_template_kwargs,
-    reasoning_effort and no add_special_tokens with messages only."""
+    reasoning_effort, continue_final_message and no add_special_tokens with messages only."""
     return (param in ("prompt", "messages") and "exactly one of" in message
-            or param in ("tools", "chat_template_kwargs", "reasoning_effort")
-            and "only with messages" in message
+            or param in ("tools", "chat_template_kwargs", "reasoning_effort",
+                         "continue_final_message") and "only with messages" in message
             or param == "add_special_tokens" and "only false with messages" in message)
 
 
