@@ -32,6 +32,8 @@ class Job:
     # (calls are read out of the output, in the served model's format).
     tool_mode: str = "none"
     tool_format: ToolFormat = HERMES
+    # The request gave the legacy `functions`: its call comes back as `function_call`.
+    as_function_call: bool = False
     # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
     return_token_ids: bool = False
     priority: int = 0  # vLLM's: lower runs first

@@ -185,6 +185,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
                                   tool_mode=body.tool_mode, tool_format=self.tool_format,
+                                  as_function_call=body.uses_functions,
                                   echo_text=body.echoed or None)
         structured = job.params.structured_output
         if structured is not None and structured.kind == "structural_tag":
@@ -226,17 +227,19 @@ class OpenAIServing:
         if job.reasoning_inside is not None:
             thinking, content = reasoning.ReasoningParser(job.reasoning_inside).split(content)
         if job.tool_mode != "none":
-            tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
+            tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format, job.as_function_call)
             content, deltas = chat_tools.split(tools.read(final.index, content, finished=True))
             calls = chat_tools.assemble(deltas)
             finish = tools.finish_reason(final, finish)
         message = (content or None) if calls else content
         if job.echo_text:  # vLLM's: before the content, whatever the output holds
             message = job.echo_text + (message or "")
+        function_call = chat_tools.first_call(calls or []) if job.as_function_call else None
         return schemas.ChatChoice(
             index=final.index,
-            message=schemas.ChatResponseMessage(content=message, tool_calls=calls or None,
-                                                reasoning_content=thinking),
+            message=schemas.ChatResponseMessage(
+                content=message, tool_calls=None if job.as_function_call else calls or None,
+                function_call=function_call, reasoning_content=thinking),
             logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish,
             token_ids=ids_if_asked(job, final.token_ids))
 
@@ -457,7 +460,7 @@ class OpenAIServing:
                         prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if i == 0 else None)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
-        tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
+        tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format, job.as_function_call)
                  if job.tool_mode != "none" else None)
         thoughts = (reasoning.ChoiceReasoning(job.reasoning_inside)
                     if job.reasoning_inside is not None else None)
@@ -492,9 +495,9 @@ class OpenAIServing:
                 ids = None
             elif text:
                 yield text_chunks(out.index, text)
-            if calls:  # a call's name once its arguments begin, then their text
-                yield chunk(schemas.ChatDelta(tool_calls=calls), usage=so_far, index=out.index,
-                            token_ids=ids)
+            calls_delta = tools.delta(calls) if tools is not None and calls else None
+            if calls_delta is not None:  # a call's name once its arguments begin, then their text
+                yield chunk(calls_delta, usage=so_far, index=out.index, token_ids=ids)
                 ids = None
             if out.finished:
                 finish = finish_reason(out)
