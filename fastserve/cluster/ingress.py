@@ -95,7 +95,8 @@ class RouteHints:
         messages, kwargs = chat.template_args()
 
         def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            # NOTE: kwargs say how the prompt ends (add_generation_prompt, continue_final_message)
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
             return list(self.tokenizer.encode(text))
 
         return await _off_loop(render, sum(len(m["content"]) for m in messages))

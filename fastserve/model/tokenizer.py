@@ -143,22 +143,31 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) to prompt text.
+
+        `continue_final_message`: the text ends right after the last message's content, left
+        open for the model to continue (a prefill), as transformers' `apply_chat_template`
+        cuts it; raises InvalidRequestError naming the field when the template does not
+        write that content.
 
         NOTE: the text usually starts with the BOS token already; `encode` does not
         add a second one.
         """
         if self._compiled_template is None:
             self._compiled_template = _jinja_env().from_string(self.chat_template)
-        return self._compiled_template.render(
+        text = self._compiled_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1]["content"] if messages else "")
+        return text
 
     def template_reads(self, name: str) -> bool:
         """Whether the chat template reads the variable `name` (one it does not read cannot
@@ -259,6 +268,24 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(
             self._ids[start:end], skip_special_tokens=self._skip_special_tokens
         )
+
+
+def _open_final_message(text: str, content: str) -> str:
+    """`text` cut right after the last place it holds `content` (the final message's), which
+    leaves that message open. As transformers cuts it (and so vLLM): a template may trim the
+    content, so it is looked for stripped; its trailing whitespace stays only when the template
+    wrote the content exactly as given."""
+    param = "continue_final_message"
+    stripped = content.strip()
+    if not stripped:  # NOTE: transformers would cut nothing off (the turn stays closed)
+        raise InvalidRequestError(f"{param}: the last message has no content to continue", param)
+    at = text.rfind(stripped)
+    if at < 0:
+        raise InvalidRequestError(
+            f"{param}: the chat template does not write the last message's content as given, "
+            "so it cannot be continued", param)
+    whole = at + len(content.lstrip())
+    return text[:whole] if text[at:whole] == content else text[:at + len(stripped)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Tool calls between the OpenAI schemas and a model's format (`tools`): the checks of a
-request's tools that need the grammar engine, and each choice's calls as the API returns them."""
+request's tools that need the grammar engine, and each choice's calls as the API returns them
+(as `tool_calls`, or as the legacy `function_call` when the request gave `functions`)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ def check_schemas(body: schemas.ChatCompletionRequest) -> None:
     """Refuse, naming the tool, a `parameters` schema the calls' grammar would hold but that is
     no grammar (the engine would refuse the whole structural tag, naming tool_choice)."""
     mode = body.tool_mode
-    for i, tool in enumerate(body.tools or []):
+    for i, tool in enumerate(body.all_tools):
         fn = tool.function
         used = mode == "required" or (mode == "auto" and fn.strict) or fn.name == body.named_function
         if used and fn.parameters:
             spec = StructuredOutputParams("json", json.dumps(fn.parameters),
-                                          f"tools[{i}].function.parameters")
+                                          body.tool_param(i, "parameters"))
             try:
                 grammar.build_grammar(spec)
             except InvalidRequestError as exc:
@@ -32,9 +33,10 @@ def check_schemas(body: schemas.ChatCompletionRequest) -> None:
 class ChoiceToolCalls:
     """Each choice's tool calls, read out of its output as it streams (the format's parser)."""
 
-    def __init__(self, mode: str, tool_format: ToolFormat) -> None:
+    def __init__(self, mode: str, tool_format: ToolFormat, as_function_call: bool = False) -> None:
         self.mode = mode
         self.format = tool_format
+        self.as_function_call = as_function_call  # the legacy functions' shape
         self._parsers: dict[int, ToolCallParser] = {}
 
     def read(self, index: int, text: str, finished: bool
@@ -64,18 +66,35 @@ class ChoiceToolCalls:
         return out
 
     def finish_reason(self, out: RequestOutput, reason: schemas.FinishReason) -> schemas.FinishReason:
-        """The choice's `reason`, or "tool_calls" when the model stopped after calling
-        (OpenAI: not when the call was forced by naming the function: "named")."""
+        """The choice's `reason`, or "tool_calls" ("function_call") when the model stopped
+        after calling (OpenAI: not when the call was forced by naming the function: "named")."""
         parser = self._parsers.get(out.index)
         if reason == "stop" and parser is not None and parser.num_calls and self.mode in ("auto", "required"):
-            return "tool_calls"
+            return "function_call" if self.as_function_call else "tool_calls"
         return reason
+
+    def delta(self, deltas: list[schemas.ToolCallDelta]) -> schemas.ChatDelta | None:
+        """A stream's chunk of calls, in the request's shape (None: nothing to send)."""
+        if not self.as_function_call:
+            return schemas.ChatDelta(tool_calls=deltas) if deltas else None
+        first = [d.function for d in deltas if d.index == 0]  # the legacy shape holds one call
+        if not first:
+            return None
+        return schemas.ChatDelta(function_call=schemas.FunctionCallDelta(
+            name=first[0].name, arguments="".join(f.arguments or "" for f in first)))
 
 
 def split(pieces: list[str | schemas.ToolCallDelta]) -> tuple[str, list[schemas.ToolCallDelta]]:
     """Content and call deltas apart (chat has a field for each)."""
     return ("".join(p for p in pieces if isinstance(p, str)),
             [p for p in pieces if not isinstance(p, str)])
+
+
+def first_call(calls: list[schemas.ToolCall]) -> schemas.FunctionCall | None:
+    """The legacy `function_call`: the output's first call (the shape holds one; a model
+    that makes more under auto has the others dropped, as vLLM drops them for
+    parallel_tool_calls false)."""
+    return calls[0].function if calls else None
 
 
 def assemble(deltas: list[schemas.ToolCallDelta]) -> list[schemas.ToolCall]:

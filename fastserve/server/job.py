@@ -25,12 +25,15 @@ class Job:
     include_usage: bool
     continuous_usage: bool  # usage in every chunk (vLLM's continuous_usage_stats)
     created: int
-    # Completions' echo: the prompt's text, returned before the completion (None: no echo).
+    # Echo: the text returned before each choice's output (None: no echo): completions' the
+    # prompt's, chat's the assistant's last message (the one the model continues).
     echo_text: str | None = None
     # Chat's tool_choice: "none" (the output is all content), "auto", "required" or "named"
     # (calls are read out of the output, in the served model's format).
     tool_mode: str = "none"
     tool_format: ToolFormat = HERMES
+    # The request gave the legacy `functions`: its call comes back as `function_call`.
+    as_function_call: bool = False
     # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
     return_token_ids: bool = False
     priority: int = 0  # vLLM's: lower runs first

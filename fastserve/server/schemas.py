@@ -10,8 +10,14 @@ Extensions: vLLM's names, as the load tools that benchmark servers send them (gu
 `max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
 `request_id`, `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
 `repetition_penalty`, `min_p` and structured output's `guided_json`, `guided_regex`,
-`guided_choice` (beside OpenAI's `response_format`). The others are accepted only at the
-values that mean "not used".
+`guided_choice` (beside OpenAI's `response_format`); chat's `add_generation_prompt`,
+`continue_final_message` (continue the assistant's last message: a prefill) and `echo`. The
+others are accepted only at the values that mean "not used".
+
+OpenAI's deprecated function calling is served too: `functions` and `function_call` run as
+tools and tool_choice do, and the call comes back as the message's `function_call`; an
+assistant message's `function_call` and a `function` message reach the chat template as a
+tool call and its result.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationError,
+    ValidationInfo,
     WithJsonSchema,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -582,6 +591,28 @@ class FunctionRef(BaseModel):
     name: FunctionName
 
 
+def _check_function_call(value: Any) -> Any:
+    """The legacy `function_call`: "none", "auto" or {"name": ...}; one message for them all,
+    which names the field (a union's would name its branch)."""
+    if value is None or (isinstance(value, str) and value in ("none", "auto")):
+        return value
+    shapes = 'must be "none", "auto" or {"name": <a function\'s name>}'
+    if not isinstance(value, dict):
+        raise PydanticCustomError("function_call", shapes)
+    try:
+        return FunctionRef.model_validate(value)
+    except ValidationError as exc:
+        raise PydanticCustomError("function_call", shapes + " ({reason})",
+                                  {"reason": exc.errors()[0]["msg"]}) from None
+
+
+FunctionCallChoice = Annotated[
+    Any, BeforeValidator(_check_function_call),
+    WithJsonSchema({"anyOf": [{"enum": ["none", "auto"]}, FunctionRef.model_json_schema(),
+                              {"type": "null"}]}),
+]
+
+
 class NamedToolChoice(BaseModel):
     """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly it."""
 
@@ -614,15 +645,20 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     """A message; `content` may be a string or a list of text parts (joined by newlines).
     An assistant message may carry the `tool_calls` it made, and a `tool` message answers one
-    of them (`tool_call_id`)."""
+    of them (`tool_call_id`). OpenAI's legacy shapes too: an assistant's `function_call`, and
+    a `function` message (its `name` and `content`) that answers it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Content = None
-    name: Text | None = None
+    name: Text | None = Field(None, description="The author's name; in a function message "
+                              "(required there), the function whose result the content is.")
     tool_calls: list[ToolCall] | None = Field(None, description="Only in assistant messages.")
     tool_call_id: Text | None = Field(None, description="Required in (and only in) tool messages.")
+    function_call: FunctionCall | None = Field(
+        None, description="Legacy: only in assistant messages (without tool_calls): the call "
+        "the assistant made, which the next function message answers.")
     reasoning_content: Text | None = Field(
         None, description="Only in assistant messages: a reasoning model's earlier thinking, "
         "given to the chat template (which may drop it).")
@@ -641,9 +677,11 @@ class ChatMessage(BaseModel):
                                    **{k: props[k] for k in keys}}}
 
         return {"anyOf": [shape(["system", "developer", "user"]),
-                          shape(["assistant"], "tool_calls", "reasoning_content"),
+                          shape(["assistant"], "tool_calls", "reasoning_content", "function_call"),
                           {**(tool := shape(["tool"], required=("tool_call_id",))),
-                           "properties": {**tool["properties"], "tool_call_id": {"type": "string"}}}]}
+                           "properties": {**tool["properties"], "tool_call_id": {"type": "string"}}},
+                          {**(function := shape(["function"], required=("name",))),
+                           "properties": {**function["properties"], "name": {"type": "string"}}}]}
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -654,28 +692,66 @@ class ChatMessage(BaseModel):
                                       "reasoning_content is only allowed in assistant messages")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise PydanticCustomError("tool_call_id", "tool_call_id is given exactly in tool messages")
+        if self.function_call is not None and (self.role != "assistant" or self.tool_calls):
+            raise PydanticCustomError("function_call", "function_call is only allowed in assistant "
+                                      "messages, and not together with tool_calls")
+        if self.role == "function" and self.name is None:
+            raise PydanticCustomError("function_name", "a function message needs the name of the "
+                                      "function whose result it holds")
         return self
 
     def text(self) -> str:
         return self.content or ""
 
-    def template_dict(self) -> dict[str, Any]:
+    def template_dict(self, call_id: str | None = None) -> dict[str, Any]:
         """The message as chat templates read it (Hugging Face's conventions): a tool call's
-        arguments as an object, the id a tool message answers."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        arguments as an object, the id a tool message answers. The legacy shapes become
+        those: a `function_call` is a tool call and a `function` message a tool's answer,
+        tied by `call_id` (the legacy API has no ids)."""
+        out: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role,
+                               "content": self.text()}
         if self.name:
             out["name"] = self.name
-        if self.tool_calls:
+        calls = [(c.id, c.function) for c in self.tool_calls or []]
+        if self.function_call is not None:
+            calls = [(call_id or "", self.function_call)]
+        if calls:
             out["tool_calls"] = [
-                {"id": c.id, "type": c.type,
-                 "function": {"name": c.function.name,
-                              "arguments": template_arguments(c.function.arguments)}}
-                for c in self.tool_calls]
+                {"id": i, "type": "function",
+                 "function": {"name": f.name, "arguments": template_arguments(f.arguments)}}
+                for i, f in calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        elif self.role == "function" and call_id is not None:
+            out["tool_call_id"] = call_id
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         return out
+
+
+def _choice_text(choice: Any) -> str:
+    """function_call's value, as an error message shows it."""
+    return f"function {choice.name!r}" if isinstance(choice, FunctionRef) else json.dumps(choice)
+
+
+def _legacy_call_id(i: int) -> str:
+    """The id a legacy function_call in message `i` gets in the template (the legacy API has
+    none): fixed by its place, so a conversation renders alike turn after turn (the prefix
+    cache), and 9 letters and digits, the only shape Mistral's templates accept."""
+    return f"call{i:05d}"
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates read them; a legacy `function` message answers the
+    latest function_call before it (by its id)."""
+    out, call_id = [], None
+    for i, message in enumerate(messages):
+        if message.function_call is not None:
+            call_id = _legacy_call_id(i)
+            out.append(message.template_dict(call_id))
+        else:
+            out.append(message.template_dict(call_id if message.role == "function" else None))
+    return out
 
 
 # OpenAI's reasoning_effort values.
@@ -683,7 +759,8 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 # What the chat template is given by the server (`tools`: from the request's field);
 # chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "continue_final_message",
+                          "bos_token", "eos_token", "tools")
 
 
 def _check_template_kwargs(value: Any) -> Any:
@@ -719,9 +796,16 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="none: no calls; auto (the default with tools): the model decides; "
         "required: one call or more; a named function: exactly one call of it.")
     parallel_tool_calls: StrictBool | None = Field(
-        None, description="false: at most one call per choice.")
-    functions: Annotated[Any, Only(([],))] = Field(None, description="Not supported.")
-    function_call: Annotated[Any, Only(("none",))] = Field(None, description="Only 'none' is supported.")
+        None, description="false: at most one call per choice. Not true with functions.")
+    # OpenAI's legacy function calling: the same calls as tools, answered in the old shape.
+    functions: list[FunctionDefinition] | None = Field(
+        None, max_length=MAX_TOOLS, description="Deprecated form of tools (not with them): "
+        "functions the model may call; its first call comes back as the message's "
+        "function_call (finish_reason function_call when the model chose to call).")
+    function_call: FunctionCallChoice = Field(
+        None, description="Deprecated form of tool_choice, with functions: none: no call; auto "
+        "(the default with functions): the model decides; {\"name\": ...}: exactly one call "
+        "of that function.")
     modalities: Annotated[Any, Only((["text"],))] = Field(None, description="Only ['text'] is supported.")
     store: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
     reasoning_effort: ReasoningEffort | None = Field(
@@ -730,6 +814,16 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's extensions.
     chat_template_kwargs: TemplateKwargs = Field(
         None, description="Extension: more variables for the chat template.")
+    add_generation_prompt: StrictBool | None = Field(
+        None, description="Extension: end the prompt with the opening of a new assistant "
+        "message, which the model writes. Default true, but false with continue_final_message.")
+    continue_final_message: StrictBool | None = Field(
+        None, description="Extension: leave the last message, which must be the assistant's "
+        "and have content, open: the prompt ends with its content and the model continues it "
+        "(a prefill). Not with add_generation_prompt true.")
+    echo: StrictBool | None = Field(
+        None, description="Extension: when the last message is the assistant's, each choice's "
+        "content begins with that message's content (streamed: in the first delta).")
     add_special_tokens: Annotated[Any, Only((False,))] = Field(
         None, description="Extension: only false (the chat template adds them).")
     # Log-probabilities (issue 27).
@@ -739,31 +833,100 @@ class ChatCompletionRequest(_GenerationRequest):
     verbosity: Annotated[Any, Only(("medium",))] = Field(None, description="Only medium.")
 
     def template_args(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The chat template's messages and further variables (the tools, and
-        chat_template_kwargs): what a replica renders, and the fleet's router with it."""
+        """The chat template's messages and further variables (the tools, how the prompt
+        ends, and chat_template_kwargs): what a replica renders, and the fleet's router with
+        it (`Tokenizer.apply_chat_template(messages, **kwargs)`). Raises InvalidRequestError
+        naming the field when the prompt's ending asked for cannot be had."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
-        if self.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        return [m.template_dict() for m in self.messages], kwargs
+        if self.all_tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.all_tools]
+        kwargs["add_generation_prompt"], kwargs["continue_final_message"] = self._prompt_ending()
+        return _template_messages(self.messages), kwargs
+
+    def _prompt_ending(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message), as vLLM reads them."""
+        keep_open = bool(self.continue_final_message)
+        if keep_open and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "add_generation_prompt: cannot be true with continue_final_message (a new "
+                "assistant message, or the last one continued)", "add_generation_prompt")
+        last = self.messages[-1].role
+        if keep_open and last != "assistant":
+            raise InvalidRequestError(
+                f"continue_final_message: the last message is the {last}'s; only an "
+                "assistant's message can be continued", "continue_final_message")
+        return (not keep_open if self.add_generation_prompt is None else self.add_generation_prompt,
+                keep_open)
+
+    @property
+    def echoed(self) -> str:
+        """What `echo` puts before each choice's content: the last message's, when it is the
+        assistant's (vLLM's rule, the response's role being the assistant's)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
+
+    @property
+    def uses_functions(self) -> bool:
+        """The legacy `functions` are given: calls come back as `function_call`."""
+        return bool(self.functions)
+
+    @property
+    def all_tools(self) -> list[Tool]:
+        """The functions the model may call: `tools`, or the legacy `functions` as tools."""
+        if self.uses_functions:
+            return [Tool(type="function", function=f) for f in self.functions or []]
+        return self.tools or []
 
     @property
     def tool_mode(self) -> str:
         """"none" (no calls are read out of the output), "auto", "required", or "named" (a
         call of `named_function`)."""
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice):
+        choice: Any = self.function_call if self.uses_functions else self.tool_choice
+        if isinstance(choice, NamedToolChoice | FunctionRef):
             return "named"
         if choice is None:
-            return "auto" if self.tools else "none"
-        return choice
+            return "auto" if self.all_tools else "none"
+        return str(choice)
 
     @property
     def named_function(self) -> str | None:
-        """The function tool_choice names, if it names one."""
-        choice = self.tool_choice
-        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+        """The function tool_choice (or function_call) names, if it names one."""
+        choice = self.function_call if self.uses_functions else self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice.name if isinstance(choice, FunctionRef) else None
+
+    def tool_param(self, i: int, field: str) -> str:
+        """The request field of function `i`'s `field` (`name`, `parameters`)."""
+        return f"functions[{i}].{field}" if self.uses_functions else f"tools[{i}].function.{field}"
+
+    @field_validator("functions")
+    @classmethod
+    def _functions_alone(cls, value: list[FunctionDefinition] | None, info: ValidationInfo
+                         ) -> list[FunctionDefinition] | None:
+        """The legacy functions do not mix with the tools' fields (declared before them)."""
+        if value:
+            for other in ("tools", "tool_choice"):
+                if info.data.get(other):
+                    raise PydanticCustomError(
+                        "functions_and_tools", "not with {other} (give the functions as "
+                        "tools, or the tools as functions)", {"other": other})
+        return value
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call_with_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None or value == "none":
+            return value
+        if info.data.get("tools") or info.data.get("tool_choice") is not None:
+            raise PydanticCustomError("function_call_and_tools",
+                                      "only with functions (with tools, give tool_choice)")
+        if not info.data.get("functions"):
+            raise PydanticCustomError("function_call_alone", "{choice} needs functions",
+                                      {"choice": _choice_text(value)})
+        return value
 
     def structured_output(self, tool_format: ToolFormat | None = None
                           ) -> StructuredOutputParams | None:
@@ -775,27 +938,37 @@ class ChatCompletionRequest(_GenerationRequest):
             return other
         if other is not None:
             field = other.param.split(".")[0]
+            calls = (f"function_call {self.tool_mode!r} (nor with strict functions)"
+                     if self.uses_functions else f"tool_choice {self.tool_mode!r} (nor with "
+                     "strict tools or parallel_tool_calls false)")
             raise InvalidRequestError(
-                f"{field}: cannot be combined with tool_choice {self.tool_mode!r} (nor with strict "
-                "tools or parallel_tool_calls false): both would constrain the whole output", field)
-        return StructuredOutputParams("structural_tag", spec, "tool_choice")
+                f"{field}: cannot be combined with {calls}: both would constrain the whole "
+                "output", field)
+        return StructuredOutputParams("structural_tag", spec,
+                                      "functions" if self.uses_functions else "tool_choice")
 
     def _tool_grammar(self, tool_format: ToolFormat) -> str | None:
-        mode, given = self.tool_mode, self.tools or []
+        mode, given = self.tool_mode, self.all_tools
         if mode == "none":
             return None
+        if self.uses_functions and self.parallel_tool_calls:
+            raise InvalidRequestError(
+                "parallel_tool_calls: not true with functions, whose call comes back alone as "
+                "function_call (tools may be called in parallel)", "parallel_tool_calls")
         if not given:
             raise InvalidRequestError(f"tool_choice: {mode!r} needs tools", "tool_choice")
         names = [t.function.name for t in given]
         for i, name in enumerate(names):
             if name in names[:i]:
-                raise InvalidRequestError(
-                    f"tools[{i}].function.name: {name!r} is given twice", f"tools[{i}].function.name")
+                param = self.tool_param(i, "name")
+                raise InvalidRequestError(f"{param}: {name!r} is given twice", param)
         named = self.named_function
         if named is not None and named not in names:
+            choice, where = (("function_call", "functions") if self.uses_functions
+                             else ("tool_choice", "tools"))
             raise InvalidRequestError(
-                f"tool_choice: function {named!r} is not among the tools ({', '.join(names)})",
-                "tool_choice")
+                f"{choice}: function {named!r} is not among the {where} ({', '.join(names)})",
+                choice)
         functions = [FunctionSpec(t.function.name, t.function.parameters,
                                         bool(t.function.strict)) for t in given]
         return tool_format.grammar_spec(functions, mode, self.parallel_tool_calls is not False,
@@ -819,8 +992,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # "abort": a stream the server ended before the model did (shutdown, engine error; vLLM's
 # value); its error event follows.
-# "tool_calls": the model stopped after calling tools.
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+# "tool_calls": the model stopped after calling tools ("function_call": after calling one of
+# the legacy functions).
+FinishReason = Literal["stop", "length", "abort", "tool_calls", "function_call"]
 
 
 def now_s() -> int:
@@ -914,13 +1088,15 @@ class ChatResponseMessage(BaseModel):
     content: str | None  # null when the message holds tool calls only
     refusal: None = None
     tool_calls: list[ToolCall] | None = None
+    # The request gave the legacy `functions`: the (first) call made, instead of tool_calls.
+    function_call: FunctionCall | None = None
     # A reasoning model's thinking (`--reasoning-parser`; DeepSeek's and vLLM's field name).
     reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items()
-                if k not in ("tool_calls", "reasoning_content") or v is not None}
+                if k not in ("tool_calls", "function_call", "reasoning_content") or v is not None}
 
 
 class ChatChoice(_TokenIds):
@@ -965,12 +1141,14 @@ class ToolCallDelta(BaseModel):
 
 class ChatDelta(BaseModel):
     """Only the fields that changed: the first chunk has the role, later ones content or
-    tool calls."""
+    tool calls (or, with the legacy functions, the function_call: its name first, then the
+    arguments' text in parts)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None  # a reasoning model's thinking
     tool_calls: list[ToolCallDelta] | None = None
+    function_call: FunctionCallDelta | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -184,7 +184,9 @@ class OpenAIServing:
         ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1)
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
-                                  tool_mode=body.tool_mode, tool_format=self.tool_format)
+                                  tool_mode=body.tool_mode, tool_format=self.tool_format,
+                                  as_function_call=body.uses_functions,
+                                  echo_text=body.echoed or None)
         structured = job.params.structured_output
         if structured is not None and structured.kind == "structural_tag":
             chat_tools.check_schemas(body)
@@ -199,17 +201,20 @@ class OpenAIServing:
             job = dataclasses.replace(job, reasoning_inside=inside, count_reasoning=count)
         return job
 
-    async def render_chat(self, body: schemas.ChatCompletionRequest,
-                          add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    async def render_chat(self, body: schemas.ChatCompletionRequest) -> tuple[str, list[int]]:
         """The conversation's prompt, rendered with the chat template, and its token ids."""
-        messages, kwargs = body.template_args()
+        try:
+            messages, kwargs = body.template_args()
+        except InvalidRequestError as exc:  # e.g. continue_final_message after a user message
+            raise bad_input(exc, "messages") from exc
         if body.reasoning_effort is not None and not self.llm.tokenizer.template_reads("reasoning_effort"):
             raise schemas.APIError(400, "reasoning_effort: not supported with this model (its chat "
                                    "template does not read the effort)", param="reasoning_effort")
-        render = functools.partial(self.llm.tokenizer.apply_chat_template, messages,
-                                   add_generation_prompt=add_generation_prompt, **kwargs)
+        render = functools.partial(self.llm.tokenizer.apply_chat_template, messages, **kwargs)
         try:
             text = await off_loop(render, sum(len(m["content"]) for m in messages))
+        except InvalidRequestError as exc:  # the final message, which cannot be continued
+            raise bad_input(exc, "messages") from exc
         except Exception as exc:  # a template may reject a conversation (e.g. role order)
             raise schemas.APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
         return text, await self.encode(text, "messages")
@@ -222,15 +227,19 @@ class OpenAIServing:
         if job.reasoning_inside is not None:
             thinking, content = reasoning.ReasoningParser(job.reasoning_inside).split(content)
         if job.tool_mode != "none":
-            tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
+            tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format, job.as_function_call)
             content, deltas = chat_tools.split(tools.read(final.index, content, finished=True))
             calls = chat_tools.assemble(deltas)
             finish = tools.finish_reason(final, finish)
+        message = (content or None) if calls else content
+        if job.echo_text:  # vLLM's: before the content, whatever the output holds
+            message = job.echo_text + (message or "")
+        function_call = chat_tools.first_call(calls or []) if job.as_function_call else None
         return schemas.ChatChoice(
             index=final.index,
-            message=schemas.ChatResponseMessage(content=(content or None) if calls else content,
-                                                tool_calls=calls or None,
-                                                reasoning_content=thinking),
+            message=schemas.ChatResponseMessage(
+                content=message, tool_calls=None if job.as_function_call else calls or None,
+                function_call=function_call, reasoning_content=thinking),
             logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish,
             token_ids=ids_if_asked(job, final.token_ids))
 
@@ -446,13 +455,13 @@ class OpenAIServing:
 
         text_chunks = _TextChunks(
             lambda i: chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT), index=i))
-        for i in range(job.params.n):  # each choice's role first, as OpenAI sends it
-            yield chunk(schemas.ChatDelta(role="assistant", content=""),
+        for i in range(job.params.n):  # each choice's role first, as OpenAI sends it (and echo)
+            yield chunk(schemas.ChatDelta(role="assistant", content=job.echo_text or ""),
                         usage=job_usage(job, ()) if job.continuous_usage else None, index=i,
                         prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if i == 0 else None)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
-        tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format)
+        tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format, job.as_function_call)
                  if job.tool_mode != "none" else None)
         thoughts = (reasoning.ChoiceReasoning(job.reasoning_inside)
                     if job.reasoning_inside is not None else None)
@@ -487,9 +496,9 @@ class OpenAIServing:
                 ids = None
             elif text:
                 yield text_chunks(out.index, text)
-            if calls:  # a call's name once its arguments begin, then their text
-                yield chunk(schemas.ChatDelta(tool_calls=calls), usage=so_far, index=out.index,
-                            token_ids=ids)
+            calls_delta = tools.delta(calls) if tools is not None and calls else None
+            if calls_delta is not None:  # a call's name once its arguments begin, then their text
+                yield chunk(calls_delta, usage=so_far, index=out.index, token_ids=ids)
                 ids = None
             if out.finished:
                 finish = finish_reason(out)

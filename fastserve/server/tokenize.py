@@ -30,8 +30,13 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool | None = Field(
         None, description="With prompt: add the model's BOS (default true). With messages: "
         "only false (the chat template writes them).")
-    add_generation_prompt: StrictBool = Field(
-        True, description="With messages: end with the assistant turn's opening.")
+    add_generation_prompt: StrictBool | None = Field(
+        None, description="With messages: end with the opening of a new assistant message. "
+        "Default true, but false with continue_final_message.")
+    continue_final_message: StrictBool | None = Field(
+        None, description="With messages: end with the last message's content, left open (it "
+        "must be the assistant's), as chat completions' continue_final_message renders it. Not "
+        "with add_generation_prompt true.")
     tools: list[schemas.Tool] | None = Field(None, max_length=schemas.MAX_TOOLS)
     chat_template_kwargs: schemas.TemplateKwargs = None
     reasoning_effort: schemas.ReasoningEffort | None = None
@@ -44,7 +49,7 @@ class TokenizeRequest(BaseModel):
             param = "prompt" if self.prompt is None else "messages"
             raise schemas.APIError(400, f"{param}: give exactly one of prompt and messages",
                                    param=param)
-        for name in ("tools", "chat_template_kwargs", "reasoning_effort"):
+        for name in ("tools", "chat_template_kwargs", "reasoning_effort", "continue_final_message"):
             if self.messages is None and getattr(self, name) is not None:
                 raise schemas.APIError(400, f"{name}: only with messages", param=name)
         if self.messages is not None and self.add_special_tokens:
@@ -56,7 +61,9 @@ class TokenizeRequest(BaseModel):
         return schemas.ChatCompletionRequest.model_validate({
             "model": self.model or "", "messages": self.messages, "tools": self.tools,
             "chat_template_kwargs": self.chat_template_kwargs,
-            "reasoning_effort": self.reasoning_effort})
+            "reasoning_effort": self.reasoning_effort,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message})
 
 
 class TokenizeResponse(BaseModel):
@@ -96,7 +103,7 @@ class TokenizeServing:
         body.check()
         if body.messages is not None:
             chat = body.chat()
-            _, ids = await serving.render_chat(chat, body.add_generation_prompt)
+            _, ids = await serving.render_chat(chat)
         else:
             ids = await serving.encode(body.prompt or "", "prompt",
                                        add_special_tokens=body.add_special_tokens is not False,

@@ -300,7 +300,7 @@ CMPL = "/completions"
         (CHAT, {"n": 200}, "n"),
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
         (CHAT, {"tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+        (CHAT, {"functions": [{"name": "f g"}]}, "functions[0].name"),
         (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"suffix": "x"}, "suffix"),
