@@ -308,10 +308,12 @@ class StructuredOutputs:
                     masked.remove(i)
         if masked:
             self._apply(logits, bitmask, masked)
-            # Other masks may have emptied a row the grammar left only EOS in (min_tokens);
-            # the grammar wins: its end is the only valid output.
+            # Other masks may have emptied a row the grammar left only EOS in (min_tokens), or
+            # left none of its tokens (allowed_token_ids, bad_words, a logits processor); the
+            # grammar wins: a valid output needs one of its tokens.
             self._unblock([i for i in masked if reqs[i].num_output_tokens < reqs[i].params.min_tokens
-                           or reqs[i].params.logits_processors], logits, bitmask)
+                           or reqs[i].params.logits_processors or reqs[i].params.bars_tokens],
+                          logits, bitmask)
         return [i for i in rows if i not in failed]
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
