@@ -422,6 +422,9 @@ class TokenLogprobs:
     logprob: float
     # (token id, logprob) pairs, most likely first; as many as the request asked for.
     top: tuple[tuple[int, float], ...] = ()
+    # The token's rank in its position's distribution (vLLM's `rank`): how many tokens are at
+    # least as likely, itself included; set for prompt tokens only (None: not computed).
+    rank: int | None = None
 
 
 @dataclass
