@@ -68,7 +68,7 @@ class FinishReason(str, enum.Enum):
 
 
 # What a structured output's `spec` holds, by kind (see `StructuredOutputParams`).
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "structural_tag")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,11 @@ class StructuredOutputParams:
     """
 
     # "json": a JSON schema; "json_object": any JSON object; "regex"; "choice": one of strings;
-    # "structural_tag": xgrammar's tagged formats (tool calls: `fastserve.server.tools`).
+    # "grammar": an EBNF grammar (xgrammar's, GBNF-like); "structural_tag": xgrammar's tagged
+    # formats (tool calls: `fastserve.server.tools`).
     kind: str
-    # The JSON schema's text (json), the regex (regex), the strings (choice), the structural
-    # tag's JSON text (structural_tag); "" (json_object).
+    # The JSON schema's text (json), the regex (regex), the strings (choice), the EBNF text
+    # (grammar), the structural tag's JSON text (structural_tag); "" (json_object).
     spec: str | tuple[str, ...] = ""
     # The request field it came from: a 400 for an invalid grammar names it.
     param: str = "structured_output"

@@ -69,6 +69,8 @@ def build_grammar(params: StructuredOutputParams) -> Any:
                                                 strict_mode=False)
         if params.kind == "regex":
             return xgr.Grammar.from_regex(str(params.spec))
+        if params.kind == "grammar":
+            return xgr.Grammar.from_ebnf(str(params.spec))
         if params.kind == "structural_tag":
             return xgr.Grammar.from_structural_tag(str(params.spec))
         # choice: EBNF literals take JSON's escapes
@@ -80,7 +82,8 @@ def build_grammar(params: StructuredOutputParams) -> Any:
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-               "choice": "list of choices", "structural_tag": "structural tag"}
+               "choice": "list of choices", "grammar": "EBNF grammar",
+               "structural_tag": "structural tag"}
 
 
 def _controls(params: StructuredOutputParams) -> str:
