@@ -27,6 +27,9 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # Most sequences one request may ask for (`n`, `best_of`): OpenAI's limit on `n`.
 MAX_SEQUENCES = 128
+# Most bad words one request may give: each is matched against the output's tail at every
+# step on the host (vLLM sets no limit).
+MAX_BAD_WORDS = 256
 
 
 class InvalidRequestError(ValueError):
@@ -65,7 +68,7 @@ class FinishReason(str, enum.Enum):
 
 
 # What a structured output's `spec` holds, by kind (see `StructuredOutputParams`).
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "structural_tag")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -78,10 +81,11 @@ class StructuredOutputParams:
     """
 
     # "json": a JSON schema; "json_object": any JSON object; "regex"; "choice": one of strings;
-    # "structural_tag": xgrammar's tagged formats (tool calls: `fastserve.server.tools`).
+    # "grammar": an EBNF grammar (xgrammar's, GBNF-like); "structural_tag": xgrammar's tagged
+    # formats (tool calls: `fastserve.server.tools`).
     kind: str
-    # The JSON schema's text (json), the regex (regex), the strings (choice), the structural
-    # tag's JSON text (structural_tag); "" (json_object).
+    # The JSON schema's text (json), the regex (regex), the strings (choice), the EBNF text
+    # (grammar), the structural tag's JSON text (structural_tag); "" (json_object).
     spec: str | tuple[str, ...] = ""
     # The request field it came from: a 400 for an invalid grammar names it.
     param: str = "structured_output"
@@ -148,11 +152,23 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] = ()
     # Drop tokens less likely than min_p times the most likely one (after temperature).
     min_p: float = 0.0
+    # vLLM's: only these token ids may be sampled (None: any); a list is frozen into a sorted
+    # tuple without repeats. Applied before the other changes, so no bias revives another.
+    allowed_token_ids: Sequence[int] | None = None
+    # vLLM's: words the output may not contain, as text; the engine tokenizes them with the
+    # model's tokenizer when the request is added (`Tokenizer.bad_words_token_ids`), into
+    # `bad_words_token_ids`.
+    bad_words: Sequence[str] = ()
+    # The same as token ids: a sequence's last token is barred wherever the output ends with
+    # the tokens before it (a single token is always barred). The offline API may give them
+    # directly.
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
     # Derived: whether any of the fields above but min_p is used, so that a batch where none
     # is skips their work after one check per request.
     uses_logits_fields: bool = field(default=False, init=False, repr=False, compare=False)
     # Derived: whether the executor needs the request's prompt and output tokens: penalties
-    # count them, and prompt log-probabilities score prompt tokens past the chunk fed.
+    # count them, prompt log-probabilities score prompt tokens past the chunk fed, and a bad
+    # word of several tokens is matched against the output's tail.
     needs_token_history: bool = field(default=False, init=False, repr=False, compare=False)
     # Several sequences over one prompt (fastserve.engine.group): `n` are returned, out of
     # `best_of` generated (None: n), the n with the highest cumulative log-probability.
@@ -228,11 +244,58 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         object.__setattr__(self, "logit_bias", _frozen_bias(self.logit_bias))
+        self._check_token_bans()
         object.__setattr__(self, "uses_logits_fields", bool(
             self.logprobs is not None or self.prompt_logprobs is not None or self.bias_items
-            or self.has_penalties))
+            or self.has_penalties or self.allowed_token_ids is not None
+            or self.bad_words_token_ids))
         object.__setattr__(self, "needs_token_history",
-                           self.has_penalties or self.prompt_logprobs is not None)
+                           self.has_penalties or self.prompt_logprobs is not None
+                           or self.has_bad_word_prefixes)
+
+    def _check_token_bans(self) -> None:
+        """allowed_token_ids, bad_words and bad_words_token_ids, frozen into tuples."""
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed:
+                raise InvalidRequestError(
+                    "allowed_token_ids must hold at least one token id (None allows all)",
+                    "allowed_token_ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(
+                f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}", "bad_words")
+        for i, word in enumerate(words):
+            # NOTE: vLLM strips a word's leading spaces: one of spaces alone has no tokens.
+            if not isinstance(word, str) or not word.strip():
+                raise InvalidRequestError(
+                    f"bad_words[{i}] must be a string with a non-space character, got {word!r}",
+                    "bad_words")
+        object.__setattr__(self, "bad_words", words)
+        seqs = tuple(_token_ids(s, "bad_words_token_ids") for s in self.bad_words_token_ids)
+        if any(not s for s in seqs):
+            raise InvalidRequestError("bad_words_token_ids must not hold an empty sequence",
+                                      "bad_words_token_ids")
+        object.__setattr__(self, "bad_words_token_ids", seqs)
+
+    @property
+    def bars_tokens(self) -> bool:
+        """Whether allowed_token_ids or bad words bar tokens (possibly all, with min_tokens
+        or a grammar)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    @property
+    def has_bad_word_prefixes(self) -> bool:
+        """Whether a bad word has several tokens: its last is barred only after the others."""
+        return any(len(s) > 1 for s in self.bad_words_token_ids)
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling reads the request's output tokens (on the device, where the host
+        has a placeholder for the newest): the penalties count them, a bad word's prefix is
+        matched against their tail."""
+        return self.has_penalties or self.has_bad_word_prefixes
 
     @property
     def bias_items(self) -> tuple[tuple[int, float], ...]:
@@ -280,13 +343,51 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logit_bias token ids must be in [0, {vocab_size}) (the model's vocabulary), "
                 f"got {bad[:5]}", "logit_bias")
+        bad = [t for t in self.allowed_token_ids or () if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"allowed_token_ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                f"got {bad[:5]}", "allowed_token_ids")
+        bad = [t for s in self.bad_words_token_ids for t in s if t >= vocab_size]
+        if bad:
+            param = "bad_words" if self.bad_words else "bad_words_token_ids"
+            raise InvalidRequestError(
+                f"{param} token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                f"got {bad[:5]}", param)
         if self.top_k >= vocab_size:
             return dataclasses.replace(self, top_k=0)
         return self
 
+    def check_allows_a_token(self, eos_token_ids: Sequence[int]) -> None:
+        """Refuse allowed_token_ids that the other bans bar entirely: bad words of one token,
+        and before min_tokens the stop token ids and EOS (unless ignore_eos). NOTE: bans that
+        depend on the output (a bad word's prefix, a grammar) are met while sampling."""
+        if self.allowed_token_ids is None:
+            return
+        barred = {s[0] for s in self.bad_words_token_ids if len(s) == 1}
+        if self.min_tokens:
+            barred |= set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        if barred.issuperset(self.allowed_token_ids):
+            raise InvalidRequestError(
+                "allowed_token_ids: every allowed token is barred (by bad_words, or before "
+                "min_tokens by stop_token_ids and EOS), so none could be sampled",
+                "allowed_token_ids")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _token_ids(ids: object, param: str) -> tuple[int, ...]:
+    """A sequence of token ids (integers >= 0) as a tuple; InvalidRequestError naming `param`
+    otherwise."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise InvalidRequestError(f"{param} must be a sequence of token ids, got {ids!r}", param)
+    bad = [t for t in ids if not _is_int(t) or t < 0]
+    if bad:
+        raise InvalidRequestError(f"{param} must be token ids (integers >= 0), got {bad[:5]}",
+                                  param)
+    return tuple(ids)
 
 
 def _frozen_bias(bias: object) -> tuple[tuple[int, float], ...]:
@@ -322,6 +423,9 @@ class TokenLogprobs:
     logprob: float
     # (token id, logprob) pairs, most likely first; as many as the request asked for.
     top: tuple[tuple[int, float], ...] = ()
+    # The token's rank in its position's distribution (vLLM's `rank`): how many tokens are at
+    # least as likely, itself included; set for prompt tokens only (None: not computed).
+    rank: int | None = None
 
 
 @dataclass

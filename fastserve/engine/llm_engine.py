@@ -176,7 +176,8 @@ class LLMEngine:
         """Validate and queue a request. Raises ValueError naming what is wrong. `priority`:
         lower runs first (vLLM's), over the scheduling policy's order. `lora`: the name of a
         LoRA adapter to run with (`lora_modules`)."""
-        params = (params or SamplingParams()).for_vocab(self.arch.vocab_size)
+        params = self._tokenize_bad_words(params or SamplingParams()).for_vocab(self.arch.vocab_size)
+        params.check_allows_a_token(self.eos_token_ids)
         adapter = None
         if lora is not None:
             adapter = self.loras.get(lora)
@@ -250,6 +251,14 @@ class LLMEngine:
                       block_hashes=list(first.block_hashes[: first.num_prompt_tokens
                                                             // self.kv.block_size]))
         return self._queue(req, prompt)
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params.bad_words` as token sequences too, beside any given as ids (vLLM tokenizes
+        them as a request is added)."""
+        if not params.bad_words:
+            return params
+        ids = self.tokenizer.bad_words_token_ids(params.bad_words)
+        return dataclasses.replace(params, bad_words_token_ids=(*params.bad_words_token_ids, *ids))
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

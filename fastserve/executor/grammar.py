@@ -69,6 +69,8 @@ def build_grammar(params: StructuredOutputParams) -> Any:
                                                 strict_mode=False)
         if params.kind == "regex":
             return xgr.Grammar.from_regex(str(params.spec))
+        if params.kind == "grammar":
+            return xgr.Grammar.from_ebnf(str(params.spec))
         if params.kind == "structural_tag":
             return xgr.Grammar.from_structural_tag(str(params.spec))
         # choice: EBNF literals take JSON's escapes
@@ -80,7 +82,8 @@ def build_grammar(params: StructuredOutputParams) -> Any:
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-               "choice": "list of choices", "structural_tag": "structural tag"}
+               "choice": "list of choices", "grammar": "EBNF grammar",
+               "structural_tag": "structural tag"}
 
 
 def _controls(params: StructuredOutputParams) -> str:
@@ -308,10 +311,12 @@ class StructuredOutputs:
                     masked.remove(i)
         if masked:
             self._apply(logits, bitmask, masked)
-            # Other masks may have emptied a row the grammar left only EOS in (min_tokens);
-            # the grammar wins: its end is the only valid output.
+            # Other masks may have emptied a row the grammar left only EOS in (min_tokens), or
+            # left none of its tokens (allowed_token_ids, bad_words, a logits processor); the
+            # grammar wins: a valid output needs one of its tokens.
             self._unblock([i for i in masked if reqs[i].num_output_tokens < reqs[i].params.min_tokens
-                           or reqs[i].params.logits_processors], logits, bitmask)
+                           or reqs[i].params.logits_processors or reqs[i].params.bars_tokens],
+                          logits, bitmask)
         return [i for i in rows if i not in failed]
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

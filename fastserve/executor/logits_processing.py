@@ -1,5 +1,6 @@
-"""Batched changes to a batch's logits before sampling: logit_bias, min_tokens, the penalties
-(repetition, presence, frequency) and min_p.
+"""Batched changes to a batch's logits before sampling: allowed_token_ids and bad_words
+(`token_bans`), logit_bias, min_tokens, the penalties (repetition, presence, frequency) and
+min_p.
 
 Each is one set of tensor operations over the rows that use it, with per-row parameters as
 tensors; a batch where no row uses one skips it after a check per request (no tensor work).
@@ -7,6 +8,7 @@ They follow Hugging Face's logits processors (SequenceBiasLogitsProcessor for si
 RepetitionPenaltyLogitsProcessor, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper) and
 OpenAI's presence/frequency penalties (over the output tokens), in Hugging Face's order: bias,
 then repetition penalty, then the early-stop mask (its -inf survives the penalties anyway).
+The token bans come first, as vLLM applies them.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ import torch
 
 from fastserve.core.plan import PENDING_TOKEN, ScheduledRequest
 from fastserve.executor.staging import to_device
+from fastserve.executor.token_bans import allow_only, ban_bad_words
 
 
 def apply_logits_processing(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
                             eos_token_ids: Sequence[int], uses_fields: bool = True,
                             fed: torch.Tensor | None = None) -> None:
-    """Bias, penalize and mask `logits` ([num_reqs, vocab], one row per request) in place.
-    `uses_fields` False (no request has `params.uses_logits_fields`): only the min_tokens mask.
-    `fed` [num_reqs]: each row's last input token, on the device, for the penalties to count
-    where a request's newest output is still PENDING_TOKEN on the host (async scheduling)."""
+    """Bar, bias, penalize and mask `logits` ([num_reqs, vocab], one row per request) in
+    place. `uses_fields` False (no request has `params.uses_logits_fields`): only the
+    min_tokens mask. `fed` [num_reqs]: each row's last input token, on the device, for the
+    penalties and bad words to read where a request's newest output is still PENDING_TOKEN on
+    the host (async scheduling)."""
     if uses_fields:
+        allow_only(logits, reqs)
+        ban_bad_words(logits, reqs, fed)
         _add_sparse(logits, _bias_entries(reqs))
         _apply_penalties(logits, reqs, fed)
     _add_sparse(logits, _early_stop_entries(reqs, eos_token_ids))

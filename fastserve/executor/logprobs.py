@@ -1,5 +1,5 @@
 """Log-probabilities on the device, batched: the sampled tokens' (with the top alternatives)
-and the prompt tokens' (for echo).
+and the prompt tokens' (for echo and vLLM's prompt_logprobs, with their ranks).
 
 They are the model's own distribution: `log_softmax` of the raw logits, before penalties,
 bias, temperature and top-k/top-p/min-p (vLLM's default, `raw_logprobs`), so they do not
@@ -71,12 +71,15 @@ def _entry(row: list[float], k: int) -> tuple[float, tuple[tuple[int, float], ..
     return row[0], top
 
 
-def _gather(logprobs: torch.Tensor, target_ids: torch.Tensor,
-            k: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """For each row: the target's log-probability and the top k (id, logprob), from one
+def _gather_ranked(logprobs: torch.Tensor, target_ids: torch.Tensor,
+                   k: int) -> list[tuple[float, tuple[tuple[int, float], ...], int]]:
+    """For each row: the target's log-probability, the top k (id, logprob) and the target's
+    rank (vLLM's: how many tokens are at least as likely, itself included), from one
     transfer."""
-    host = _table(logprobs, target_ids, k).tolist()  # NOTE: the one device -> host copy
-    return [_entry(row, k) for row in host]
+    table = _table(logprobs, target_ids, k)  # [n, 1 + 2k]
+    rank = (logprobs >= table[:, :1].to(logprobs.dtype)).sum(dim=-1, keepdim=True)  # [n, 1]
+    host = torch.cat([table, rank.double()], dim=1).tolist()  # NOTE: the one device -> host copy
+    return [(*_entry(row[:-1], k), int(row[-1])) for row in host]
 
 
 def prompt_logprobs(hidden: torch.Tensor, reqs: Sequence[ScheduledRequest],
@@ -108,19 +111,19 @@ def prompt_logprobs(hidden: torch.Tensor, reqs: Sequence[ScheduledRequest],
         return {}
     k = max(r.params.prompt_logprobs or 0 for r, _, _ in spans)
     dev = hidden.device
-    entries: list[tuple[float, tuple[tuple[int, float], ...]]] = []
+    entries: list[tuple[float, tuple[tuple[int, float], ...], int]] = []
     for lo in range(0, len(positions), PROMPT_ROWS_PER_PASS):
         idx = torch.tensor(positions[lo : lo + PROMPT_ROWS_PER_PASS], device=dev)
         tgt = torch.tensor(targets[lo : lo + PROMPT_ROWS_PER_PASS], device=dev).unsqueeze(1)
         logprobs = torch.log_softmax(compute_logits(hidden[idx]).float(), dim=-1)  # [rows, vocab]
-        entries += _gather(logprobs, tgt, k)
+        entries += _gather_ranked(logprobs, tgt, k)
     out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
     at = 0
     for r, first, count in spans:
         kk = r.params.prompt_logprobs or 0
         out[r.request_id] = (first, [
-            TokenLogprobs(tok, chosen, top[:kk])
-            for tok, (chosen, top) in zip(targets[at : at + count], entries[at : at + count])
+            TokenLogprobs(tok, chosen, top[:kk], rank)
+            for tok, (chosen, top, rank) in zip(targets[at : at + count], entries[at : at + count])
         ])
         at += count
     return out

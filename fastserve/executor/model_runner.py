@@ -72,8 +72,9 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_siz
 
 
 def _counts_pending(reqs: list[ScheduledRequest]) -> bool:
-    """Whether a penalty counts a request's newest token that is still on the device."""
-    return any(r.params.has_penalties and r.token_ids[0] == PENDING_TOKEN for r in reqs)
+    """Whether a penalty or a bad word reads a request's newest token that is still on the
+    device."""
+    return any(r.token_ids[0] == PENDING_TOKEN and r.params.reads_output_tokens for r in reqs)
 
 
 def flatten(reqs: list[ScheduledRequest], block_size: int) -> FlatBatch:
@@ -170,7 +171,7 @@ class ModelRunner:
         # Only the copies into or out of this batch's blocks hold it up; the rest overlap.
         swap_wait_s = self.swapper.wait_for(s.block_ids for s in plan.scheduled)
         prompt_lps: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-        fed = None  # [num_reqs]: each row's last input, where a penalty counts a pending one
+        fed = None  # [num_reqs]: each row's last input, where sampling reads a pending one
         if batch is None:
             assert self.graphs is not None and graph_size is not None
             logits: torch.Tensor | None = self.graphs.replay(

@@ -149,7 +149,7 @@ class Sampler:
             if is_bad:
                 out[rows[j]] = FAILED_TOKEN
                 draft.errors[reqs[rows[j]].request_id] = \
-                    "sampling failed: the probabilities are not finite"
+                    "sampling failed: the probabilities are not finite (or every token is barred)"
         logprobs = {} if draft.lp_table is None else read_sampled(
             draft.lp_table.tolist(), draft.lp_rows, reqs, out)
         return Sampled(out, draft.errors, logprobs)
@@ -168,7 +168,8 @@ class Sampler:
         try:
             token, bad, _ = self._draw(logits[i : i + 1], [r])
             if bad is not None and bad.item():
-                errors[r.request_id] = "sampling failed: the probabilities are not finite"
+                errors[r.request_id] = ("sampling failed: the probabilities are not finite (or "
+                                        "every token is barred)")
                 return FAILED_TOKEN
             return int(token.item())
         except Exception as exc:
@@ -177,12 +178,17 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest]
               ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """Tokens [N] on the device; for the rows that did not take the greedy token (the
-        list), [n] bool where their probabilities were not finite (None when none did)."""
+        """Tokens [N] on the device; for the rows checked (the list: those that did not take
+        the greedy token, and greedy ones whose bans may leave no token), [n] bool where
+        their probabilities were not finite (None when none are checked)."""
         greedy = [r.params.is_greedy for r in reqs]
-        if all(greedy):
-            return logits.argmax(dim=-1), None, []
         tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens
+        # NOTE: where allowed_token_ids and bad_words (with min_tokens, or a grammar) bar
+        # every token, argmax would take token 0: such a row fails instead.
+        barred = [i for i, r in enumerate(reqs) if greedy[i] and r.params.bars_tokens]
+        barred_bad = (~torch.isfinite(take_rows(logits, barred).amax(dim=-1))) if barred else None
+        if all(greedy):
+            return tokens, barred_bad, barred
         rows = [i for i, g in enumerate(greedy) if not g]
         sub = take_rows(logits, rows)  # [n, vocab]
         temps = to_device([reqs[i].params.temperature for i in rows], torch.float32, sub.device)
@@ -208,6 +214,8 @@ class Sampler:
             drawn = [torch.multinomial(probs[j], 1, generator=self._generator(reqs[rows[j]]))
                      for j in alone]
             put_rows(tokens, [rows[j] for j in alone], torch.cat(drawn))
+        if barred_bad is not None:
+            return tokens, torch.cat([bad, barred_bad]), rows + barred
         return tokens, bad, rows
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator:

@@ -196,6 +196,24 @@ class Tokenizer:
                 vocab[idx] = ""
         return vocab
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's token sequences of `bad_words` (`SamplingParams.update_from_tokenizer`):
+        each word without its leading spaces, and after one space (as it reads in the middle
+        of a text) where that makes other tokens of the same count: a different first token.
+        Raises InvalidRequestError naming `bad_words` for a word that makes no tokens."""
+        out: list[tuple[int, ...]] = []
+        for i, word in enumerate(words):
+            bare = tuple(self.encode(check_encodable(word.lstrip(), "bad_words"),
+                                     add_special_tokens=False))
+            if not bare:
+                raise InvalidRequestError(f"bad_words[{i}]: {word!r} makes no tokens",
+                                          "bad_words")
+            out.append(bare)
+            spaced = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return tuple(out)
+
     def backend_json(self) -> str:
         """tokenizer.json's text: how tokens map to bytes (its decoder and normalizer)."""
         return str(self._tok.to_str())

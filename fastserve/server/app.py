@@ -218,8 +218,9 @@ def _narrow_openapi(app: FastAPI, served_models: Callable[[], list[str]], vocab_
             for field in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
                 if field in props:
                     _set_maximum(props[field], max_model_len - 1)
-            if "stop_token_ids" in props:
-                _set_maximum(props["stop_token_ids"], vocab_size - 1)
+            for field in ("stop_token_ids", "allowed_token_ids"):
+                if field in props:
+                    _set_maximum(props[field], vocab_size - 1)
             if "prompt" in props:
                 _set_maximum(props["prompt"], vocab_size - 1)
         schemas_ = doc["components"]["schemas"]

@@ -32,7 +32,9 @@ class CompletionChoices:
         if num_last:
             ids += out.token_ids[-num_last:]
             entries += (out.logprobs or [])[-num_last:]
-        return self.logprobs.completion(ids, entries, text_offset)
+        # NOTE: the prompt's entries may hold more alternatives (prompt_logprobs asked more).
+        return self.logprobs.completion(ids, entries, text_offset, job.tokens_as_ids,
+                                        job.params.logprobs)
 
     def choice(self, job: Job, final: RequestOutput, index: int | None = None) -> schemas.CompletionChoice:
         """A sequence's whole choice (`index`: its place in a batch's choices)."""
@@ -42,7 +44,8 @@ class CompletionChoices:
             index=final.index if index is None else index, text=(job.echo_text or "") + final.text,
             logprobs=logprobs, finish_reason=finish_reason(final),
             prompt_token_ids=ids_if_asked(job, job.prompt_token_ids),
-            token_ids=ids_if_asked(job, final.token_ids))
+            token_ids=ids_if_asked(job, final.token_ids),
+            prompt_logprobs=self.logprobs.prompt_of(job, final))
 
     async def events(self, jobs: Sequence[Job],
                      streams: Sequence[AsyncIterator[RequestOutput | schemas.APIError]],

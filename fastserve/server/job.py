@@ -36,6 +36,11 @@ class Job:
     as_function_call: bool = False
     # vLLM's return_token_ids: the prompt's and the output's token ids in the response.
     return_token_ids: bool = False
+    # vLLM's prompt_logprobs: the prompt's log-probabilities in the response, with this many
+    # alternatives each (None: not asked; echo's come with the choice's logprobs instead).
+    prompt_logprobs: int | None = None
+    # vLLM's return_tokens_as_token_ids: log-probabilities name tokens as "token_id:{id}".
+    tokens_as_ids: bool = False
     priority: int = 0  # vLLM's: lower runs first
     model: str = ""  # the request's `model`: what the response names
     lora: str | None = None  # the LoRA adapter `model` names (None: the served model itself)

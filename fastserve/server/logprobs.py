@@ -1,5 +1,10 @@
 """Log-probabilities in the OpenAI response shapes: completions' `{tokens, token_logprobs,
-top_logprobs, text_offset}` and chat's `{content: [{token, logprob, bytes, top_logprobs}]}`."""
+top_logprobs, text_offset}` and chat's `{content: [{token, logprob, bytes, top_logprobs}]}`;
+and vLLM's `prompt_logprobs` (`[null, {token id: {logprob, rank, decoded_token}}, ...]`).
+
+With vLLM's `return_tokens_as_token_ids` a token is named "token_id:{id}" (its text may be
+part of a character, which no JSON string can hold apart); `bytes` and `text_offset` stay
+those of its text."""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from fastserve.model.tokenizer import Tokenizer
-from fastserve.request import TokenLogprobs
+from fastserve.request import RequestOutput, TokenLogprobs
 from fastserve.server import schemas
+from fastserve.server.job import Job
 
 # JSON has no -inf: a log-probability below this is reported as this (vLLM does the same).
 MIN_LOGPROB = -9999.0
@@ -46,6 +52,10 @@ class LogprobsFormatter:
         # How much a token adds to the returned text: special tokens (BOS) add nothing.
         self.text_len = lru_cache(maxsize=1 << 16)(self._text_len)
 
+    def name(self, token_id: int, as_id: bool) -> str:
+        """How a response names the token: its text, or (as_id) "token_id:{id}"."""
+        return f"token_id:{token_id}" if as_id else self.text(token_id)
+
     def _text_len(self, token_id: int) -> int:
         return len(self.tokenizer.decode([token_id]))
 
@@ -67,13 +77,15 @@ class LogprobsFormatter:
     # -- completions ----------------------------------------------------------------------
 
     def completion(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
-                   text_offset: int) -> tuple[schemas.CompletionLogprobs, int]:
+                   text_offset: int, as_ids: bool = False,
+                   num_top: int | None = None) -> tuple[schemas.CompletionLogprobs, int]:
         """`token_ids` with their entries (None: no logits predict it, the prompt's first),
-        texts placed from `text_offset` on; and the offset after the last."""
+        texts placed from `text_offset` on; and the offset after the last. `as_ids`: tokens
+        named by id; `num_top`: at most this many alternatives per token (None: all)."""
         out = schemas.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
                                          text_offset=[])
         for tok, entry in zip(token_ids, entries):
-            text = self.text(tok)
+            text = self.name(tok, as_ids)
             out.tokens.append(text)
             out.text_offset.append(text_offset)
             text_offset += self.text_len(tok)
@@ -83,19 +95,46 @@ class LogprobsFormatter:
                 continue
             out.token_logprobs.append(_clamp(entry.logprob))
             # The alternatives, and (as OpenAI does) the token itself: up to logprobs + 1.
-            top = {self.text(t): _clamp(lp) for t, lp in entry.top}
+            top = {self.name(t, as_ids): _clamp(lp) for t, lp in entry.top[:num_top]}
             top.setdefault(text, _clamp(entry.logprob))
             out.top_logprobs.append(top)
         return out, text_offset
 
     # -- chat -----------------------------------------------------------------------------
 
-    def chat(self, entries: Sequence[TokenLogprobs]) -> schemas.ChatLogprobs:
+    def chat(self, entries: Sequence[TokenLogprobs], as_ids: bool = False) -> schemas.ChatLogprobs:
         return schemas.ChatLogprobs(content=[
             schemas.ChatTokenLogprob(
-                token=self.text(e.token_id), logprob=_clamp(e.logprob), bytes=self.bytes(e.token_id),
-                top_logprobs=[schemas.TopLogprob(token=self.text(t), logprob=_clamp(lp),
+                token=self.name(e.token_id, as_ids), logprob=_clamp(e.logprob),
+                bytes=self.bytes(e.token_id),
+                top_logprobs=[schemas.TopLogprob(token=self.name(t, as_ids), logprob=_clamp(lp),
                                                  bytes=self.bytes(t)) for t, lp in e.top],
             )
             for e in entries
         ])
+
+    # -- vLLM's prompt_logprobs -----------------------------------------------------------
+
+    def prompt_of(self, job: Job, out: RequestOutput) -> schemas.PromptLogprobs | None:
+        """The output's prompt log-probabilities, when the job asked for them."""
+        if job.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        return self.prompt(out.prompt_logprobs, job.prompt_logprobs)
+
+    def prompt(self, entries: Sequence[TokenLogprobs | None],
+               num_top: int) -> schemas.PromptLogprobs:
+        """Per prompt token: null (the first), or {token id: entry} for the token and its
+        `num_top` most likely alternatives, in vLLM's order (the token first; where it is
+        among the alternatives, their entry, with its place as rank, replaces its own)."""
+        out: schemas.PromptLogprobs = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            position = {e.token_id: schemas.PromptLogprob(
+                logprob=_clamp(e.logprob), rank=e.rank, decoded_token=self.text(e.token_id))}
+            for rank, (t, lp) in enumerate(e.top[:num_top], start=1):
+                position[t] = schemas.PromptLogprob(logprob=_clamp(lp), rank=rank,
+                                                    decoded_token=self.text(t))
+            out.append(position)
+        return out

@@ -9,7 +9,9 @@ Extensions: vLLM's names, as the load tools that benchmark servers send them (gu
 `vllm bench serve`). Implemented: `top_k`, `min_tokens`, `ignore_eos` (generate exactly
 `max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
 `request_id`, `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
-`repetition_penalty`, `min_p` and structured output's `guided_json`, `guided_regex`,
+`repetition_penalty`, `min_p`, `allowed_token_ids`, `bad_words`, `prompt_logprobs`,
+`return_tokens_as_token_ids`, and structured output's `structured_outputs` (json, regex,
+choice, grammar, json_object) and its older form `guided_json`, `guided_regex`,
 `guided_choice` (beside OpenAI's `response_format`); chat's `add_generation_prompt`,
 `continue_final_message` (continue the assistant's last message: a prefill) and `echo`. The
 others are accepted only at the values that mean "not used".
@@ -53,6 +55,7 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from fastserve.request import (
     LOGIT_BIAS_RANGE,
+    MAX_BAD_WORDS,
     MAX_LOGPROBS,
     MAX_SEQUENCES,
     REPETITION_PENALTY_RANGE,
@@ -260,6 +263,10 @@ LogitBias = Annotated[
 # A number of alternatives per position (`logprobs`, `top_logprobs`).
 NumLogprobs = Annotated[StrictInt, annotated_types.Ge(0), annotated_types.Le(MAX_LOGPROBS),
                         BeforeValidator(_integral)]
+# A bad word: text with a character that is no space (vLLM drops a word's leading spaces, so
+# one of spaces alone has no tokens). NOTE: the class is Python's `str.isspace` written so
+# that Python's, Rust's and JSON Schema's `\s` agree on it (they differ on \x1c-\x1f, \x85).
+BadWord = Annotated[StrictStr, Field(pattern=r"[^\s\x1c-\x1f\x85]"), AfterValidator(_check_text)]
 
 
 class StreamOptions(BaseModel):
@@ -309,8 +316,64 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`, the newer form of its guided_* fields: exactly one of
+    json, regex, choice, grammar and json_object (true)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # NOTE: `json` shadows a BaseModel attribute, hence the alias.
+    json_: dict[Text, Any] | Text | None = Field(
+        None, alias="json", description="The output is JSON matching this JSON schema (an "
+        "object or its text).")
+    regex: Text | None = Field(None, min_length=1, description="The output matches this regex.")
+    choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="The output is exactly one of these strings.")
+    grammar: Text | None = Field(
+        None, min_length=1, description="The output matches this EBNF grammar (xgrammar's "
+        "GBNF-like EBNF, from rule `root`); Lark grammars are not read.")
+    json_object: StrictBool | None = Field(None, description="true: the output is a JSON object.")
+    disable_any_whitespace: StrictBool | None = Field(
+        None, description="Accepted: JSON output here is always compact (no whitespace "
+        "between its tokens), which either value allows.")
+    disable_additional_properties: Annotated[Any, Only((False,))] = Field(
+        None, description="Only false: a JSON schema's objects get only the properties it "
+        "lists unless it allows others (xgrammar's strict mode).")
+    disable_fallback: StrictBool | None = Field(
+        None, description="Accepted: there is one structured-output backend (xgrammar), so no "
+        "fallback.")
+    whitespace_pattern: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+    structural_tag: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+
+    def params(self) -> StructuredOutputParams:
+        """The grammar asked for; raises InvalidRequestError naming the key when none or more
+        than one is given."""
+        specs: list[tuple[str, str | tuple[str, ...]]] = []  # (kind, spec), as given
+        if self.json_ is not None:
+            specs.append(("json", self.json_ if isinstance(self.json_, str)
+                          else json.dumps(self.json_)))
+        if self.regex is not None:
+            specs.append(("regex", self.regex))
+        if self.choice is not None:
+            specs.append(("choice", tuple(self.choice)))
+        if self.grammar is not None:
+            specs.append(("grammar", self.grammar))
+        if self.json_object:
+            specs.append(("json_object", ""))
+        names = [f"structured_outputs.{kind}" for kind, _ in specs]
+        if len(names) > 1:
+            raise InvalidRequestError(f"{names[1]}: only one of {', '.join(names)} may be given",
+                                      names[1])
+        if not specs:
+            raise InvalidRequestError("structured_outputs: give one of json, regex, choice, "
+                                      "grammar, json_object (true)", "structured_outputs")
+        kind, spec = specs[0]
+        return StructuredOutputParams(kind, spec, names[0])
+
+
 MAX_TOOLS = 128  # as OpenAI
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                 "structured_outputs")
 
 
 class _GenerationRequest(BaseModel):
@@ -381,6 +444,22 @@ class _GenerationRequest(BaseModel):
                                 "the output is divided by it (multiplied when negative); 1 is off.")
     min_p: StrictFloat | None = Field(
         None, ge=0, le=1, description="Extension: drop tokens less likely than min_p times the most likely.")
+    # Tokens barred (vLLM's extensions): before bias and penalties, as vLLM applies them.
+    allowed_token_ids: list[Count] | None = Field(
+        None, min_length=1, description="Extension: only these token ids (of the model's "
+        "vocabulary) may be sampled; with structured output, where none fits the grammar, "
+        "the grammar's tokens may. Log-probabilities stay the model's own (vLLM's default).")
+    bad_words: list[BadWord] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description="Extension: words the output may not hold: "
+        "each is tokenized as written and after a space, and its last token is barred wherever "
+        "the output ends with its other tokens (a word of one token is always barred).")
+    prompt_logprobs: NumLogprobs | None = Field(
+        None, description="Extension: the prompt tokens' log-probabilities, each with its "
+        "rank and this many most likely alternatives, in `prompt_logprobs` (completions: each "
+        "choice's; chat: the response's). Not with stream.")
+    return_tokens_as_token_ids: StrictBool | None = Field(
+        None, description="Extension: log-probabilities name tokens as 'token_id:{id}' (for "
+        "tokens that are not text alone, part of a character say).")
     # Structured output: OpenAI's response_format and vLLM's guided_* (at most one of them).
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object (any JSON object) or json_schema (JSON matching "
@@ -392,6 +471,9 @@ class _GenerationRequest(BaseModel):
         None, min_length=1, description="Extension: the output matches this regex.")
     guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
         None, min_length=1, description="Extension: the output is exactly one of these strings.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Extension (vLLM's newer form of guided_*): one of json, regex, "
+        "choice, grammar, json_object.")
 
     def structured_output(self, tool_format: ToolFormat | None = None
                           ) -> StructuredOutputParams | None:
@@ -415,6 +497,8 @@ class _GenerationRequest(BaseModel):
             return StructuredOutputParams("regex", self.guided_regex, "guided_regex")
         if self.guided_choice is not None:
             return StructuredOutputParams("choice", tuple(self.guided_choice), "guided_choice")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params()
         return None
 
     @property
@@ -443,14 +527,22 @@ class _GenerationRequest(BaseModel):
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=tuple(self.bad_words or ()),
             **self._logits_params(),
             **self._sequences(),
             structured_output=self.structured_output(tool_format),
         )
 
     def _logits_params(self) -> dict[str, Any]:
-        """SamplingParams' penalty, bias and min_p fields (the endpoints add logprobs)."""
+        """SamplingParams' penalty, bias and min_p fields and prompt_logprobs (the endpoints
+        add logprobs)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs: not with stream (they come in the whole response only)",
+                "prompt_logprobs")
         return {
+            "prompt_logprobs": self.prompt_logprobs,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -522,8 +614,12 @@ class CompletionRequest(_GenerationRequest):
                           "tokens' too, the first null).")
 
     def _logits_params(self) -> dict[str, Any]:
+        # echo's prompt log-probabilities and prompt_logprobs' come from one pass, with the
+        # most alternatives either asks for (each part of the response keeps its own count).
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                 if k is not None]
         return {**super()._logits_params(), "logprobs": self.logprobs,
-                "prompt_logprobs": self.logprobs if self.echo else None}
+                "prompt_logprobs": max(asked, default=None)}
 
     def _sequences(self) -> dict[str, Any]:
         return {"n": self.n or 1, "best_of": self.best_of}
@@ -1050,15 +1146,29 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `prompt_logprobs` entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None  # 1 + the tokens more likely (the alternatives: their place)
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, {token id: its entry} for the token and the
+# most likely alternatives; the first is null (no logits predict it).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class _TokenIds(BaseModel):
-    """vLLM's `return_token_ids` fields, in a response only when asked for."""
+    """vLLM's `return_token_ids` and `prompt_logprobs` fields, in a response only when asked
+    for."""
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None or k not in _TOKEN_ID_FIELDS}
 
 
-_TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
+_TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids", "prompt_logprobs")
 
 
 class CompletionChoice(_TokenIds):
@@ -1070,6 +1180,7 @@ class CompletionChoice(_TokenIds):
     # (streamed: the chunk's new ones).
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -1115,6 +1226,7 @@ class ChatCompletionResponse(_TokenIds):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's prompt_logprobs
 
 
 class FunctionCallDelta(BaseModel):

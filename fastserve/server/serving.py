@@ -91,7 +91,8 @@ class OpenAIServing:
         if isinstance(body.prompt, tuple):
             return await self._batch_completion(body, body.prompt, request)
         job = await self._completion_job(body, body.prompt)
-        if job.echo_text is not None or job.params.logprobs is not None or job.return_token_ids:
+        if (job.echo_text is not None or job.params.logprobs is not None or job.return_token_ids
+                or job.prompt_logprobs is not None):
             return await self._respond(
                 job, request, "prompt",
                 lambda job, first, outputs: self.completions.events(
@@ -173,7 +174,8 @@ class OpenAIServing:
                                      prompt_token_ids=ids_if_asked(job, job.prompt_token_ids))
         return await self._respond(
             job, request, "messages", self._chat_events, response,
-            lambda final: self._chat_choice(job, final))
+            lambda final: self._chat_choice(job, final),
+            lambda finals: {"prompt_logprobs": self.logprobs.prompt_of(job, finals[0])})
 
     async def chat_job(self, body: schemas.ChatCompletionRequest, prefix: str) -> Job:
         """The conversation's job: rendered with the chat template, tokenized, checked.
@@ -240,7 +242,7 @@ class OpenAIServing:
             message=schemas.ChatResponseMessage(
                 content=message, tool_calls=None if job.as_function_call else calls or None,
                 function_call=function_call, reasoning_content=thinking),
-            logprobs=self._chat_logprobs(final, len(final.token_ids)), finish_reason=finish,
+            logprobs=self._chat_logprobs(job, final, len(final.token_ids)), finish_reason=finish,
             token_ids=ids_if_asked(job, final.token_ids))
 
     # -- validation -----------------------------------------------------------------------
@@ -333,6 +335,8 @@ class OpenAIServing:
             continuous_usage=body.continuous_usage,
             created=schemas.now_s(),
             return_token_ids=bool(body.return_token_ids),
+            prompt_logprobs=body.prompt_logprobs,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
             priority=priority,
             model=body.model,
             lora=self.check_model(body.model),
@@ -349,15 +353,18 @@ class OpenAIServing:
                          AsyncGenerator[str, None]],
         response: Callable[..., BaseModel],
         choice: Callable[[RequestOutput], BaseModel],
+        extra: Callable[[list[RequestOutput]], dict[str, object]] | None = None,
     ) -> Response:
         """Run the job: its event stream (`events`) when it streams, else one `response`
-        body whose choices `choice` builds from each sequence's last output."""
+        body whose choices `choice` builds from each sequence's last output (and whose
+        further fields `extra` builds from them all)."""
         first, outputs = await self.start(job, request, prompt_param)
         if job.stream:
             return streaming.EventStream(events(job, first, outputs))
         finals = await streaming.race_disconnect(request, streaming.final_outputs(first, outputs))
         body = response(id=job.response_id, created=job.created, model=job.model,
-                        choices=[choice(f) for f in finals], usage=job_usage(job, finals, final=True))
+                        choices=[choice(f) for f in finals], usage=job_usage(job, finals, final=True),
+                        **(extra(finals) if extra is not None else {}))
         return JSONResponse(body.model_dump())
 
     async def start(
@@ -483,7 +490,7 @@ class OpenAIServing:
                 text, calls = chat_tools.split(tools.read(out.index, text, out.finished))
             # return_token_ids: the output's new tokens, in the first chunk it makes
             ids = ids_if_asked(job, out.new_token_ids) if out.new_token_ids else None
-            new_lps = self._chat_logprobs(out, len(out.new_token_ids))
+            new_lps = self._chat_logprobs(job, out, len(out.new_token_ids))
             delta = schemas.ChatDelta(content=text if text or not thinking else None,
                                       reasoning_content=thinking or None)
             if new_lps is not None and (text or thinking or out.new_token_ids):
@@ -513,11 +520,13 @@ class OpenAIServing:
 
     # -- log-probabilities and echo (issue 27) ------------------------------------------
 
-    def _chat_logprobs(self, out: RequestOutput, num_last: int) -> schemas.ChatLogprobs | None:
+    def _chat_logprobs(self, job: Job, out: RequestOutput,
+                       num_last: int) -> schemas.ChatLogprobs | None:
         """The log-probabilities of the output's last `num_last` tokens, when asked for."""
         if out.logprobs is None:
             return None
-        return self.logprobs.chat(out.logprobs[len(out.logprobs) - num_last:] if num_last else [])
+        return self.logprobs.chat(out.logprobs[len(out.logprobs) - num_last:] if num_last else [],
+                                  job.tokens_as_ids)
 
 # Texts longer than this are tokenized (and chat templates rendered) on a worker thread: a
 # 1 MiB prompt takes about a second, which would stall every other request and /health. Below

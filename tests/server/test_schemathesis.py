@@ -30,9 +30,12 @@ EXAMPLES_PER_OPERATION = 25
 # Structured output: whether a regex or JSON schema is valid, JSON Schema cannot state.
 # NOTE: json_schema.name is also here: its pattern is in the OpenAPI document, but the fuzzer's
 # generator does not always keep to it (it sent "'" followed by an astral character).
+# structured_outputs: exactly one of its keys, which JSON Schema does not state either.
 STRUCTURED_PARAMS = ("response_format", "response_format.json_schema.schema",
                      "response_format.json_schema.name", "guided_json", "guided_regex",
-                     "guided_choice")
+                     "guided_choice", "structured_outputs", "structured_outputs.json",
+                     "structured_outputs.regex", "structured_outputs.choice",
+                     "structured_outputs.grammar", "structured_outputs.json_object")
 STATUSES: collections.Counter[tuple[str, int]] = collections.Counter()
 
 
@@ -62,8 +65,8 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
     """positive_data_acceptance, less the limits across fields that JSON Schema cannot state:
     the prompt's tokens plus max_tokens must fit the context (`context_length_exceeded`),
     min_tokens may not exceed max_tokens (whose default depends on the prompt), best_of
-    may not be below n (nor above it with stream); and those of issue 27's fields and of tool
-    calling (below)."""
+    may not be below n (nor above it with stream); and those of issue 27's fields, of vLLM's
+    sampling extensions and of tool calling (below)."""
     if response.status_code == 400:
         error = response.json()["error"]
         if error["code"] == "context_length_exceeded":
@@ -92,11 +95,13 @@ def _cross_field_ok(ctx: Any, response: Any, case: Any) -> bool | None:
                 and "does not read the effort" in error["message"]:
             return None
         # max_tokens 0 only with echo, top_logprobs only with logprobs, logit_bias keys in
-        # the vocabulary (JSON Schema cannot bound a key's number), the Responses API's
-        # logprobs not with tools.
+        # the vocabulary (JSON Schema cannot bound a key's number), prompt_logprobs not with
+        # stream, allowed_token_ids not all barred by bad_words or (before min_tokens) EOS,
+        # the Responses API's logprobs not with tools, service_tier and priority not both.
         limits = {"max_tokens": "0 only with echo", "top_logprobs": "needs logprobs",
-                  "logit_bias": "vocabulary", "include": "not served with tools",
-                  "service_tier": "not both"}
+                  "logit_bias": "vocabulary", "prompt_logprobs": "not with stream",
+                  "allowed_token_ids": "none could be sampled",
+                  "include": "not served with tools", "service_tier": "not both"}
         if error["param"] in limits and limits[error["param"]] in error["message"]:
             return None
     return positive_data_acceptance(ctx, response, case)
