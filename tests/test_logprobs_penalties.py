@@ -16,7 +16,8 @@ from fastserve.args import engine_config
 from fastserve.core.plan import ScheduledRequest
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
-from fastserve.request import InvalidRequestError, RequestOutput
+from fastserve.request import InvalidRequestError
+from tests.engine_runs import run_to_end
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,15 +52,7 @@ def engine() -> LLMEngine:
     return _engine(max_num_batched_tokens=24)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]],
-         params: list[SamplingParams]) -> list[RequestOutput]:
-    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+_run = run_to_end
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import Response
 
 from fastserve.engine.async_llm import AsyncLLM
-from fastserve.server import reasoning, schemas, tools
+from fastserve.server import reasoning, replies, schemas, tools
 from fastserve.server.gate import (
     DEFAULT_MAX_BODY_BYTES,
     RequestGate,
@@ -113,21 +113,21 @@ def build_app(
     v1 = APIRouter(prefix="/v1")  # NOTE: RequestGate checks the API key before any parsing
 
     @v1.get("/models", responses=_ERROR_RESPONSES)
-    async def list_models() -> schemas.ModelList:
-        return schemas.ModelList(data=serving.model_cards())
+    async def list_models() -> replies.ModelList:
+        return replies.ModelList(data=serving.model_cards())
 
     @v1.get("/models/{model_id:path}", responses=_ERROR_RESPONSES)
-    async def get_model(model_id: str) -> schemas.ModelCard:
+    async def get_model(model_id: str) -> replies.ModelCard:
         serving.check_model(model_id)
         return next(card for card in serving.model_cards() if card.id == model_id)
 
-    @v1.post("/completions", response_model=schemas.CompletionResponse, responses=_stream_responses())
+    @v1.post("/completions", response_model=replies.CompletionResponse, responses=_stream_responses())
     async def create_completion(body: schemas.CompletionRequest, request: Request) -> Response:
         """Complete a prompt (a string or token ids); `stream: true` sends server-sent events."""
         return await serving.completion(body, request)
 
     @v1.post(
-        "/chat/completions", response_model=schemas.ChatCompletionResponse, responses=_stream_responses()
+        "/chat/completions", response_model=replies.ChatCompletionResponse, responses=_stream_responses()
     )
     async def create_chat_completion(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         """Answer a conversation, rendered with the model's chat template."""

@@ -8,7 +8,7 @@ import json
 
 from fastserve.executor import grammar
 from fastserve.request import InvalidRequestError, RequestOutput, StructuredOutputParams
-from fastserve.server import schemas
+from fastserve.server import replies, schemas
 from fastserve.server.gate import bad_input
 from fastserve.server.tools import ToolFormat
 from fastserve.server.tools.base import ToolCallParser
@@ -40,7 +40,7 @@ class ChoiceToolCalls:
         self._parsers: dict[int, ToolCallParser] = {}
 
     def read(self, index: int, text: str, finished: bool
-             ) -> list[str | schemas.ToolCallDelta]:
+             ) -> list[str | replies.ToolCallDelta]:
         """Choice `index`'s new `text` as content and pieces of calls, in the text's order
         (one delta per call and run: a call's first names it and gets its id)."""
         parser = self._parsers.get(index)
@@ -49,23 +49,23 @@ class ChoiceToolCalls:
         parsed = parser.feed(text)
         if finished:
             parsed.extend(parser.finish())
-        out: list[str | schemas.ToolCallDelta] = []
+        out: list[str | replies.ToolCallDelta] = []
         for piece in parsed.pieces:
             last = out[-1] if out else None
             if isinstance(piece, str):
                 out.append(piece)
-            elif isinstance(last, schemas.ToolCallDelta) and last.index == piece.index:
+            elif isinstance(last, replies.ToolCallDelta) and last.index == piece.index:
                 last.function.arguments = (last.function.arguments or "") + piece.arguments
             elif piece.name is not None:
-                out.append(schemas.ToolCallDelta(
+                out.append(replies.ToolCallDelta(
                     index=piece.index, id=self.format.call_id(), type="function",
-                    function=schemas.FunctionCallDelta(name=piece.name, arguments=piece.arguments)))
+                    function=replies.FunctionCallDelta(name=piece.name, arguments=piece.arguments)))
             else:
-                out.append(schemas.ToolCallDelta(
-                    index=piece.index, function=schemas.FunctionCallDelta(arguments=piece.arguments)))
+                out.append(replies.ToolCallDelta(
+                    index=piece.index, function=replies.FunctionCallDelta(arguments=piece.arguments)))
         return out
 
-    def finish_reason(self, out: RequestOutput, reason: schemas.FinishReason) -> schemas.FinishReason:
+    def finish_reason(self, out: RequestOutput, reason: replies.FinishReason) -> replies.FinishReason:
         """The choice's `reason`, or "tool_calls" ("function_call") when the model stopped
         after calling (OpenAI: not when the call was forced by naming the function: "named")."""
         parser = self._parsers.get(out.index)
@@ -73,18 +73,18 @@ class ChoiceToolCalls:
             return "function_call" if self.as_function_call else "tool_calls"
         return reason
 
-    def delta(self, deltas: list[schemas.ToolCallDelta]) -> schemas.ChatDelta | None:
+    def delta(self, deltas: list[replies.ToolCallDelta]) -> replies.ChatDelta | None:
         """A stream's chunk of calls, in the request's shape (None: nothing to send)."""
         if not self.as_function_call:
-            return schemas.ChatDelta(tool_calls=deltas) if deltas else None
+            return replies.ChatDelta(tool_calls=deltas) if deltas else None
         first = [d.function for d in deltas if d.index == 0]  # the legacy shape holds one call
         if not first:
             return None
-        return schemas.ChatDelta(function_call=schemas.FunctionCallDelta(
+        return replies.ChatDelta(function_call=replies.FunctionCallDelta(
             name=first[0].name, arguments="".join(f.arguments or "" for f in first)))
 
 
-def split(pieces: list[str | schemas.ToolCallDelta]) -> tuple[str, list[schemas.ToolCallDelta]]:
+def split(pieces: list[str | replies.ToolCallDelta]) -> tuple[str, list[replies.ToolCallDelta]]:
     """Content and call deltas apart (chat has a field for each)."""
     return ("".join(p for p in pieces if isinstance(p, str)),
             [p for p in pieces if not isinstance(p, str)])
@@ -97,7 +97,7 @@ def first_call(calls: list[schemas.ToolCall]) -> schemas.FunctionCall | None:
     return calls[0].function if calls else None
 
 
-def assemble(deltas: list[schemas.ToolCallDelta]) -> list[schemas.ToolCall]:
+def assemble(deltas: list[replies.ToolCallDelta]) -> list[schemas.ToolCall]:
     """Whole calls from their deltas, as a client puts a stream's together."""
     calls: list[schemas.ToolCall] = []
     for d in deltas:

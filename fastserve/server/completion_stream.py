@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastserve.request import RequestOutput, TokenLogprobs
-from fastserve.server import schemas, streaming
+from fastserve.server import replies, schemas, streaming
 from fastserve.server.job import Job, finish_reason, ids_if_asked, job_usage, sum_usage
 from fastserve.server.logprobs import LogprobsFormatter
 
@@ -19,7 +19,7 @@ class CompletionChoices:
     logprobs: LogprobsFormatter
 
     def logprobs_of(self, job: Job, out: RequestOutput, num_last: int, with_prompt: bool,
-                    text_offset: int) -> tuple[schemas.CompletionLogprobs | None, int]:
+                    text_offset: int) -> tuple[replies.CompletionLogprobs | None, int]:
         """The log-probabilities of the output's last `num_last` tokens, after the prompt's
         when `with_prompt` (echo); and the text offset after them."""
         if job.params.logprobs is None:
@@ -36,11 +36,11 @@ class CompletionChoices:
         return self.logprobs.completion(ids, entries, text_offset, job.tokens_as_ids,
                                         job.params.logprobs)
 
-    def choice(self, job: Job, final: RequestOutput, index: int | None = None) -> schemas.CompletionChoice:
+    def choice(self, job: Job, final: RequestOutput, index: int | None = None) -> replies.CompletionChoice:
         """A sequence's whole choice (`index`: its place in a batch's choices)."""
         echo = job.echo_text is not None
         logprobs, _ = self.logprobs_of(job, final, len(final.token_ids), echo, 0)
-        return schemas.CompletionChoice(
+        return replies.CompletionChoice(
             index=final.index if index is None else index, text=(job.echo_text or "") + final.text,
             logprobs=logprobs, finish_reason=finish_reason(final),
             prompt_token_ids=ids_if_asked(job, job.prompt_token_ids),
@@ -62,14 +62,14 @@ class CompletionChoices:
         n = lead.params.n
         exclude = None if lead.include_usage else {"usage"}
 
-        def chunk(choice: schemas.CompletionChoice | None, usage: schemas.Usage | None = None) -> str:
-            resp = schemas.CompletionResponse(id=response_id, created=lead.created, model=lead.model,
+        def chunk(choice: replies.CompletionChoice | None, usage: replies.Usage | None = None) -> str:
+            resp = replies.CompletionResponse(id=response_id, created=lead.created, model=lead.model,
                                               choices=[] if choice is None else [choice], usage=usage)
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
         latest: list[dict[int, RequestOutput]] = [{} for _ in jobs]  # each sequence's latest output
 
-        def usage(final: bool = False) -> schemas.Usage:
+        def usage(final: bool = False) -> replies.Usage:
             return sum_usage([job_usage(job, outs.values(), final) for job, outs in zip(jobs, latest, strict=True)])
 
         offsets: dict[int, int] = {}  # each choice's text offset so far
@@ -82,7 +82,7 @@ class CompletionChoices:
                     so_far = usage() if lead.continuous_usage else None
                     for index in range(len(jobs) * n):
                         if index not in done:
-                            yield chunk(schemas.CompletionChoice(index=index, text="", finish_reason="abort"),
+                            yield chunk(replies.CompletionChoice(index=index, text="", finish_reason="abort"),
                                         so_far)
                     if lead.include_usage:
                         yield chunk(None, usage(final=True))
@@ -99,7 +99,7 @@ class CompletionChoices:
                 latest[i][out.index] = out
                 so_far = usage() if lead.continuous_usage else None
                 if text or out.new_token_ids or out.finished or so_far is not None:
-                    yield chunk(schemas.CompletionChoice(
+                    yield chunk(replies.CompletionChoice(
                         index=index, text=text, logprobs=logprobs,
                         finish_reason=finish_reason(out) if out.finished else None,
                         prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if first_of_choice else None,

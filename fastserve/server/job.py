@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fastserve.request import RequestOutput, SamplingParams
-from fastserve.server import schemas, streaming
+from fastserve.server import replies, schemas, streaming
 from fastserve.server.tools import FORMATS, ToolFormat
 
 HERMES = FORMATS["hermes"]
@@ -51,7 +51,7 @@ class Job:
     count_reasoning: Callable[[Sequence[int]], int] | None = None
 
 
-def job_usage(job: Job, outs: Iterable[RequestOutput], final: bool = False) -> schemas.Usage:
+def job_usage(job: Job, outs: Iterable[RequestOutput], final: bool = False) -> replies.Usage:
     """The request's token counts from each sequence's latest output (none: before any): the
     prompt once, every sequence's tokens; cached tokens are those the request found cached
     (the fewest of any sequence: the later ones share the first one's prompt blocks).
@@ -66,16 +66,16 @@ def job_usage(job: Job, outs: Iterable[RequestOutput], final: bool = False) -> s
     cached = min((out.num_cached_tokens for out in outs), default=0)
     details = None
     if final and job.count_reasoning is not None:
-        details = schemas.CompletionTokensDetails(
+        details = replies.CompletionTokensDetails(
             reasoning_tokens=sum(job.count_reasoning(out.token_ids) for out in outs))
-    return schemas.Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
-                         prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached),
+    return replies.Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
+                         prompt_tokens_details=replies.PromptTokensDetails(cached_tokens=cached),
                          completion_tokens_details=details)
 
 
 def cut_short(
     job: Job, latest: dict[int, RequestOutput], done: set[int], error: schemas.APIError,
-    finish: Callable[[int, schemas.Usage | None], str], usage: Callable[[schemas.Usage], str],
+    finish: Callable[[int, replies.Usage | None], str], usage: Callable[[replies.Usage], str],
 ) -> list[str]:
     """The last events of a stream the server ended (shutdown, engine error): a finish chunk
     ("abort") for each choice that has not sent one, the usage chunk when asked for (the
@@ -96,15 +96,15 @@ def ids_if_asked(job: Job, token_ids: list[int]) -> list[int] | None:
     return list(token_ids) if job.return_token_ids else None
 
 
-def sum_usage(usages: list[schemas.Usage]) -> schemas.Usage:
+def sum_usage(usages: list[replies.Usage]) -> replies.Usage:
     """A batch's usage: its prompts' (cached tokens summed too)."""
     cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
-    return schemas.Usage(
+    return replies.Usage(
         prompt_tokens=sum(u.prompt_tokens for u in usages),
         completion_tokens=sum(u.completion_tokens for u in usages),
         total_tokens=sum(u.total_tokens for u in usages),
-        prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=cached))
+        prompt_tokens_details=replies.PromptTokensDetails(cached_tokens=cached))
 
 
-def finish_reason(out: RequestOutput) -> schemas.FinishReason:
+def finish_reason(out: RequestOutput) -> replies.FinishReason:
     return "length" if out.finish_reason == "length" else "stop"

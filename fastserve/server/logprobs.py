@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.request import RequestOutput, TokenLogprobs
-from fastserve.server import schemas
+from fastserve.server import replies
 from fastserve.server.job import Job
 
 # JSON has no -inf: a log-probability below this is reported as this (vLLM does the same).
@@ -78,11 +78,11 @@ class LogprobsFormatter:
 
     def completion(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
                    text_offset: int, as_ids: bool = False,
-                   num_top: int | None = None) -> tuple[schemas.CompletionLogprobs, int]:
+                   num_top: int | None = None) -> tuple[replies.CompletionLogprobs, int]:
         """`token_ids` with their entries (None: no logits predict it, the prompt's first),
         texts placed from `text_offset` on; and the offset after the last. `as_ids`: tokens
         named by id; `num_top`: at most this many alternatives per token (None: all)."""
-        out = schemas.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
+        out = replies.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[],
                                          text_offset=[])
         for tok, entry in zip(token_ids, entries):
             text = self.name(tok, as_ids)
@@ -102,12 +102,12 @@ class LogprobsFormatter:
 
     # -- chat -----------------------------------------------------------------------------
 
-    def chat(self, entries: Sequence[TokenLogprobs], as_ids: bool = False) -> schemas.ChatLogprobs:
-        return schemas.ChatLogprobs(content=[
-            schemas.ChatTokenLogprob(
+    def chat(self, entries: Sequence[TokenLogprobs], as_ids: bool = False) -> replies.ChatLogprobs:
+        return replies.ChatLogprobs(content=[
+            replies.ChatTokenLogprob(
                 token=self.name(e.token_id, as_ids), logprob=_clamp(e.logprob),
                 bytes=self.bytes(e.token_id),
-                top_logprobs=[schemas.TopLogprob(token=self.name(t, as_ids), logprob=_clamp(lp),
+                top_logprobs=[replies.TopLogprob(token=self.name(t, as_ids), logprob=_clamp(lp),
                                                  bytes=self.bytes(t)) for t, lp in e.top],
             )
             for e in entries
@@ -115,26 +115,26 @@ class LogprobsFormatter:
 
     # -- vLLM's prompt_logprobs -----------------------------------------------------------
 
-    def prompt_of(self, job: Job, out: RequestOutput) -> schemas.PromptLogprobs | None:
+    def prompt_of(self, job: Job, out: RequestOutput) -> replies.PromptLogprobs | None:
         """The output's prompt log-probabilities, when the job asked for them."""
         if job.prompt_logprobs is None or out.prompt_logprobs is None:
             return None
         return self.prompt(out.prompt_logprobs, job.prompt_logprobs)
 
     def prompt(self, entries: Sequence[TokenLogprobs | None],
-               num_top: int) -> schemas.PromptLogprobs:
+               num_top: int) -> replies.PromptLogprobs:
         """Per prompt token: null (the first), or {token id: entry} for the token and its
         `num_top` most likely alternatives, in vLLM's order (the token first; where it is
         among the alternatives, their entry, with its place as rank, replaces its own)."""
-        out: schemas.PromptLogprobs = []
+        out: replies.PromptLogprobs = []
         for e in entries:
             if e is None:
                 out.append(None)
                 continue
-            position = {e.token_id: schemas.PromptLogprob(
+            position = {e.token_id: replies.PromptLogprob(
                 logprob=_clamp(e.logprob), rank=e.rank, decoded_token=self.text(e.token_id))}
             for rank, (t, lp) in enumerate(e.top[:num_top], start=1):
-                position[t] = schemas.PromptLogprob(logprob=_clamp(lp), rank=rank,
+                position[t] = replies.PromptLogprob(logprob=_clamp(lp), rank=rank,
                                                     decoded_token=self.text(t))
             out.append(position)
         return out

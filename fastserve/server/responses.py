@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from fastserve.request import RequestOutput
-from fastserve.server import background, chat_tools, reasoning, schemas, streaming
+from fastserve.server import background, chat_tools, reasoning, replies, schemas, streaming
 from fastserve.server.background import BackgroundRun
 from fastserve.server.job import Job, job_usage
 from fastserve.server.logprobs import LogprobsFormatter
@@ -100,7 +100,7 @@ class OutputItems:
         self._emit("response.reasoning_text.delta", item_id=item.id,
                    output_index=len(self.items) - 1, content_index=0, delta=delta)
 
-    def call(self, delta: schemas.ToolCallDelta) -> None:
+    def call(self, delta: replies.ToolCallDelta) -> None:
         arguments = delta.function.arguments or ""
         item = self._open
         if delta.id is not None or not isinstance(item, OutputFunctionCall):

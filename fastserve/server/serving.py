@@ -22,7 +22,7 @@ from fastserve.engine.async_llm import (
 from fastserve.executor import grammar
 from fastserve.model.tokenizer import check_encodable
 from fastserve.request import InvalidRequestError, RequestOutput
-from fastserve.server import chat_tools, reasoning, schemas, streaming
+from fastserve.server import chat_tools, reasoning, replies, schemas, streaming
 from fastserve.server.completion_stream import CompletionChoices
 from fastserve.server.gate import ClientDisconnected, bad_input, engine_dead, engine_failure
 from fastserve.server.job import (
@@ -60,15 +60,15 @@ class OpenAIServing:
         self.tool_format = tool_format  # how the served model writes tool calls
         self.reasoning = reasoning  # split chat outputs into thinking and answer
         self.max_model_len: int = llm.engine.max_model_len
-        self.created = schemas.now_s()
+        self.created = replies.now_s()
         self.logprobs = LogprobsFormatter(llm.tokenizer)
         self.completions = CompletionChoices(self.logprobs)
 
-    def model_cards(self) -> list[schemas.ModelCard]:
+    def model_cards(self) -> list[replies.ModelCard]:
         """The served model, then each LoRA adapter served beside it."""
-        return [schemas.ModelCard(id=self.model_name, created=self.created,
+        return [replies.ModelCard(id=self.model_name, created=self.created,
                                   max_model_len=self.max_model_len),
-                *(schemas.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len,
+                *(replies.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len,
                                     root=path, parent=self.model_name)
                   for name, path in self.llm.engine.loras.paths.items())]
 
@@ -97,10 +97,10 @@ class OpenAIServing:
                 job, request, "prompt",
                 lambda job, first, outputs: self.completions.events(
                     [job], [streaming.stream_outputs(first, outputs)], job.response_id),
-                schemas.CompletionResponse, lambda final: self.completions.choice(job, final))
+                replies.CompletionResponse, lambda final: self.completions.choice(job, final))
         return await self._respond(
-            job, request, "prompt", self._completion_events, schemas.CompletionResponse,
-            lambda final: schemas.CompletionChoice(index=final.index, text=final.text,
+            job, request, "prompt", self._completion_events, replies.CompletionResponse,
+            lambda final: replies.CompletionChoice(index=final.index, text=final.text,
                                                    finish_reason=finish_reason(final)),
         )
 
@@ -145,7 +145,7 @@ class OpenAIServing:
                    for final in job_finals]
         usages = [job_usage(job, job_finals, final=True)
                   for job, job_finals in zip(jobs, finals, strict=True)]
-        whole = schemas.CompletionResponse(id=response_id, created=jobs[0].created,
+        whole = replies.CompletionResponse(id=response_id, created=jobs[0].created,
                                            model=jobs[0].model, choices=choices,
                                            usage=sum_usage(usages))
         return JSONResponse(whole.model_dump())
@@ -170,7 +170,7 @@ class OpenAIServing:
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
         job = await self.chat_job(body, "chatcmpl")
-        response = functools.partial(schemas.ChatCompletionResponse,
+        response = functools.partial(replies.ChatCompletionResponse,
                                      prompt_token_ids=ids_if_asked(job, job.prompt_token_ids))
         return await self._respond(
             job, request, "messages", self._chat_events, response,
@@ -224,7 +224,7 @@ class OpenAIServing:
     def _decode_special(self, ids: Sequence[int]) -> str:
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _chat_choice(self, job: Job, final: RequestOutput) -> schemas.ChatChoice:
+    def _chat_choice(self, job: Job, final: RequestOutput) -> replies.ChatChoice:
         content, calls, finish, thinking = final.text, None, finish_reason(final), None
         if job.reasoning_inside is not None:
             thinking, content = reasoning.ReasoningParser(job.reasoning_inside).split(content)
@@ -237,9 +237,9 @@ class OpenAIServing:
         if job.echo_text:  # vLLM's: before the content, whatever the output holds
             message = job.echo_text + (message or "")
         function_call = chat_tools.first_call(calls or []) if job.as_function_call else None
-        return schemas.ChatChoice(
+        return replies.ChatChoice(
             index=final.index,
-            message=schemas.ChatResponseMessage(
+            message=replies.ChatResponseMessage(
                 content=message, tool_calls=None if job.as_function_call else calls or None,
                 function_call=function_call, reasoning_content=thinking),
             logprobs=self._chat_logprobs(job, final, len(final.token_ids)), finish_reason=finish,
@@ -333,7 +333,7 @@ class OpenAIServing:
             stream=bool(body.stream),
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
-            created=schemas.now_s(),
+            created=replies.now_s(),
             return_token_ids=bool(body.return_token_ids),
             prompt_logprobs=body.prompt_logprobs,
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
@@ -407,11 +407,11 @@ class OpenAIServing:
     ) -> AsyncGenerator[str, None]:
         exclude = None if job.include_usage else {"usage"}
 
-        def chunk(text: str | None, finish: schemas.FinishReason | None = None,
-                  usage: schemas.Usage | None = None, index: int = 0) -> str:
+        def chunk(text: str | None, finish: replies.FinishReason | None = None,
+                  usage: replies.Usage | None = None, index: int = 0) -> str:
             choices = [] if text is None else [
-                schemas.CompletionChoice(index=index, text=text, finish_reason=finish)]
-            resp = schemas.CompletionResponse(
+                replies.CompletionChoice(index=index, text=text, finish_reason=finish)]
+            resp = replies.CompletionResponse(
                 id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))
@@ -446,24 +446,24 @@ class OpenAIServing:
         exclude = None if job.include_usage else {"usage"}
 
         def chunk(
-            delta: schemas.ChatDelta | None, finish: schemas.FinishReason | None = None,
-            usage: schemas.Usage | None = None, index: int = 0,
-            logprobs: schemas.ChatLogprobs | None = None, token_ids: list[int] | None = None,
+            delta: replies.ChatDelta | None, finish: replies.FinishReason | None = None,
+            usage: replies.Usage | None = None, index: int = 0,
+            logprobs: replies.ChatLogprobs | None = None, token_ids: list[int] | None = None,
             prompt_token_ids: list[int] | None = None,
         ) -> str:
-            choices = [] if delta is None else [schemas.ChatChunkChoice(
+            choices = [] if delta is None else [replies.ChatChunkChoice(
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
                 token_ids=token_ids)]
-            resp = schemas.ChatCompletionChunk(
+            resp = replies.ChatCompletionChunk(
                 id=job.response_id, created=job.created, model=job.model, choices=choices,
                 usage=usage, prompt_token_ids=prompt_token_ids,
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
         text_chunks = _TextChunks(
-            lambda i: chunk(schemas.ChatDelta(content=streaming.TEXT_SLOT), index=i))
+            lambda i: chunk(replies.ChatDelta(content=streaming.TEXT_SLOT), index=i))
         for i in range(job.params.n):  # each choice's role first, as OpenAI sends it (and echo)
-            yield chunk(schemas.ChatDelta(role="assistant", content=job.echo_text or ""),
+            yield chunk(replies.ChatDelta(role="assistant", content=job.echo_text or ""),
                         usage=job_usage(job, ()) if job.continuous_usage else None, index=i,
                         prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if i == 0 else None)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
@@ -475,7 +475,7 @@ class OpenAIServing:
         async for out in streaming.stream_outputs(first, outputs):
             if isinstance(out, schemas.APIError):  # ended by the server (shutdown, engine error)
                 for line in cut_short(job, latest, done, out,
-                                       lambda i, u: chunk(schemas.ChatDelta(), "abort", u, i),
+                                       lambda i, u: chunk(replies.ChatDelta(), "abort", u, i),
                                        lambda u: chunk(None, usage=u)):
                     yield line
                 break
@@ -491,7 +491,7 @@ class OpenAIServing:
             # return_token_ids: the output's new tokens, in the first chunk it makes
             ids = ids_if_asked(job, out.new_token_ids) if out.new_token_ids else None
             new_lps = self._chat_logprobs(job, out, len(out.new_token_ids))
-            delta = schemas.ChatDelta(content=text if text or not thinking else None,
+            delta = replies.ChatDelta(content=text if text or not thinking else None,
                                       reasoning_content=thinking or None)
             if new_lps is not None and (text or thinking or out.new_token_ids):
                 # Each chunk carries its tokens' log-probabilities (text may lag behind them).
@@ -510,18 +510,18 @@ class OpenAIServing:
             if out.finished:
                 finish = finish_reason(out)
                 finish = finish if tools is None else tools.finish_reason(out, finish)
-                yield chunk(schemas.ChatDelta(), finish, so_far, out.index, token_ids=ids)
+                yield chunk(replies.ChatDelta(), finish, so_far, out.index, token_ids=ids)
                 if job.include_usage and out.ends_request:
                     yield chunk(None, usage=job_usage(job, latest.values(), final=True))
             elif ids:  # tokens whose text is held back (a call's start, say): still sent
-                yield chunk(schemas.ChatDelta(), index=out.index, token_ids=ids)
+                yield chunk(replies.ChatDelta(), index=out.index, token_ids=ids)
         yield "data: [DONE]\n\n"
 
 
     # -- log-probabilities and echo (issue 27) ------------------------------------------
 
     def _chat_logprobs(self, job: Job, out: RequestOutput,
-                       num_last: int) -> schemas.ChatLogprobs | None:
+                       num_last: int) -> replies.ChatLogprobs | None:
         """The log-probabilities of the output's last `num_last` tokens, when asked for."""
         if out.logprobs is None:
             return None

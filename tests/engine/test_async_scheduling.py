@@ -15,11 +15,12 @@ import torch
 
 from fastserve import LLM
 from fastserve.args import engine_config
-from fastserve.core.plan import PENDING_TOKEN, SchedulerOutput
+from fastserve.core.plan import PENDING_TOKEN
 from fastserve.engine.core import AsyncEngineCore, EngineCore, default_async_scheduling
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams, StructuredOutputParams
 from tests.conftest import TEST_DTYPE
+from tests.engine_runs import record_launches
 from tests.faults import fails_at
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
@@ -149,14 +150,7 @@ def test_sampled_penalised_and_logprob_requests_equal_scheduling_in_step() -> No
         SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=1.0, ignore_eos=True),
     ]
     want = _run(sync, prompts, params)
-    launched: list[SchedulerOutput] = []
-    launch = ahead.runner.launch
-
-    def recording_launch(plan: SchedulerOutput) -> Any:
-        launched.append(plan)
-        return launch(plan)
-
-    ahead.runner.launch = recording_launch
+    launched = record_launches(ahead)
     got = _run(ahead, prompts, params)
     # The penalties counted a newest token the host did not have yet.
     assert any(s.params.has_penalties and s.token_ids == [PENDING_TOKEN]

@@ -12,9 +12,10 @@ import torch
 
 from fastserve import SamplingParams
 from fastserve.args import engine_config
-from fastserve.core.plan import PENDING_TOKEN, SchedulerOutput
+from fastserve.core.plan import PENDING_TOKEN
 from fastserve.engine.llm_engine import LLMEngine
-from fastserve.request import MAX_BAD_WORDS, InvalidRequestError, RequestOutput
+from fastserve.request import MAX_BAD_WORDS, InvalidRequestError
+from tests.engine_runs import record_launches, run_to_end
 
 MAX_TOKENS = 16
 
@@ -40,15 +41,7 @@ def engine() -> LLMEngine:
     return _engine()
 
 
-def _run(engine: LLMEngine, prompts: Sequence[list[int]],
-         params: Sequence[SamplingParams]) -> list[RequestOutput]:
-    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+_run = run_to_end
 
 
 def _prompts(engine: LLMEngine, n: int, seed: int = 0) -> list[list[int]]:
@@ -139,14 +132,7 @@ def test_async_scheduling_bars_the_same_tokens() -> None:
     params[2] = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7, ignore_eos=True,
                                bad_words_token_ids=[free[2].token_ids[1:3]])
     want = _run(sync, prompts, params)
-    launched: list[SchedulerOutput] = []
-    launch = ahead.runner.launch
-
-    def recording_launch(plan: SchedulerOutput) -> Any:
-        launched.append(plan)
-        return launch(plan)
-
-    ahead.runner.launch = recording_launch  # type: ignore[method-assign]
+    launched = record_launches(ahead)
     got = _run(ahead, prompts, params)
     assert any(s.params.bad_words_token_ids and s.token_ids == [PENDING_TOKEN]
                for plan in launched for s in plan.scheduled)

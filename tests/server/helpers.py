@@ -25,6 +25,21 @@ _URL_RE = re.compile(r"serving .* at (http://127\.0\.0\.1:\d+)/v1")
 START_TIMEOUT_S = 180.0
 
 
+def chat_chunks(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed chat completion's chunks (`body` whole: model, messages...), each checked
+    against OpenAI's chunk schema."""
+    chunks = []
+    with httpx.stream("POST", server.v1 + "/chat/completions", timeout=120,
+                      json={"stream": True, **body}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                validate(chunk, "CreateChatCompletionStreamResponse")
+                chunks.append(chunk)
+    return chunks
+
+
 def validate(instance: Any, schema_name: str) -> None:
     """Check `instance` against a schema of the OpenAI API reference (openai_schemas.json)."""
     schema = {"$ref": f"#/$defs/{schema_name}", "$defs": SCHEMAS["$defs"]}

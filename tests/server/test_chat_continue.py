@@ -18,7 +18,7 @@ import pytest
 from fastserve.model.tokenizer import Tokenizer
 from tests.conftest import IS_EXACT_DTYPE
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
-from tests.server.helpers import ServerProcess, validate
+from tests.server.helpers import ServerProcess, chat_chunks, validate
 
 MODEL = "tiny"
 PREFILL = "The longest river in the world is"
@@ -54,16 +54,7 @@ def chat(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def stream(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
-    chunks = []
-    with httpx.stream("POST", server.v1 + "/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": MESSAGES, "stream": True, **body}) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[len("data: "):])
-                validate(chunk, "CreateChatCompletionStreamResponse")
-                chunks.append(chunk)
-    return chunks
+    return chat_chunks(server, {"model": MODEL, "messages": MESSAGES, **body})
 
 
 def test_the_prompt_ends_inside_the_assistants_message(server: ServerProcess,

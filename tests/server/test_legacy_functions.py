@@ -19,14 +19,10 @@ import openai
 import pytest
 
 from tests.server.helpers import ServerProcess, validate
+from tests.server.test_tool_calls_api import MESSAGES, MODEL, WEATHER, post, stream
 
 pytest.importorskip("xgrammar")
 
-MODEL = "tiny"
-MESSAGES: list[Any] = [{"role": "user", "content": "What's the weather in Paris?"}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                            "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
 FUNCTIONS: list[Any] = [
     {"name": "get_weather", "description": "Today's weather in a city", "parameters": WEATHER},
     {"name": "add", "parameters": {"type": "object"}}]
@@ -35,25 +31,6 @@ TOOLS: list[Any] = [{"type": "function", "function": f} for f in FUNCTIONS]
 TWO_CALLS = (r'Sure\. <tool_call>\n\{"name": "get_weather", "arguments": '
              r'\{"city": "(Paris|Rome)", "unit": "c"\}\}\n</tool_call>\n<tool_call>\n'
              r'\{"name": "add", "arguments": \{"a": 1\}\}\n</tool_call>')
-
-
-def post(server: ServerProcess, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.v1 + "/chat/completions",
-                      json={"model": MODEL, "messages": MESSAGES, **body}, timeout=120)
-
-
-def stream(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stream's chunks, each checked against OpenAI's chunk schema."""
-    chunks = []
-    with httpx.stream("POST", server.v1 + "/chat/completions", timeout=120,
-                      json={"model": MODEL, "messages": MESSAGES, "stream": True, **body}) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[len("data: "):])
-                validate(chunk, "CreateChatCompletionStreamResponse")
-                chunks.append(chunk)
-    return chunks
 
 
 def test_a_named_function_call_comes_back_as_function_call(client: openai.OpenAI) -> None:

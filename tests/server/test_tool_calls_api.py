@@ -24,7 +24,7 @@ import pytest
 import transformers
 
 from fastserve.model.tokenizer import Tokenizer
-from tests.server.helpers import ServerProcess, validate
+from tests.server.helpers import ServerProcess, chat_chunks, validate
 
 pytest.importorskip("xgrammar")
 
@@ -51,17 +51,7 @@ def post(server: ServerProcess, body: dict[str, Any]) -> httpx.Response:
 
 
 def stream(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stream's chunks, each checked against OpenAI's chunk schema."""
-    chunks = []
-    with httpx.stream("POST", server.v1 + "/chat/completions", timeout=120,
-                      json={"model": MODEL, "messages": MESSAGES, "stream": True, **body}) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                validate(chunk, "CreateChatCompletionStreamResponse")
-                chunks.append(chunk)
-    return chunks
+    return chat_chunks(server, {"model": MODEL, "messages": MESSAGES, **body})
 
 
 def assembled(chunks: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
