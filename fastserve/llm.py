@@ -46,6 +46,16 @@ class LLM:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Serve the PEFT adapter at `path` as `name` from now on (with `lora_modules` or
+        `allow_runtime_lora_updating`; `max_loras` at once). `replace`: load a name already
+        served again. Raises LoRAError naming what is wrong."""
+        self.engine.add_lora(self.engine.loras.read(name, path), path, replace=replace)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`. Raises LoRANotFoundError."""
+        self.engine.remove_lora(name)
+
     def generate(
         self,
         prompts: str | list[int] | Sequence[str | list[int]],

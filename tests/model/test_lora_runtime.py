@@ -133,8 +133,11 @@ def test_loading_refuses_naming_the_field(tiny_model_path: Path, tmp_path: Path,
         with pytest.raises(LoRANotFoundError, match="no adapter named 'b' is loaded .loaded: attn"):
             engine.remove_lora("b")
         # Loaded again in place with max_loras 1: the one slot is free (nothing runs in it).
-        _load(engine, "attn", made["attn"][0], replace=True)
+        llm.load_lora("attn", str(made["attn"][0]), replace=True)
         assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora="attn")[0].token_ids) == 12
+        llm.unload_lora("attn")
+        with pytest.raises(ValueError, match="no adapter named 'attn'"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora="attn")
     finally:
         llm.shutdown()
     plain = LLM(model=str(tiny_model_path), dtype=TEST_DTYPE, warmup=False)
