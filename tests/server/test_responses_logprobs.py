@@ -11,9 +11,14 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import IS_EXACT_DTYPE
+from tests.greedy import NEAR_TIE
 from tests.server.helpers import ServerProcess
 from tests.server.test_responses_api import MODEL, TOOL, create, events, text_of
 
+# float32: the same arithmetic, so the same log-probabilities. A half type rounds a prefix-cache
+# hit's chunk differently from a fresh prefill: within the near-tie bound (tests/greedy.py).
+ATOL = 1e-4 if IS_EXACT_DTYPE else NEAR_TIE
 BODY: dict[str, Any] = {"input": "Tell me about rivers.", "max_output_tokens": 8,
                         "temperature": 0, "include": ["message.output_text.logprobs"],
                         "top_logprobs": 2}
@@ -28,13 +33,17 @@ def test_logprobs_are_the_chat_completions(server: ServerProcess, client: openai
         messages=[{"role": "user", "content": "Tell me about rivers."}])
     assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content is not None
     want = [lp.model_dump() for lp in chat.choices[0].logprobs.content]
-    assert len(part["logprobs"]) == resp["usage"]["output_tokens"] == 8
-    assert [lp["token"] for lp in part["logprobs"]] == [lp["token"] for lp in want]
+    assert len(part["logprobs"]) == resp["usage"]["output_tokens"] == len(want) == 8
+    assert all(len(got["top_logprobs"]) == 2 for got in part["logprobs"])
+    if IS_EXACT_DTYPE:
+        assert [lp["token"] for lp in part["logprobs"]] == [lp["token"] for lp in want]
+        assert text_of(resp) == chat.choices[0].message.content
     for got, exp in zip(part["logprobs"], want, strict=True):
-        assert got["logprob"] == pytest.approx(exp["logprob"], abs=1e-4)
-        assert len(got["top_logprobs"]) == 2
-        assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in exp["top_logprobs"]]
-    assert text_of(resp) == chat.choices[0].message.content
+        if got["token"] != exp["token"]:  # a half type's near-tie: the two outputs part here
+            break
+        assert got["logprob"] == pytest.approx(exp["logprob"], abs=ATOL)
+        if IS_EXACT_DTYPE:
+            assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in exp["top_logprobs"]]
     # Through the SDK: its own types read them.
     sdk = client.responses.create(model=MODEL, **BODY)
     first = sdk.output[0]
@@ -46,7 +55,9 @@ def test_the_stream_carries_each_tokens_logprobs(server: ServerProcess) -> None:
     whole = create(server, BODY)["output"][0]["content"][0]["logprobs"]
     stream = events(server, BODY)
     deltas = [lp for e in stream if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
-    assert [lp["token"] for lp in deltas] == [lp["token"] for lp in whole]
+    assert len(deltas) == len(whole) == 8
+    if IS_EXACT_DTYPE:  # (a half type may part at a near-tie between the two requests)
+        assert [lp["token"] for lp in deltas] == [lp["token"] for lp in whole]
     (done,) = [e for e in stream if e["type"] == "response.output_text.done"]
     assert done["logprobs"] == deltas
     final = stream[-1]["response"]["output"][0]["content"][0]["logprobs"]
