@@ -13,6 +13,7 @@ from fastserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 _SECTIONS: dict[str, type] = {
@@ -21,6 +22,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "lora": LoRAConfig,
+    "speculative": SpeculativeConfig,
 }
 # Flags whose public name differs from the field (issue-specified CLI names).
 _ALIASES = {"policy": "scheduler"}
@@ -58,6 +60,12 @@ _HELP = {
     "allow_runtime_lora_updating": "serve POST /v1/load_lora_adapter and "
                                    "/v1/unload_lora_adapter (vLLM's), which load an adapter "
                                    "from a path on the server's disk while it serves",
+    "speculative_method": "speculative decoding for every request: ngram (drafts looked up in "
+                          "the request's own tokens, vLLM's prompt lookup); None = only "
+                          "requests that send a prediction draft",
+    "num_speculative_tokens": "most drafted tokens a decode step verifies",
+    "prompt_lookup_min": "ngram drafting: the shortest suffix looked up",
+    "prompt_lookup_max": "ngram drafting: the longest suffix looked up",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

@@ -273,6 +273,36 @@ class LoRAConfig:
         return pairs
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`fastserve.core.speculative`): a decode step feeds the model its
+    next token plus up to `num_speculative_tokens` guessed ones, and keeps the guesses the
+    model itself would have sampled, so one forward pass can yield several tokens. A request
+    that sends a prediction (OpenAI's Predicted Outputs) drafts from it whatever the method;
+    `speculative_method` "ngram" also drafts for every other request, by looking its latest
+    tokens up in its prompt and output (vLLM's prompt lookup)."""
+
+    speculative_method: str | None = None  # None: only requests with a prediction draft
+    num_speculative_tokens: int = 5  # drafted tokens verified per step, at most
+    # The n-gram lookup: the longest suffix of the request's tokens tried first, then
+    # shorter ones down to the minimum.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.speculative_method is None or self.speculative_method in SPECULATIVE_METHODS,
+               f"speculative_method must be one of {SPECULATIVE_METHODS} or None, "
+               f"got {self.speculative_method!r}")
+        _check(1 <= self.num_speculative_tokens <= 64,
+               f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"prompt_lookup_min ({self.prompt_lookup_min}) must be in "
+               f"[1, prompt_lookup_max={self.prompt_lookup_max}]")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -280,4 +310,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profile_path: str | None = None  # fitted cost model; None = profile at start-up (cached)

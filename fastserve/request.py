@@ -181,6 +181,12 @@ class SamplingParams:
     # the text is decoded once at the end unless stop strings need it as it grows.
     # `LLM.generate` and the server's non-streaming requests ask for the final one only.
     final_only: bool = False
+    # OpenAI's Predicted Outputs: text the output is expected to largely repeat (a file being
+    # edited). The engine tokenizes it when the request is added, into
+    # `prediction_token_ids`, and decode steps verify runs of it as drafted tokens
+    # (`fastserve.core.speculative`): the output is what it would be without it, sooner.
+    prediction: str | None = None
+    prediction_token_ids: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -224,6 +230,12 @@ class SamplingParams:
         self._check_logits_fields()
         self._check_sequences()
         self._check_structured_output()
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise InvalidRequestError(
+                f"prediction must be a string or None, got {type(self.prediction).__name__}",
+                "prediction")
+        object.__setattr__(self, "prediction_token_ids",
+                           _token_ids(self.prediction_token_ids, "prediction_token_ids"))
 
     def _check_logits_fields(self) -> None:
         """The log-probability, penalty, bias and min_p fields (ranges as OpenAI / vLLM)."""
@@ -354,6 +366,11 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"{param} token ids must be in [0, {vocab_size}) (the model's vocabulary), "
                 f"got {bad[:5]}", param)
+        bad = [t for t in self.prediction_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prediction_token_ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                f"got {bad[:5]}", "prediction_token_ids")
         if self.top_k >= vocab_size:
             return dataclasses.replace(self, top_k=0)
         return self
@@ -376,6 +393,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def can_draft(self) -> bool:
+        """Whether decode steps may verify drafted tokens for this request: what it samples
+        at a position must not depend on the drafted tokens before it beyond what the model
+        reads (so no penalties, bad words of several tokens, grammar or own processors), and
+        it asks for no log-probabilities (they are not kept for accepted drafts)."""
+        return not (self.needs_token_history or self.logprobs is not None
+                    or self.structured_output is not None or self.logits_processors)
 
 
 def _token_ids(ids: object, param: str) -> tuple[int, ...]:
@@ -456,6 +482,11 @@ class Request:
     cache_salt: str | None = None
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    # Speculative decoding: tokens drafted for it and verified, and how many of them the
+    # model accepted (OpenAI's usage.completion_tokens_details.accepted_prediction_tokens;
+    # the rest are its rejected_prediction_tokens).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # vLLM's `priority`: requests with a lower value run first, strictly; the policy orders
     # the requests of one priority (`Scheduler.schedule`).
     priority: int = 0
@@ -510,6 +541,10 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache (OpenAI's
     # usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
+    # Speculative decoding: drafted tokens verified so far, and those the model accepted
+    # (OpenAI's accepted_prediction_tokens; the difference is rejected_prediction_tokens).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # SamplingParams.logprobs: one per token of `token_ids` (None when not asked for).
     logprobs: list[TokenLogprobs] | None = None
     # SamplingParams.prompt_logprobs: one per prompt token, None for the first (which no

@@ -75,6 +75,10 @@ class ScheduledRequest:
     output_token_ids: Sequence[int] = ()
     # The LoRA adapter the model applies to this request's tokens (0: none, the base model).
     lora_id: int = 0
+    # Speculative decoding: the last this many of token_ids are drafted guesses after the
+    # request's last token (`fastserve.core.speculative`); the executor checks them against
+    # the logits of every position fed and samples the tokens the request gets.
+    num_draft_tokens: int = 0
 
     @property
     def is_prefill(self) -> bool:
@@ -93,6 +97,8 @@ class ScheduledRequest:
 
     @property
     def num_context_tokens(self) -> int:
+        """Tokens whose KV this iteration leaves in the cache (drafts included: those the
+        model rejects are overwritten later)."""
         return self.start_pos + len(self.token_ids)
 
 
@@ -139,3 +145,7 @@ class ExecutorOutput:
     # chunk predicts).
     sample_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Requests that verified drafts (`ScheduledRequest.num_draft_tokens`): request id -> every
+    # token they got, in order: the drafts the model accepted, then its own next token. Their
+    # entry in sampled_token_ids is the first of these.
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -29,6 +29,7 @@ from fastserve.core.kv_policy import KVPolicy, make_kv_policy
 from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
+from fastserve.core.speculative import Drafter
 from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
 
 
@@ -84,6 +85,11 @@ class Scheduler(ABC):
         self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
         self._replica_model: ReplicaModel | None = None  # built by `replica_model`
         self._num_prioritized = 0  # unfinished requests whose priority is not 0
+        # Speculative decoding: proposes drafted tokens for decodes (None: no request drafts;
+        # the step loops that schedule while a batch runs leave it out, see `build_engine_core`),
+        # and this iteration's drafts by request id.
+        self.drafter: Drafter | None = None
+        self._drafts: dict[str, list[int]] = {}
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -113,6 +119,8 @@ class Scheduler(ABC):
             self._placeholders.discard(req.request_id)
             req.output_token_ids.pop()
         self.kv.free(req.request_id)
+        if self.drafter is not None:
+            self.drafter.drop(req.request_id)
         del self.requests[req.request_id]
         self._num_prioritized -= req.priority != 0
         self._finished_ids.append(req.request_id)
@@ -191,6 +199,7 @@ class Scheduler(ABC):
         self._enst = None
         self._resident_now = None
         self._now = now
+        self._drafts = {}
         self.kv_policy.begin(self, now)
         batch: list[Request] = []
         in_batch: set[str] = set()
@@ -238,12 +247,38 @@ class Scheduler(ABC):
                 if not started:
                     admitting = False
                 continue
+            if num_new == 1 and self.drafter is not None and done == req.num_tokens - 1:
+                num_new += self._draft(req, budget - num_tokens - 1)
             batch.append(req)
             in_batch.add(req.request_id)
             chunks[req.request_id] = num_new
             num_tokens += num_new
         self.kv_policy.plan_ahead(self, order, batch, now)
         return self._plan(batch, chunks)
+
+    def _draft(self, req: Request, max_tokens: int) -> int:
+        """Speculative decoding: draft tokens for a decode of `req` that holds its blocks for
+        its next token (at most `max_tokens`, the iteration's token budget left); returns how
+        many (kept in `_drafts`). Drafts take a free block when they need one, never room
+        made by moving another job's KV: they fit in what is there or are cut short."""
+        assert self.drafter is not None
+        if not self.drafter.drafts_for(req):
+            return 0
+        p = req.params
+        # NOTE: k drafts give at most k + 1 tokens, and feed positions up to num_tokens - 1 + k.
+        limit = min(max_tokens, p.max_tokens - req.num_output_tokens - 1,
+                    req.max_model_len - req.num_tokens)
+        draft = self.drafter.propose(req, limit)
+        if not draft:
+            return 0
+        rid = req.request_id
+        need = req.num_tokens + len(draft)
+        if self.kv.allocate(rid, need) is None:
+            held = len(self.kv.block_table(rid)) * self.kv.block_size
+            draft = draft[: max(0, len(draft) - (need - held))]
+        if draft:
+            self._drafts[rid] = draft
+        return len(draft)
 
     def _by_priority(self, order: list[Request]) -> list[Request]:
         """Requests' `priority` over the policy's order: a lower value runs first, whatever
@@ -317,6 +352,10 @@ class Scheduler(ABC):
                 req.error = out.failed.get(rid, "sampling failed on the sampler rank")
                 touched.append(req)
                 continue
+            if sched.num_draft_tokens:
+                self._take_verified(req, sched, out.verified_token_ids.get(rid, [token]), now)
+                touched.append(req)
+                continue
             if not is_ahead:  # (ahead: counted when scheduled ahead, or since dropped)
                 req.num_computed_tokens = sched.num_context_tokens
             has_placeholder = bool(placeholders) and rid in placeholders
@@ -339,6 +378,29 @@ class Scheduler(ABC):
                 self.finish(req, reason, now)
             touched.append(req)
         return touched
+
+    def _take_verified(self, req: Request, sched: ScheduledRequest, tokens: list[int],
+                       now: float) -> None:
+        """A decode that verified drafts: its tokens (the accepted drafts, then the model's
+        next) join the output up to the first that stops it. The KV of the tokens fed up to
+        the last accepted draft stays computed; a rejected draft's is overwritten later."""
+        num_accepted = len(tokens) - 1
+        req.num_draft_tokens += sched.num_draft_tokens
+        req.num_accepted_tokens += num_accepted
+        reason = None
+        num_kept = 0
+        for t in tokens:
+            req.output_token_ids.append(t)
+            num_kept += 1
+            reason = self._stop_reason(req, t)
+            if reason is not None:
+                break
+        # NOTE: position start_pos is the last token before the drafts; a stop before the
+        # last accepted draft leaves the KV past its tokens uncounted.
+        req.num_computed_tokens = sched.start_pos + 1 + min(num_accepted, num_kept)
+        self._cache_computed(req)
+        if reason is not None:
+            self.finish(req, reason, now)
 
     # -- policy hooks ---------------------------------------------------------------------
 
@@ -527,24 +589,29 @@ class Scheduler(ABC):
         for req in batch:
             req.status = RequestStatus.RUNNING
             rid = req.request_id
-            n = chunks[rid]
+            draft = self._drafts.get(rid, ())
+            n = chunks[rid] - len(draft)
             start = req.num_computed_tokens
             outputs = req.output_token_ids
             num_tokens = len(req.prompt_token_ids) + len(outputs)
             # Penalties and prompt log-probabilities read the request's tokens (else none).
             history = req.params.needs_token_history
+            token_ids = _new_tokens(req, n, num_tokens)
+            if draft:
+                token_ids = [*token_ids, *draft]
             scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
-                    token_ids=_new_tokens(req, n, num_tokens),
+                    token_ids=token_ids,
                     start_pos=start,
                     block_ids=list(block_table(rid)),
                     params=req.params,
                     num_output_tokens=len(outputs),
-                    samples=start + n == num_tokens,
+                    samples=start + n == num_tokens,  # (drafts come after the last token)
                     prompt_token_ids=req.prompt_token_ids if history else (),
                     output_token_ids=outputs if history else (),
                     lora_id=req.lora_id,
+                    num_draft_tokens=len(draft),
                 )
             )
         # Jobs still in flight ran in an earlier batch: they are checked once they are back.

@@ -15,6 +15,7 @@ from fastserve.core.kv_policy import make_kv_policy
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler
 from fastserve.core.scheduler import Scheduler
+from fastserve.core.speculative import Drafter
 from fastserve.executor.base import (
     AsyncExecutor,
     Executor,
@@ -37,13 +38,21 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
     scheduler = make_scheduler(config.scheduler, kv, cost, eos_token_ids,
                                make_kv_policy(config.cache))
     asked = config.scheduler.async_scheduling
+    drafting = config.speculative.speculative_method is not None
     if isinstance(executor, PipelinedExecutor) and executor.max_in_flight > 1:
+        if drafting:
+            logger.warning("speculative decoding: off with pipeline parallelism (a batch is "
+                           "scheduled before the tokens of the one before it are back)")
         if asked:
             logger.info("pipeline parallelism keeps its own batches in flight: "
                         "--async-scheduling adds nothing to it")
         return PipelinedEngineCore(scheduler, executor, clock)
     if asked or (asked is None and default_async_scheduling(config)):
         if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
+            if drafting:
+                logger.warning("speculative decoding: off with async scheduling (a draft "
+                               "follows the token still on the device); "
+                               "--no-async-scheduling turns it on")
             if asked is None:
                 logger.info("async scheduling: on (the default on one CUDA device; "
                             "--no-async-scheduling turns it off)")
@@ -52,6 +61,13 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
         logger.warning("async scheduling needs an executor that launches (one stage) and a "
                        "policy that can schedule ahead (not %s): scheduling in step",
                        config.scheduler.policy)
+    # NOTE: only the step loop that waits for each batch's tokens drafts (a draft follows the
+    # request's last token), and on one rank (a stage computes one row of logits per request).
+    p = config.parallel
+    if p.tensor_parallel_size * p.pipeline_parallel_size == 1:
+        scheduler.drafter = Drafter(config.speculative)
+    elif drafting:
+        logger.warning("speculative decoding: off with tensor parallelism")
     return EngineCore(scheduler, executor, clock)
 
 

@@ -176,7 +176,7 @@ class LLMEngine:
         """Validate and queue a request. Raises ValueError naming what is wrong. `priority`:
         lower runs first (vLLM's), over the scheduling policy's order. `lora`: the name of a
         LoRA adapter to run with (`lora_modules`)."""
-        params = self._tokenize_bad_words(params or SamplingParams()).for_vocab(self.arch.vocab_size)
+        params = self._tokenize_texts(params or SamplingParams()).for_vocab(self.arch.vocab_size)
         params.check_allows_a_token(self.eos_token_ids)
         adapter = None
         if lora is not None:
@@ -252,13 +252,19 @@ class LLMEngine:
                                                             // self.kv.block_size]))
         return self._queue(req, prompt)
 
-    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+    def _tokenize_texts(self, params: SamplingParams) -> SamplingParams:
         """`params.bad_words` as token sequences too, beside any given as ids (vLLM tokenizes
-        them as a request is added)."""
-        if not params.bad_words:
-            return params
-        ids = self.tokenizer.bad_words_token_ids(params.bad_words)
-        return dataclasses.replace(params, bad_words_token_ids=(*params.bad_words_token_ids, *ids))
+        them as a request is added), and `params.prediction` as the draft's token ids."""
+        if params.bad_words:
+            ids = self.tokenizer.bad_words_token_ids(params.bad_words)
+            params = dataclasses.replace(
+                params, bad_words_token_ids=(*params.bad_words_token_ids, *ids))
+        if params.prediction:
+            predicted = check_encodable(params.prediction, "prediction")
+            params = dataclasses.replace(params, prediction_token_ids=(
+                *params.prediction_token_ids,
+                *self.tokenizer.encode(predicted, add_special_tokens=False)))
+        return params
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -107,6 +107,8 @@ class OutputProcessor:
             error=req.error,
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens or 0,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
             logprobs=st.logprobs[: req.num_output_tokens] if req.params.logprobs is not None else None,
             prompt_logprobs=_prompt_logprobs(req, st),
         )

@@ -9,6 +9,7 @@ stage differs (what it receives, how far its forward pass goes, who samples).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cache_dtype
 from fastserve.executor.cuda_graphs import DecodeGraphs
 from fastserve.executor.logprobs import prompt_logprobs
-from fastserve.executor.sampler import SampleDraft, Sampler
-from fastserve.executor.staging import to_device
+from fastserve.executor.sampler import FAILED_TOKEN, SampleDraft, Sampler
+from fastserve.executor.speculative import Verified, verify
+from fastserve.executor.staging import take_rows, to_device
 from fastserve.executor.swap import make_swapper
 from fastserve.executor.token_feed import TokenFeed, drawn_tokens
 from fastserve.model.arch import ArchConfig
@@ -42,7 +44,12 @@ class FlatBatch:
     input_ids: list[int]
     positions: list[int]
     slots: list[int]  # cache slot of each token
-    last_token_idx: list[int]  # where each request's logits come from
+    last_token_idx: list[int]  # where each request's last token is
+    # The tokens whose logits are computed: each request's last, and every token of a request
+    # verifying drafts (`ScheduledRequest.num_draft_tokens`); and each request's first row
+    # among them (None: no drafts, one row per request, `last_token_idx`).
+    logits_idx: list[int]
+    first_rows: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,17 @@ class Launched:
     draft: SampleDraft | None  # None: this runner samples nothing for it
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
     is_empty: bool = False  # no batch: only swaps and finished ids
+    verified: Verified | None = None  # the requests that verified drafts
 
 
 @dataclass(frozen=True)
 class BatchInputs:
     input_ids: torch.Tensor  # [num_tokens] long
     positions: torch.Tensor  # [num_tokens] long
-    last_token_idx: torch.Tensor  # [num_reqs] long: where each request's logits come from
+    last_token_idx: torch.Tensor  # [num_reqs] long: where each request's last token is
     metadata: AttentionMetadata
+    # [num_rows] long: the tokens whose logits are computed (`FlatBatch.logits_idx`).
+    logits_idx: torch.Tensor
 
 
 def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -90,7 +100,14 @@ def flatten(reqs: list[ScheduledRequest], block_size: int) -> FlatBatch:
         table = r.block_ids
         slots += [table[p // bs] * bs + p % bs for p in pos]
         last.append(len(input_ids) - 1)
-    return FlatBatch(input_ids, positions, slots, last)
+    if not any(r.num_draft_tokens for r in reqs):
+        return FlatBatch(input_ids, positions, slots, last, last)
+    logits_idx: list[int] = []
+    first_rows: list[int] = []
+    for r, end in zip(reqs, last):
+        first_rows.append(len(logits_idx))
+        logits_idx += range(end - r.num_draft_tokens, end + 1)
+    return FlatBatch(input_ids, positions, slots, last, logits_idx, first_rows)
 
 
 class ModelRunner:
@@ -185,10 +202,13 @@ class ModelRunner:
                     fed = batch.input_ids[batch.last_token_idx]
             # Echo's prompt log-probabilities: the logits of every prompt position fed.
             logits, prompt_lps = self._forward(batch, plan.scheduled)  # [num_reqs, vocab]
-        draft = None
+        draft = verified = None
         if logits is not None and self.is_sampler:
-            draft = self._last_draft = self.sampler.draw(logits, plan.scheduled, fed)
-        return Launched(start, swap_wait_s, draft, prompt_lps)
+            to_draw = plan.scheduled
+            if flat.first_rows is not None:
+                logits, to_draw, verified = self._verify(logits, plan.scheduled, flat.first_rows)
+            draft = self._last_draft = self.sampler.draw(logits, to_draw, fed)
+        return Launched(start, swap_wait_s, draft, prompt_lps, verified=verified)
 
     @torch.inference_mode()
     def finish(self, launched: Launched) -> ExecutorOutput:
@@ -201,6 +221,13 @@ class ModelRunner:
         if launched.draft is not None:
             sampled = self.sampler.read(launched.draft)
             tokens, failed, sample_lps = sampled.token_ids, sampled.errors, sampled.logprobs
+        verified = launched.verified
+        if verified is not None:
+            failed = {**failed, **verified.errors}
+            for i, r in enumerate(launched.draft.reqs if launched.draft else ()):
+                if r.num_draft_tokens:
+                    got = verified.token_ids.get(r.request_id)
+                    tokens[i] = got[0] if got else FAILED_TOKEN
         self._emit(tokens)
         end = time.perf_counter()
         # NOTE: from the later of its launch and the previous finish: with async scheduling
@@ -214,6 +241,7 @@ class ModelRunner:
             failed=failed,
             sample_logprobs=sample_lps,
             prompt_logprobs=launched.prompt_logprobs,
+            verified_token_ids=verified.token_ids if verified is not None else {},
         )
 
     def _feed(self, reqs: list[ScheduledRequest], flat: FlatBatch) -> TokenFeed | None:
@@ -241,12 +269,23 @@ class ModelRunner:
             lora.set([r.lora_id for r in reqs], [len(r.token_ids) for r in reqs], self.device)
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[batch.last_token_idx])  # [num_reqs, vocab]
+            logits = self.model.compute_logits(hidden[batch.logits_idx])  # [num_rows, vocab]
         finally:
             self.attn.metadata = None
             if lora is not None:
                 lora.clear()
         return logits, prompt_logprobs(hidden, reqs, self.model.compute_logits)
+
+    def _verify(self, logits: torch.Tensor, reqs: list[ScheduledRequest], first_rows: list[int]
+                ) -> tuple[torch.Tensor, list[ScheduledRequest], Verified]:
+        """Speculative decoding: check the drafts of the requests that sent some (`logits`
+        has all their rows); returns each request's last row for the sampler, the requests
+        it draws for (not those: their tokens are verified here), and the verdicts."""
+        spec = [i for i, r in enumerate(reqs) if r.num_draft_tokens]
+        verified = verify(self.sampler, logits, [reqs[i] for i in spec], [first_rows[i] for i in spec])
+        last_rows = [f + r.num_draft_tokens for f, r in zip(first_rows, reqs)]
+        to_draw = [dataclasses.replace(r, samples=False) if r.num_draft_tokens else r for r in reqs]
+        return take_rows(logits, last_rows), to_draw, verified
 
     def _emit(self, tokens: list[int]) -> None:
         """After sampling: a pipeline stage sends its activations or tokens on here."""
@@ -269,9 +308,11 @@ class ModelRunner:
         flat = flat or flatten(reqs, self.block_size)
         long, dev = torch.long, self.device
         slot_mapping = to_device(flat.slots, long, dev)
+        last_idx = to_device(flat.last_token_idx, long, dev)
         return BatchInputs(
             input_ids=to_device(flat.input_ids, long, dev),
             positions=to_device(flat.positions, long, dev),
-            last_token_idx=to_device(flat.last_token_idx, long, dev),
+            last_token_idx=last_idx,
             metadata=self.attn.build_metadata(reqs, slot_mapping),
+            logits_idx=last_idx if flat.first_rows is None else to_device(flat.logits_idx, long, dev),
         )

@@ -71,7 +71,7 @@ class Sampler:
                  batched_draw: bool | None = None) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
-        # Rows without a seed of their own draw together (`_race`): a few kernels for the
+        # Rows without a seed of their own draw together (`race`): a few kernels for the
         # batch instead of a multinomial launch per row, which on a GPU costs more than the
         # rest of the sampling. On a CPU the per-row draws measured faster (the draw alone
         # 1.3-1.7x at batch 32-128, vocab 4k-32k; all of `sample` 3-5%: sampling_overhead.py
@@ -190,12 +190,7 @@ class Sampler:
         if all(greedy):
             return tokens, barred_bad, barred
         rows = [i for i, g in enumerate(greedy) if not g]
-        sub = take_rows(logits, rows)  # [n, vocab]
-        temps = to_device([reqs[i].params.temperature for i in rows], torch.float32, sub.device)
-        filtered = _filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows)
-        # min_p after top-k/top-p, as Hugging Face's warpers run.
-        filtered = apply_min_p(filtered, [reqs[i].params.min_p for i in rows])
-        probs = torch.softmax(filtered, dim=-1)
+        probs = probabilities(logits, reqs, rows)
         # NOTE: no host sync here: a row whose probabilities are not finite draws from a
         # uniform stand-in (a multinomial over them would fail, on CUDA with a device-side
         # assert) and is failed once the tokens are read (`read`).
@@ -206,19 +201,20 @@ class Sampler:
             free = [j for j, i in enumerate(rows) if reqs[i].params.seed is None]
             if free:
                 put_rows(tokens, [rows[j] for j in free],
-                         _race(take_rows(probs, free), self._default))
+                         race(take_rows(probs, free), self._default))
                 alone = [j for j, i in enumerate(rows) if reqs[i].params.seed is not None]
         # Row by row (a seeded request's generator is its own; on a CPU, one 2-D draw
         # measured slower than these), each a device op: nothing is read back yet.
         if alone:
-            drawn = [torch.multinomial(probs[j], 1, generator=self._generator(reqs[rows[j]]))
+            drawn = [torch.multinomial(probs[j], 1, generator=self.generator(reqs[rows[j]]))
                      for j in alone]
             put_rows(tokens, [rows[j] for j in alone], torch.cat(drawn))
         if barred_bad is not None:
             return tokens, torch.cat([bad, barred_bad]), rows + barred
         return tokens, bad, rows
 
-    def _generator(self, req: ScheduledRequest) -> torch.Generator:
+    def generator(self, req: ScheduledRequest) -> torch.Generator:
+        """The request's own generator when it has a seed, else the shared one."""
         if req.params.seed is None:
             return self._default
         gen = self._generators.get(req.request_id)
@@ -229,12 +225,24 @@ class Sampler:
         return gen
 
 
+def probabilities(logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int]
+                  ) -> torch.Tensor:
+    """[len(rows), vocab]: the distribution those rows draw from (temperature, then top-k /
+    top-p, then min_p), from their processed logits."""
+    sub = take_rows(logits, rows)  # [n, vocab]
+    temps = to_device([reqs[i].params.temperature for i in rows], torch.float32, sub.device)
+    filtered = _filter_top_k_top_p(sub / temps.unsqueeze(1), reqs, rows)
+    # min_p after top-k/top-p, as Hugging Face's warpers run.
+    filtered = apply_min_p(filtered, [reqs[i].params.min_p for i in rows])
+    return torch.softmax(filtered, dim=-1)
+
+
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     """A copy of device tensor `t` on its way into pinned host memory (non_blocking)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `probs` [n, vocab] (unnormalised weights), drawn together: the
     argmax of p / E with E ~ Exp(1) independent per entry is token i with probability
     p_i / sum(p) (an exponential race, the Gumbel-max trick without logarithms)."""

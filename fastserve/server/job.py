@@ -65,9 +65,13 @@ def job_usage(job: Job, outs: Iterable[RequestOutput], final: bool = False) -> r
     num_out = sum(len(out.token_ids) for out in outs)
     cached = min((out.num_cached_tokens for out in outs), default=0)
     details = None
-    if final and job.count_reasoning is not None:
+    num_drafted = sum(out.num_draft_tokens for out in outs)
+    if final and (job.count_reasoning is not None or num_drafted):
+        accepted = sum(out.num_accepted_tokens for out in outs)
         details = replies.CompletionTokensDetails(
-            reasoning_tokens=sum(job.count_reasoning(out.token_ids) for out in outs))
+            reasoning_tokens=sum(job.count_reasoning(out.token_ids) for out in outs)
+            if job.count_reasoning is not None else 0,
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=num_drafted - accepted)
     return replies.Usage(prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out,
                          prompt_tokens_details=replies.PromptTokensDetails(cached_tokens=cached),
                          completion_tokens_details=details)

@@ -27,7 +27,11 @@ class PromptTokensDetails(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    reasoning_tokens: int  # a reasoning model's thinking, `</think>` included
+    reasoning_tokens: int = 0  # a reasoning model's thinking, `</think>` included
+    # Predicted Outputs (chat's `prediction`): drafted tokens the model kept, and those it
+    # did not (OpenAI bills them as completion tokens; here they cost compute only).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class Usage(BaseModel):

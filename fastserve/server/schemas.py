@@ -530,7 +530,13 @@ class _GenerationRequest(BaseModel):
             **self._logits_params(),
             **self._sequences(),
             structured_output=self.structured_output(tool_format),
+            prediction=self.predicted_text,
         )
+
+    @property
+    def predicted_text(self) -> str | None:
+        """The text drafts are taken from (chat's `prediction`)."""
+        return None
 
     def _logits_params(self) -> dict[str, Any]:
         """SamplingParams' penalty, bias and min_p fields and prompt_logprobs (the endpoints
@@ -652,6 +658,30 @@ Content = Annotated[
     WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": TextPart.model_json_schema()},
                               {"type": "null"}]}),
 ]
+
+
+def _concat_parts(value: Any) -> Any:
+    """A prediction's content: text, or text parts put together as they are."""
+    if not isinstance(value, list):
+        return value
+    joined = _join_parts(value)
+    return "".join(p["text"] for p in value) if isinstance(joined, str) else joined
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to largely repeat (a file
+    being edited). Runs of it are verified as drafted tokens (speculative decoding): the
+    answer is the one the model gives without it, sooner where it matches. Usage's
+    completion_tokens_details counts the accepted and rejected prediction tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: Annotated[
+        Text, BeforeValidator(_concat_parts),
+        WithJsonSchema({"anyOf": [{"type": "string"},
+                                  {"type": "array", "items": TextPart.model_json_schema()}]}),
+    ]
 
 
 # -- tool calling ------------------------------------------------------------------------
@@ -925,6 +955,10 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: NumLogprobs | None = Field(
         None, description="With logprobs: this many most likely alternatives per token.")
     verbosity: Annotated[Any, Only(("medium",))] = Field(None, description="Only medium.")
+    prediction: Prediction | None = Field(
+        None, description="Predicted Outputs: text the answer is expected to largely repeat; "
+        "the answer is unchanged, and comes sooner where it matches. Drafts nothing with "
+        "logprobs, penalties, tools or a response format.")
 
     def template_args(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The chat template's messages and further variables (the tools, how the prompt
@@ -953,6 +987,10 @@ class ChatCompletionRequest(_GenerationRequest):
                 "assistant's message can be continued", "continue_final_message")
         return (not keep_open if self.add_generation_prompt is None else self.add_generation_prompt,
                 keep_open)
+
+    @property
+    def predicted_text(self) -> str | None:
+        return self.prediction.content if self.prediction is not None else None
 
     @property
     def echoed(self) -> str:

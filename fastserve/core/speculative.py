@@ -1,0 +1,158 @@
+"""Speculative decoding's drafts: guesses of a request's next tokens that a decode step feeds
+the model after its last token, so that one forward pass checks them all (the executor keeps
+the longest run the model would have sampled itself, plus the model's own next token).
+
+Drafts cost no model here: they are looked up in tokens the request already has.
+- A prediction (OpenAI's Predicted Outputs: text the output is expected to largely repeat,
+  such as a file being edited) is followed from where the output has got to in it; after an
+  edit, the output's latest tokens are looked up in the prediction to find the place again.
+- With `speculative_method="ngram"` (vLLM's prompt lookup), the request's latest n tokens are
+  looked up in its own prompt and output, and the tokens that followed them are the draft.
+
+Pure Python over ints, as the rest of `fastserve.core`: the scheduler proposes drafts when it
+plans a decode, so the simulator runs the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fastserve.config import SpeculativeConfig
+from fastserve.request import Request
+
+# Earlier occurrences of a suffix's last token checked per lookup, the latest first: bounds a
+# lookup's cost in a long, repetitive context.
+MAX_CANDIDATES = 64
+
+
+class TokenIndex:
+    """Where each token occurs in a growing sequence, for suffix lookups."""
+
+    def __init__(self) -> None:
+        self.positions: dict[int, list[int]] = {}
+        self.num_indexed = 0
+
+    def extend(self, tokens: Sequence[int], end: int) -> None:
+        """Index `tokens[num_indexed:end]` (the sequence only grows)."""
+        positions = self.positions
+        for p in range(self.num_indexed, end):
+            positions.setdefault(tokens[p], []).append(p)
+        self.num_indexed = max(self.num_indexed, end)
+
+    def find(self, seq: Sequence[int], suffix: Sequence[int], end: int,
+             after: int = -1) -> int | None:
+        """The place just past an occurrence of `suffix` in `seq[:end]` (indexed here): the
+        first one past `after` when there is one, else the latest; None when none."""
+        n = len(suffix)
+        latest = first_after = None
+        checked = 0
+        for p in reversed(self.positions.get(suffix[-1], ())):  # the latest first
+            if p >= end:
+                continue
+            if p + 1 < n or checked >= MAX_CANDIDATES:
+                break
+            checked += 1
+            if seq[p - n + 1 : p + 1] == suffix:
+                if latest is None:
+                    latest = p + 1
+                if p + 1 <= after:
+                    break  # every earlier one is before `after` too
+                first_after = p + 1
+        return first_after if first_after is not None else latest
+
+
+@dataclass
+class _Prediction:
+    """A request's progress through its prediction."""
+
+    tokens: list[int]
+    index: TokenIndex = field(default_factory=TokenIndex)
+    # The prediction's next token where the output follows it (None: lost after an edit).
+    cursor: int | None = 0
+    # Where the output last followed it: a lookup to find the place again prefers later ones.
+    floor: int = 0
+    num_checked: int = 0  # output tokens compared with it so far
+
+    def __post_init__(self) -> None:
+        self.index.extend(self.tokens, len(self.tokens))
+
+
+@dataclass
+class _State:
+    prediction: _Prediction | None
+    own: TokenIndex | None  # the request's own tokens (ngram); None: not looked up
+
+
+class Drafter:
+    """Proposes each drafting request's next tokens (`propose`); `drop` forgets a request."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.lookup_lengths = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
+        self.uses_ngram = config.speculative_method == "ngram"
+        self._states: dict[str, _State] = {}
+
+    def drafts_for(self, req: Request) -> bool:
+        """Whether decode steps of `req` verify drafts at all."""
+        p = req.params
+        return p.can_draft and (self.uses_ngram or bool(p.prediction_token_ids))
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` guesses of the tokens after the request's last one (empty when
+        there is nothing to go on)."""
+        if max_tokens <= 0:
+            return []
+        state = self._states.get(req.request_id)
+        if state is None:
+            pred = req.params.prediction_token_ids
+            state = self._states[req.request_id] = _State(
+                _Prediction(list(pred)) if pred else None,
+                TokenIndex() if self.uses_ngram else None)
+        k = min(max_tokens, self.num_speculative_tokens)
+        if state.prediction is not None:
+            draft = self._follow(state.prediction, req, k)
+            if draft:
+                return draft
+        if state.own is not None:
+            return self._lookup_own(state.own, req, k)
+        return []
+
+    def drop(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def _follow(self, pred: _Prediction, req: Request, k: int) -> list[int]:
+        out = req.output_token_ids
+        tokens = pred.tokens
+        for t in out[pred.num_checked :]:
+            c = pred.cursor
+            if c is not None and c < len(tokens) and tokens[c] == t:
+                pred.cursor = c + 1
+                pred.floor = c + 1
+            else:
+                pred.cursor = None
+        pred.num_checked = len(out)
+        if pred.cursor is None:  # find the place again from the output's latest tokens
+            for n in self.lookup_lengths:
+                if n > len(out):
+                    continue
+                place = pred.index.find(tokens, out[-n:], len(tokens), after=pred.floor - 1)
+                if place is not None:
+                    pred.cursor = place
+                    break
+        if pred.cursor is None:
+            return []
+        return tokens[pred.cursor : pred.cursor + k]
+
+    def _lookup_own(self, index: TokenIndex, req: Request, k: int) -> list[int]:
+        seq = req.all_token_ids()
+        end = len(seq) - 1  # NOTE: an earlier occurrence, not the suffix itself
+        index.extend(seq, end)
+        for n in self.lookup_lengths:
+            if n >= len(seq):
+                continue
+            place = index.find(seq, seq[-n:], end)
+            if place is not None:
+                return seq[place : place + k]
+        return []

@@ -1,0 +1,109 @@
+"""Speculative decoding's check: which drafted tokens a request keeps, and its next token.
+
+A decode that verifies k drafts was fed its last token and the drafts d_1..d_k, so the model
+gave k + 1 rows of logits: row j is the distribution of the token after d_j (row 0: after the
+last token). Each row is processed as the sampler would process it at that output position
+(allowed tokens, bias, min_tokens; temperature, top-k, top-p, min_p), then:
+
+- greedy: d_j is kept while it is row j-1's argmax; the first row whose argmax differs (or
+  row k, when every draft is kept) gives the next token. The tokens are the ones decoding one
+  at a time would give.
+- sampled: the draft is a point mass, so the speculative-sampling rule (Leviathan et al.,
+  Chen et al., 2023) keeps d_j with probability p_{j-1}(d_j); at the first rejection the next
+  token is drawn from p_{j-1} with d_j taken out (renormalised), and when every draft is kept
+  from p_k. Each token then has exactly the distribution plain sampling gives it.
+
+Everything stays on the device until one read back of every row's verdict and token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.logits_processing import apply_logits_processing
+from fastserve.executor.sampler import Sampler, probabilities, race
+from fastserve.executor.staging import put_rows, take_rows, to_device
+
+
+@dataclass(frozen=True)
+class Verified:
+    """Each verifying request's tokens (accepted drafts, then the model's next), and the
+    requests whose sampling failed (id -> why)."""
+
+    token_ids: dict[str, list[int]]
+    errors: dict[str, str]
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
+           first_rows: list[int]) -> Verified:
+    """`logits` [num_rows, vocab]: for each of `reqs` (every one with drafts), its
+    `num_draft_tokens + 1` rows from `first_rows[i]` on."""
+    # Each row as the request at that output position, for the position-dependent masks.
+    rows: list[ScheduledRequest] = []
+    drafts: list[int] = []  # per row: the draft it judges (0 for a request's last row)
+    for r in reqs:
+        k = r.num_draft_tokens
+        rows += [dataclasses.replace(r, num_output_tokens=r.num_output_tokens + j)
+                 for j in range(k + 1)]
+        drafts += [*r.token_ids[len(r.token_ids) - k :], 0]
+    index = [f + j for f, r in zip(first_rows, reqs) for j in range(r.num_draft_tokens + 1)]
+    logits = take_rows(logits, index).float()  # [R, vocab], a copy the masks may change
+    apply_logits_processing(logits, rows, sampler.eos_token_ids,
+                            any(r.params.uses_logits_fields for r in reqs))
+    dev = logits.device
+    draft_ids = to_device(drafts, torch.long, dev)  # [R]
+    tokens = logits.argmax(dim=-1)  # [R]: the greedy rows' next tokens
+    accept = tokens == draft_ids  # [R]
+    bad = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+    bad |= ~torch.isfinite(logits.amax(dim=-1))  # every token barred
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if sampled:
+        _judge_sampled(sampler, logits, rows, sampled, draft_ids, tokens, accept, bad)
+    values = torch.cat([tokens, accept.long(), bad.long()]).tolist()  # the one read back
+    n = len(rows)
+    out: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    place = 0
+    for r in reqs:
+        k = r.num_draft_tokens
+        span = range(place, place + k + 1)
+        place += k + 1
+        if any(values[2 * n + i] for i in span):
+            errors[r.request_id] = ("sampling failed: the probabilities are not finite (or "
+                                    "every token is barred)")
+            continue
+        num_kept = 0
+        while num_kept < k and values[n + span[num_kept]]:
+            num_kept += 1
+        out[r.request_id] = [*drafts[span[0] : span[0] + num_kept], values[span[num_kept]]]
+    return Verified(out, errors)
+
+
+def _judge_sampled(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest],
+                   sampled: list[int], draft_ids: torch.Tensor, tokens: torch.Tensor,
+                   accept: torch.Tensor, bad: torch.Tensor) -> None:
+    """The sampled rows' verdicts and tokens, in place: keep the draft with probability
+    p(draft); otherwise (and on a request's last row, where `draft_ids` holds no draft) a
+    token drawn from p without the draft."""
+    probs = probabilities(logits, rows, sampled)  # [n, vocab]
+    put_rows(bad, sampled, ~torch.isfinite(probs).all(dim=-1))
+    probs = torch.nan_to_num(probs, nan=1.0)
+    is_last = to_device([i + 1 == len(rows) or rows[i + 1].request_id != rows[i].request_id
+                         for i in sampled], torch.bool, probs.device)  # [n]
+    drafted = take_rows(draft_ids, sampled).unsqueeze(1)  # [n, 1]
+    p_draft = probs.gather(1, drafted).squeeze(1)  # [n]
+    # NOTE: one uniform per row, from the request's own generator when it has a seed.
+    u = torch.cat([torch.rand(1, generator=sampler.generator(rows[i]), device=probs.device)
+                   for i in sampled])
+    put_rows(accept, sampled, (u < p_draft) & ~is_last)
+    residual = probs.scatter(1, drafted, 0.0)
+    residual = torch.where(is_last.unsqueeze(1), probs, residual)
+    # A draft that held all the mass and still lost (rounding) leaves nothing: draw from p.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
+    drawn = torch.cat([race(residual[j : j + 1], sampler.generator(rows[i]))
+                       for j, i in enumerate(sampled)])
+    put_rows(tokens, sampled, drawn)
