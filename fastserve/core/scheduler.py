@@ -90,6 +90,8 @@ class Scheduler(ABC):
         # and this iteration's drafts by request id.
         self.drafter: Drafter | None = None
         self._drafts: dict[str, list[int]] = {}
+        self.num_draft_tokens = 0  # drafted tokens verified, all time (/metrics)
+        self.num_accepted_tokens = 0  # of those, the ones the model kept
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -387,6 +389,8 @@ class Scheduler(ABC):
         num_accepted = len(tokens) - 1
         req.num_draft_tokens += sched.num_draft_tokens
         req.num_accepted_tokens += num_accepted
+        self.num_draft_tokens += sched.num_draft_tokens
+        self.num_accepted_tokens += num_accepted
         reason = None
         num_kept = 0
         for t in tokens:

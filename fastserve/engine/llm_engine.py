@@ -439,6 +439,8 @@ class LLMEngine:
             "prefix_cache_host_blocks": self.kv.num_cached_host_blocks,
             "prefix_cache_host_hit_tokens": self.kv.num_host_hit_blocks * self.kv.block_size,
             "prefix_cache_prefetched_tokens": self.kv.num_prefetched_blocks * self.kv.block_size,
+            "spec_decode_draft_tokens": s.num_draft_tokens,
+            "spec_decode_accepted_tokens": s.num_accepted_tokens,
             **self._lora_stats(),
         }
 

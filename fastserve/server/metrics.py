@@ -82,6 +82,10 @@ class _EngineCollector(Collector):
              "tokens of the requests started, looked up in the prefix cache"),
             ("fastserve_prefix_cache_hits", "prefix_cache_hit_tokens",
              "of those, tokens whose KV was found cached"),
+            ("fastserve_spec_decode_draft_tokens", "spec_decode_draft_tokens",
+             "speculative decoding: drafted tokens verified (predictions, ngram lookups)"),
+            ("fastserve_spec_decode_accepted_tokens", "spec_decode_accepted_tokens",
+             "of those, tokens the model kept"),
         ):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         cached = GaugeMetricFamily("fastserve_prefix_cache_blocks",

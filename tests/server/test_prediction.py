@@ -13,7 +13,9 @@ MODEL = "tiny"
 ASK = [{"role": "user", "content": "Rewrite this with nothing changed: the cat sat on the mat"}]
 
 
-def test_a_prediction_changes_nothing_but_the_usage_it_reports(client: openai.OpenAI) -> None:
+def test_a_prediction_changes_nothing_but_the_usage_it_reports(
+        client: openai.OpenAI, server: ServerProcess) -> None:
+    before = server.metrics()
     plain = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0,  # type: ignore[arg-type]
                                            max_completion_tokens=24)
     text = plain.choices[0].message.content
@@ -36,6 +38,10 @@ def test_a_prediction_changes_nothing_but_the_usage_it_reports(client: openai.Op
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens_details is not None
     assert usage.completion_tokens_details.accepted_prediction_tokens
+    after = server.metrics()
+    kept = "fastserve_spec_decode_accepted_tokens_total"
+    assert after[kept] - before.get(kept, 0.0) >= 2 * details.accepted_prediction_tokens
+    assert after["fastserve_spec_decode_draft_tokens_total"] >= after[kept]
 
 
 def test_a_prediction_of_another_type_is_refused(server: ServerProcess) -> None:
