@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from fastserve.config import (
@@ -115,14 +116,44 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
                 group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_)
             else:
                 group.add_argument(flag, dest=f.name, type=kind, default=None, help=help_)
+    if "speculative_method" not in skip:
+        parser.add_argument(
+            "--speculative-config", dest="speculative_config", type=_speculative_json,
+            default=None, help="vLLM's form of the speculative options, as JSON: "
+            "{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; a flag of its own wins")
     parser.add_argument("--profile", dest="profile_path", default=None,
                         help="cost-model profile JSON (default: profile at start-up, cached)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     owner = _field_owner()
-    kwargs = {k: v for k, v in vars(args).items() if k in owner and v is not None}
+    kwargs = dict(getattr(args, "speculative_config", None) or {})
+    kwargs.update({k: v for k, v in vars(args).items() if k in owner and v is not None})
     return engine_config(profile_path=getattr(args, "profile_path", None), **kwargs)
+
+
+# vLLM's --speculative-config keys -> the speculative section's fields.
+_SPECULATIVE_KEYS = {"method": "speculative_method",
+                     "num_speculative_tokens": "num_speculative_tokens",
+                     "prompt_lookup_min": "prompt_lookup_min",
+                     "prompt_lookup_max": "prompt_lookup_max"}
+
+
+def _speculative_json(text: str) -> dict[str, Any]:
+    """`--speculative-config`'s JSON as speculative fields; an error names what is wrong."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise argparse.ArgumentTypeError("a JSON object, e.g. {\"method\": \"ngram\"}")
+    unknown = sorted(set(given) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unsupported keys {unknown}; supported: {sorted(_SPECULATIVE_KEYS)} (drafts come "
+            "from predictions and ngram lookups: no draft model, EAGLE or MTP)")
+    return {_SPECULATIVE_KEYS[k]: v for k, v in given.items()}
 
 
 def _arg_type(annotation: object) -> type:

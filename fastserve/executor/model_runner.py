@@ -24,7 +24,7 @@ from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cach
 from fastserve.executor.cuda_graphs import DecodeGraphs
 from fastserve.executor.logprobs import prompt_logprobs
 from fastserve.executor.sampler import FAILED_TOKEN, SampleDraft, Sampler
-from fastserve.executor.speculative import Verified, verify
+from fastserve.executor.speculative import PendingVerdicts, check
 from fastserve.executor.staging import take_rows, to_device
 from fastserve.executor.swap import make_swapper
 from fastserve.executor.token_feed import TokenFeed, drawn_tokens
@@ -61,7 +61,7 @@ class Launched:
     draft: SampleDraft | None  # None: this runner samples nothing for it
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
     is_empty: bool = False  # no batch: only swaps and finished ids
-    verified: Verified | None = None  # the requests that verified drafts
+    verified: PendingVerdicts | None = None  # the requests that verified drafts
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ class ModelRunner:
         if launched.draft is not None:
             sampled = self.sampler.read(launched.draft)
             tokens, failed, sample_lps = sampled.token_ids, sampled.errors, sampled.logprobs
-        verified = launched.verified
+        verified = None if launched.verified is None else launched.verified.read()
         if verified is not None:
             failed = {**failed, **verified.errors}
             for i, r in enumerate(launched.draft.reqs if launched.draft else ()):
@@ -277,12 +277,13 @@ class ModelRunner:
         return logits, prompt_logprobs(hidden, reqs, self.model.compute_logits)
 
     def _verify(self, logits: torch.Tensor, reqs: list[ScheduledRequest], first_rows: list[int]
-                ) -> tuple[torch.Tensor, list[ScheduledRequest], Verified]:
+                ) -> tuple[torch.Tensor, list[ScheduledRequest], PendingVerdicts]:
         """Speculative decoding: check the drafts of the requests that sent some (`logits`
         has all their rows); returns each request's last row for the sampler, the requests
-        it draws for (not those: their tokens are verified here), and the verdicts."""
+        it draws for (not those: their tokens are verified here), and the verdicts on their
+        way back."""
         spec = [i for i, r in enumerate(reqs) if r.num_draft_tokens]
-        verified = verify(self.sampler, logits, [reqs[i] for i in spec], [first_rows[i] for i in spec])
+        verified = check(self.sampler, logits, [reqs[i] for i in spec], [first_rows[i] for i in spec])
         last_rows = [f + r.num_draft_tokens for f, r in zip(first_rows, reqs)]
         to_draw = [dataclasses.replace(r, samples=False) if r.num_draft_tokens else r for r in reqs]
         return take_rows(logits, last_rows), to_draw, verified

@@ -38,13 +38,54 @@ class Verified:
     errors: dict[str, str]
 
 
+@dataclass
+class PendingVerdicts:
+    """Verdicts computed on the device and not read back yet (`check`); `read` waits."""
+
+    reqs: list[ScheduledRequest]
+    drafts: list[int]  # per row: the draft it judges (0 on a request's last row)
+    # Per row its next token, then 1 where its draft is kept, then 1 where its sampling
+    # failed; on a GPU, being copied into pinned host memory.
+    readback: torch.Tensor
+    copied: torch.cuda.Event | None = None
+
+    def read(self) -> Verified:
+        """The host's side: each request's kept drafts and next token (one sync)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        values: list[int] = self.readback.tolist()
+        n = len(self.drafts)
+        out: dict[str, list[int]] = {}
+        errors: dict[str, str] = {}
+        place = 0
+        for r in self.reqs:
+            k = r.num_draft_tokens
+            span = range(place, place + k + 1)
+            place += k + 1
+            if any(values[2 * n + i] for i in span):
+                errors[r.request_id] = ("sampling failed: the probabilities are not finite (or "
+                                        "every token is barred)")
+                continue
+            num_kept = 0
+            while num_kept < k and values[n + span[num_kept]]:
+                num_kept += 1
+            out[r.request_id] = [*self.drafts[span[0] : span[0] + num_kept], values[span[num_kept]]]
+        return Verified(out, errors)
+
+
 def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
            first_rows: list[int]) -> Verified:
-    """`logits` [num_rows, vocab]: for each of `reqs` (every one with drafts), its
-    `num_draft_tokens + 1` rows from `first_rows[i]` on."""
+    """`check`, read back at once."""
+    return check(sampler, logits, reqs, first_rows).read()
+
+
+def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
+          first_rows: list[int]) -> PendingVerdicts:
+    """The verdicts' device work. `logits` [num_rows, vocab]: for each of `reqs` (every one
+    with drafts), its `num_draft_tokens + 1` rows from `first_rows[i]` on."""
     # Each row as the request at that output position, for the position-dependent masks.
     rows: list[ScheduledRequest] = []
-    drafts: list[int] = []  # per row: the draft it judges (0 for a request's last row)
+    drafts: list[int] = []
     for r in reqs:
         k = r.num_draft_tokens
         rows += [dataclasses.replace(r, num_output_tokens=r.num_output_tokens + j)
@@ -58,29 +99,18 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
     draft_ids = to_device(drafts, torch.long, dev)  # [R]
     tokens = logits.argmax(dim=-1)  # [R]: the greedy rows' next tokens
     accept = tokens == draft_ids  # [R]
-    bad = torch.zeros(len(rows), dtype=torch.bool, device=dev)
-    bad |= ~torch.isfinite(logits.amax(dim=-1))  # every token barred
+    bad = ~torch.isfinite(logits.amax(dim=-1))  # [R]: every token barred
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled:
         _judge_sampled(sampler, logits, rows, sampled, draft_ids, tokens, accept, bad)
-    values = torch.cat([tokens, accept.long(), bad.long()]).tolist()  # the one read back
-    n = len(rows)
-    out: dict[str, list[int]] = {}
-    errors: dict[str, str] = {}
-    place = 0
-    for r in reqs:
-        k = r.num_draft_tokens
-        span = range(place, place + k + 1)
-        place += k + 1
-        if any(values[2 * n + i] for i in span):
-            errors[r.request_id] = ("sampling failed: the probabilities are not finite (or "
-                                    "every token is barred)")
-            continue
-        num_kept = 0
-        while num_kept < k and values[n + span[num_kept]]:
-            num_kept += 1
-        out[r.request_id] = [*drafts[span[0] : span[0] + num_kept], values[span[num_kept]]]
-    return Verified(out, errors)
+    readback = torch.cat([tokens, accept.long(), bad.long()])
+    pending = PendingVerdicts(reqs, drafts, readback)
+    if readback.is_cuda:  # NOTE: nothing waits for the copy until `read`
+        pending.readback = torch.empty(readback.shape, dtype=readback.dtype,
+                                       pin_memory=True).copy_(readback, non_blocking=True)
+        pending.copied = torch.cuda.Event()
+        pending.copied.record()
+    return pending
 
 
 def _judge_sampled(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest],
