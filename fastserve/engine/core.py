@@ -61,13 +61,9 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
         logger.warning("async scheduling needs an executor that launches (one stage) and a "
                        "policy that can schedule ahead (not %s): scheduling in step",
                        config.scheduler.policy)
-    # NOTE: only the step loop that waits for each batch's tokens drafts (a draft follows the
-    # request's last token), and on one rank (a stage computes one row of logits per request).
-    p = config.parallel
-    if p.tensor_parallel_size * p.pipeline_parallel_size == 1:
-        scheduler.drafter = Drafter(config.speculative)
-    elif drafting:
-        logger.warning("speculative decoding: off with tensor parallelism")
+    # NOTE: only the step loop that waits for each batch's tokens drafts: a draft follows the
+    # request's last token.
+    scheduler.drafter = Drafter(config.speculative)
     return EngineCore(scheduler, executor, clock)
 
 

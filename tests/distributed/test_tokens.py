@@ -1,10 +1,11 @@
 """Greedy tokens are the same on one device and split across processes (gloo on CPU): tensor
-parallel (2, 1), pipeline parallel (1, 2) and both (2, 2), and tensor parallel with async
-scheduling, for 8 prompts of different lengths generated together, with an ample KV pool and
+parallel (2, 1), pipeline parallel (1, 2) and both (2, 2), tensor parallel with async
+scheduling, and tensor parallel verifying drafts from a prediction, for 8 prompts of different lengths generated together, with an ample KV pool and
 with one so small that jobs are swapped out and back every few iterations."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -32,13 +33,16 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _generate(tp: int, pp: int, pool: str,
-              async_scheduling: bool = False) -> tuple[list[list[int]], dict[str, Any]]:
+def _generate(tp: int, pp: int, pool: str, async_scheduling: bool = False,
+              predictions: list[list[int]] | None = None
+              ) -> tuple[list[list[int]], dict[str, Any]]:
     llm = LLM(dtype=TEST_DTYPE, warmup=False, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               worker_timeout_s=60.0, async_scheduling=async_scheduling, **POOLS[pool])
     engine = llm.engine
     try:
-        ids = [engine.add_request(p, GREEDY).request_id for p in _prompts()]
+        params = [GREEDY] * len(PROMPT_LENS) if predictions is None else [
+            dataclasses.replace(GREEDY, prediction_token_ids=p) for p in predictions]
+        ids = [engine.add_request(p, sp).request_id for p, sp in zip(_prompts(), params)]
         if async_scheduling:
             assert isinstance(engine.core, AsyncEngineCore)
         if pp > 1:
@@ -84,5 +88,17 @@ def test_async_scheduling_with_tensor_parallelism(reference: list[list[int]], po
     other rank gets the pending tokens by broadcast and feeds the same ones."""
     tokens, stats = _generate(2, 1, pool, async_scheduling=True)
     assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
+    if pool == "small":
+        assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
+
+
+@pytest.mark.parametrize("pool", ["ample", "small"])
+def test_drafts_verified_with_tensor_parallelism(reference: list[list[int]], pool: str,
+                                                 greedy_reference: GreedyReference) -> None:
+    """Each rank computes the logits of every fed position; the driver keeps the drafts
+    (here the outputs themselves, as predictions), while jobs are swapped out and back."""
+    tokens, stats = _generate(2, 1, pool, predictions=reference)
+    assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
+    assert stats["spec_decode_accepted_tokens"] > len(PROMPT_LENS) * 5
     if pool == "small":
         assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0

@@ -132,8 +132,10 @@ class DistributedExecutor:
                 tokens = recv_tensor(buf, self.layout.sampler_rank, TAG_TOKENS, self.timeout_s).tolist()
             end_s = time.perf_counter()
             self._sent(batch.seq)
+            # NOTE: drafts are verified on one stage only (`build_engine_core`): the driver's.
             out = ExecutorOutput(tokens, end_s - batch.start_s, batch.local.swap_wait_s,
-                                 batch.local.failed)
+                                 batch.local.failed,
+                                 verified_token_ids=batch.local.verified_token_ids)
             return PipelineResult(out, end_s - wait_start_s)
 
     @property

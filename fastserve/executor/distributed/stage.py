@@ -216,7 +216,7 @@ class StageRunner(ModelRunner):
             return None, {}
         assert stage.norm is not None
         hidden, _ = stage.norm(x, residual)
-        return self.model.compute_logits(hidden[batch.last_token_idx]), {}  # [num_reqs, vocab]
+        return self.model.compute_logits(hidden[batch.logits_idx]), {}  # [num_rows, vocab]
 
     def _pending_tokens(self, request_ids: list[str]) -> torch.Tensor:
         """Async scheduling (one stage): the sampling rank looks its draws up and broadcasts
