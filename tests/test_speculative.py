@@ -11,6 +11,7 @@ import torch
 
 from fastserve import SamplingParams
 from fastserve.args import engine_config
+from fastserve.engine.core import AsyncEngineCore
 from fastserve.engine.llm_engine import LLMEngine
 from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
 from tests.engine_runs import record_launches, run_to_end
@@ -78,7 +79,7 @@ def test_ngram_drafts_give_the_same_tokens(
         plain: LLMEngine, reference: tuple[list[list[int]], list[list[int]]],
         greedy_reference: GreedyReference) -> None:
     """Whether a random model's output repeats its own tokens is up to its weights, so the
-    lookups themselves are checked in tests/core/test_speculative.py; here, a prompt that
+    lookups themselves are checked in tests/core/test_drafter.py; here, a prompt that
     holds its continuation twice (as code being edited does) and the plain prompts decode as
     they do one token at a time."""
     prompts, want = reference
@@ -140,3 +141,23 @@ def test_a_prediction_outside_the_vocabulary_is_refused(plain: LLMEngine) -> Non
     bad = dataclasses.replace(GREEDY, prediction_token_ids=(1, plain.arch.vocab_size))
     with pytest.raises(ValueError, match="prediction_token_ids"):
         plain.add_request([5, 6, 7], bad)
+
+
+def test_predictions_draft_under_async_scheduling(
+        reference: tuple[list[list[int]], list[list[int]]],
+        greedy_reference: GreedyReference) -> None:
+    """The next plan is scheduled while a batch runs; a request with a prediction sits that
+    plan out so that its draft can follow its last token. One whose prediction finds nothing
+    stops waiting after a few steps, and one with none runs ahead as usual."""
+    prompts, want = reference
+    engine = _engine(async_scheduling=True)
+    assert isinstance(engine.core, AsyncEngineCore)
+    vocab = engine.arch.vocab_size
+    unrelated = [(7 * j + 3) % (vocab - 10) + 10 for j in range(24)]
+    params = [dataclasses.replace(GREEDY, prediction_token_ids=want[0]),
+              dataclasses.replace(GREEDY, prediction_token_ids=unrelated),
+              GREEDY]
+    outs = run_to_end(engine, prompts, params)
+    assert_same_greedy_tokens([o.token_ids for o in outs], want, prompts, greedy_reference)
+    assert outs[0].num_accepted_tokens > 10
+    assert outs[2].num_draft_tokens == 0

@@ -249,7 +249,8 @@ class Scheduler(ABC):
                 if not started:
                     admitting = False
                 continue
-            if num_new == 1 and self.drafter is not None and done == req.num_tokens - 1:
+            if num_new == 1 and self.drafter is not None and done == req.num_tokens - 1 \
+                    and req.request_id not in self._placeholders:  # (its last token is known)
                 num_new += self._draft(req, budget - num_tokens - 1)
             batch.append(req)
             in_batch.add(req.request_id)
@@ -331,6 +332,8 @@ class Scheduler(ABC):
             return False
         if p.logits_processors:  # NOTE: a processor may keep state from one step to the next
             return False
+        if self.drafter is not None and self.drafter.wants_last_token(req):
+            return False  # its next step drafts after its last token: it sits one plan out
         num_output = len(req.output_token_ids) + 1  # with the token on the device
         return num_output < p.max_tokens and req.num_prompt_tokens + num_output < req.max_model_len
 

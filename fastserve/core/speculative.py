@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from fastserve.config import SpeculativeConfig
 from fastserve.request import Request
 
+# Async scheduling: a request whose proposals came back empty this many times in a row stops
+# sitting out a plan for its token (`Drafter.wants_last_token`): an unrelated prediction
+# costs a few steps, not half the request's speed.
+MAX_MISSES = 4
 # Earlier occurrences of a suffix's last token checked per lookup, the latest first: bounds a
 # lookup's cost in a long, repetitive context.
 MAX_CANDIDATES = 64
@@ -82,6 +86,7 @@ class _Prediction:
 class _State:
     prediction: _Prediction | None
     own: TokenIndex | None  # the request's own tokens (ngram); None: not looked up
+    num_misses: int = 0  # proposals in a row that found nothing
 
 
 class Drafter:
@@ -99,6 +104,19 @@ class Drafter:
         p = req.params
         return p.can_draft and (self.uses_ngram or bool(p.prediction_token_ids))
 
+    def wants_last_token(self, req: Request) -> bool:
+        """Async scheduling: whether the request's next step should wait for its last token
+        to be on the host, to draft after it (else it goes ahead, one token per step): while
+        its prediction lasts and recent proposals found something."""
+        if not self.drafts_for(req):
+            return False
+        state = self._states.get(req.request_id)
+        if state is None:
+            return True
+        pred = state.prediction
+        used_up = pred is None or pred.cursor == len(pred.tokens)
+        return state.num_misses < MAX_MISSES and (state.own is not None or not used_up)
+
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         """Up to `max_tokens` guesses of the tokens after the request's last one (empty when
         there is nothing to go on)."""
@@ -111,13 +129,13 @@ class Drafter:
                 _Prediction(list(pred)) if pred else None,
                 TokenIndex() if self.uses_ngram else None)
         k = min(max_tokens, self.num_speculative_tokens)
+        draft: list[int] = []
         if state.prediction is not None:
             draft = self._follow(state.prediction, req, k)
-            if draft:
-                return draft
-        if state.own is not None:
-            return self._lookup_own(state.own, req, k)
-        return []
+        if not draft and state.own is not None:
+            draft = self._lookup_own(state.own, req, k)
+        state.num_misses = 0 if draft else state.num_misses + 1
+        return draft
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -50,12 +51,16 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
     if asked or (asked is None and default_async_scheduling(config)):
         if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
             if drafting:
-                logger.warning("speculative decoding: off with async scheduling (a draft "
-                               "follows the token still on the device); "
-                               "--no-async-scheduling turns it on")
+                logger.warning("speculative decoding: only requests with a prediction draft "
+                               "under async scheduling (a draft follows the token still on "
+                               "the device); --no-async-scheduling drafts for every request")
             if asked is None:
                 logger.info("async scheduling: on (the default on one CUDA device; "
                             "--no-async-scheduling turns it off)")
+            # A request with a prediction sits out the plan after each of its steps, whose
+            # token its next draft follows (`Drafter.wants_last_token`).
+            scheduler.drafter = Drafter(
+                dataclasses.replace(config.speculative, speculative_method=None))
             return AsyncEngineCore(scheduler, executor, clock)
     if asked:
         logger.warning("async scheduling needs an executor that launches (one stage) and a "

@@ -85,3 +85,20 @@ def test_the_scheduler_feeds_drafts_within_max_tokens_and_the_token_budget() -> 
     (s,) = plan.scheduled
     assert s.num_draft_tokens == 0  # one token left: nothing to draft
     assert s.token_ids == [55] and s.start_pos == 5
+
+
+def test_under_async_scheduling_only_a_useful_prediction_waits_for_its_token() -> None:
+    drafter = Drafter(SpeculativeConfig())
+    unrelated = _req([1, 2], [3], prediction_token_ids=(50, 51, 52))
+    assert drafter.wants_last_token(unrelated)
+    for t in range(4, 8):  # four steps find nothing to draft
+        assert drafter.propose(unrelated, 5) == []
+        unrelated.output_token_ids.append(t)
+    assert not drafter.wants_last_token(unrelated)
+    followed = _req([1, 2], [50], prediction_token_ids=(50, 51, 52))
+    assert drafter.propose(followed, 5) == [51, 52]
+    assert drafter.wants_last_token(followed)
+    followed.output_token_ids += [51, 52]
+    assert drafter.propose(followed, 5) == []  # used up: it goes ahead from now on
+    assert not drafter.wants_last_token(followed)
+    assert not drafter.wants_last_token(_req([1, 2], [3]))  # no prediction
