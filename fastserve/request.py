@@ -396,12 +396,12 @@ class SamplingParams:
 
     @property
     def can_draft(self) -> bool:
-        """Whether decode steps may verify drafted tokens for this request: what it samples
-        at a position must not depend on the drafted tokens before it beyond what the model
-        reads (so no penalties, bad words of several tokens, grammar or own processors), and
-        it asks for no log-probabilities (they are not kept for accepted drafts)."""
-        return not (self.needs_token_history or self.logprobs is not None
-                    or self.structured_output is not None or self.logits_processors)
+        """Whether decode steps may verify drafted tokens for this request: the executor must
+        be able to process each drafted position's logits as it would sample there (not for a
+        grammar, whose state follows every token, or the caller's own processors), and it
+        asks for no log-probabilities (they are not kept for accepted drafts)."""
+        return not (self.logprobs is not None or self.structured_output is not None
+                    or self.logits_processors)
 
 
 def _token_ids(ids: object, param: str) -> tuple[int, ...]:

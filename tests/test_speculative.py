@@ -111,19 +111,37 @@ def test_drafts_stop_at_max_tokens_and_stop_tokens(
 
 def test_requests_that_cannot_draft_run_beside_drafting_ones(
         plain: LLMEngine, reference: tuple[list[list[int]], list[list[int]]]) -> None:
-    """Log-probabilities and penalties read every token as it is sampled: such a request
-    decodes one token per iteration in the same batches as requests verifying drafts."""
+    """Log-probabilities are kept per sampled token: such a request decodes one token per
+    iteration, in the same batches as requests verifying drafts."""
     prompts, want = reference
     plans = record_launches(plain)
     params = [dataclasses.replace(GREEDY, prediction_token_ids=want[0]),
-              dataclasses.replace(GREEDY, prediction_token_ids=want[1], logprobs=2),
-              dataclasses.replace(GREEDY, prediction_token_ids=want[2], presence_penalty=0.5)]
-    outs = run_to_end(plain, prompts, params)
-    assert outs[0].num_draft_tokens > 0
-    assert outs[1].num_draft_tokens == outs[2].num_draft_tokens == 0
+              dataclasses.replace(GREEDY, prediction_token_ids=want[1], logprobs=2)]
+    outs = run_to_end(plain, prompts[:2], params)
+    assert outs[0].num_draft_tokens > 0 and outs[1].num_draft_tokens == 0
     assert outs[1].logprobs is not None and len(outs[1].logprobs) == len(outs[1].token_ids)
     mixed = [p for p in plans if len({s.num_draft_tokens > 0 for s in p.scheduled}) == 2]
     assert mixed, "no batch held a drafting request beside one that does not draft"
+
+
+def test_penalties_and_bad_words_count_the_drafts_before_each_position(
+        plain: LLMEngine, reference: tuple[list[list[int]], list[list[int]]],
+        greedy_reference: GreedyReference) -> None:
+    """A drafted position is penalized for the drafts before it as for output tokens: with
+    the penalized outputs as predictions, the tokens are those decoded one at a time."""
+    prompts, want = reference
+    w = want[2]
+    penalized = [dataclasses.replace(GREEDY, presence_penalty=1.5, frequency_penalty=0.5),
+                 dataclasses.replace(GREEDY, repetition_penalty=1.3),
+                 dataclasses.replace(GREEDY, bad_words_token_ids=((w[3], w[4]), (w[9],)))]
+    one_at_a_time = [o.token_ids for o in run_to_end(plain, [prompts[2]] * 3, penalized)]
+    assert w[:5] != one_at_a_time[2][:5]  # the bad words changed the output
+    predicted = [dataclasses.replace(p, prediction_token_ids=o)
+                 for p, o in zip(penalized, one_at_a_time)]
+    outs = run_to_end(plain, [prompts[2]] * 3, predicted)
+    assert_same_greedy_tokens([o.token_ids for o in outs], one_at_a_time, [prompts[2]] * 3,
+                              greedy_reference)
+    assert all(o.num_accepted_tokens > 10 for o in outs)
 
 
 def test_seeded_sampling_with_a_prediction_is_repeatable(

@@ -2,8 +2,9 @@
 
 A decode that verifies k drafts was fed its last token and the drafts d_1..d_k, so the model
 gave k + 1 rows of logits: row j is the distribution of the token after d_j (row 0: after the
-last token). Each row is processed as the sampler would process it at that output position
-(allowed tokens, bias, min_tokens; temperature, top-k, top-p, min_p), then:
+last token). Each row is processed as the sampler would process it at that output position, the drafts
+before it counted as output (allowed tokens, bad words, bias, penalties, min_tokens;
+temperature, top-k, top-p, min_p), then:
 
 - greedy: d_j is kept while it is row j-1's argmax; the first row whose argmax differs (or
   row k, when every draft is kept) gives the next token. The tokens are the ones decoding one
@@ -83,14 +84,19 @@ def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
           first_rows: list[int]) -> PendingVerdicts:
     """The verdicts' device work. `logits` [num_rows, vocab]: for each of `reqs` (every one
     with drafts), its `num_draft_tokens + 1` rows from `first_rows[i]` on."""
-    # Each row as the request at that output position, for the position-dependent masks.
+    # Each row as the request at that output position: min_tokens counts the drafts before
+    # it, and the penalties and bad words read them as output.
     rows: list[ScheduledRequest] = []
     drafts: list[int] = []
     for r in reqs:
         k = r.num_draft_tokens
-        rows += [dataclasses.replace(r, num_output_tokens=r.num_output_tokens + j)
-                 for j in range(k + 1)]
-        drafts += [*r.token_ids[len(r.token_ids) - k :], 0]
+        drafted = r.token_ids[len(r.token_ids) - k :]
+        history = r.params.needs_token_history
+        rows += [dataclasses.replace(
+            r, num_output_tokens=r.num_output_tokens + j,
+            output_token_ids=(*r.output_token_ids, *drafted[:j]) if history and j else
+            r.output_token_ids) for j in range(k + 1)]
+        drafts += [*drafted, 0]
     index = [f + j for f, r in zip(first_rows, reqs) for j in range(r.num_draft_tokens + 1)]
     logits = take_rows(logits, index).float()  # [R, vocab], a copy the masks may change
     apply_logits_processing(logits, rows, sampler.eos_token_ids,

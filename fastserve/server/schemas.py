@@ -958,7 +958,7 @@ class ChatCompletionRequest(_GenerationRequest):
     prediction: Prediction | None = Field(
         None, description="Predicted Outputs: text the answer is expected to largely repeat; "
         "the answer is unchanged, and comes sooner where it matches. Drafts nothing with "
-        "logprobs, penalties, tools or a response format.")
+        "logprobs, a response format or a required tool call.")
 
     def template_args(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The chat template's messages and further variables (the tools, how the prompt
