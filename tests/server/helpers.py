@@ -72,6 +72,18 @@ class ServerProcess:
                 out[name] = float(value)
         return out
 
+    def wait_idle(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """`/metrics` once no request runs or waits and every KV block is free (or the
+        deadline passed: the caller asserts what it needs)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = (m["fastserve_requests_running"] == 0 and m["fastserve_requests_waiting"] == 0
+                    and m["fastserve_kv_blocks_free"] == m["fastserve_kv_blocks_total"])
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

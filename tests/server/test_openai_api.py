@@ -488,17 +488,6 @@ def test_huge_body_413_reaches_async_clients(server: ServerProcess) -> None:
 # -- disconnects, concurrency, metrics ----------------------------------------------------------
 
 
-def _wait_idle(server: ServerProcess, timeout_s: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        idle = (m["fastserve_requests_running"] == 0 and m["fastserve_requests_waiting"] == 0
-                and m["fastserve_kv_blocks_free"] == m["fastserve_kv_blocks_total"])
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
-
-
 def test_client_disconnect_aborts_and_frees_blocks(server: ServerProcess, max_model_len: int) -> None:
     aborted = 'fastserve_requests_finished_total{finish_reason="abort"}'
     before = server.metrics().get(aborted, 0.0)
@@ -513,7 +502,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server: ServerProcess, max_mo
         assert running["fastserve_kv_blocks_free"] < running["fastserve_kv_blocks_total"]
     # Leaving the block closed the connection mid-stream.
     t0 = time.monotonic()
-    m = _wait_idle(server)
+    m = server.wait_idle()
     assert m["fastserve_requests_running"] == 0
     assert m["fastserve_kv_blocks_free"] == m["fastserve_kv_blocks_total"]
     assert m[aborted] == before + 1
@@ -522,7 +511,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server: ServerProcess, max_mo
     # A non-streaming request whose client times out is aborted too.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.v1 + CMPL, json={**body, "stream": False}, headers=AUTH, timeout=0.5)
-    m = _wait_idle(server)
+    m = server.wait_idle()
     assert m["fastserve_kv_blocks_free"] == m["fastserve_kv_blocks_total"]
     assert m[aborted] == before + 2
 
@@ -553,7 +542,7 @@ def test_200_concurrent_streams(server: ServerProcess) -> None:
 
     results = asyncio.run(run_all())
     assert results == [("length", 6, True)] * 200
-    m = _wait_idle(server)
+    m = server.wait_idle()
     assert m["fastserve_kv_blocks_free"] == m["fastserve_kv_blocks_total"]
     assert m["fastserve_requests_running"] == 0
 
