@@ -1,11 +1,13 @@
 """What speculative decoding from a prediction (OpenAI's Predicted Outputs) buys: offline
 `LLM.generate` output tok/s of greedy requests that send no prediction, the exact output as
 their prediction (a file rewritten unchanged), the output with one token in `--edit-every`
-changed (an edited file), and an unrelated text (nothing to accept), at each batch size, in
-one engine per `--k` (drafted tokens verified per step), repetitions interleaved.
+changed (an edited file), one in 3 changed (a poor prediction), and an unrelated text
+(nothing to accept), at each batch size, in one engine per `--k` (drafted tokens verified
+per step), repetitions interleaved. `--every-draft` runs the predictions again without the
+cost model's cut of the drafts (every draft the step allows).
 
     .venv/bin/python benchmarks/speculative.py [--preset small] [--dtype float32] \\
-        [--batch 1 8 32] [--input-len 128] [--output-len 128] [--k 5] [--reps 3]
+        [--batch 1 8 32] [--input-len 128] [--output-len 128] [--k 5] [--reps 3] [--every-draft]
 
 The outputs are checked to be the plain run's, token for token. Random weights: an ngram
 lookup in the request's own tokens (--speculative-method ngram) finds little to draft in a
@@ -22,7 +24,8 @@ import time
 from fastserve import LLM, SamplingParams
 from fastserve.model.make_model import cached_model_path, make_model
 
-KINDS = ("no prediction", "exact prediction", "edited prediction", "unrelated prediction")
+KINDS = ("no prediction", "exact prediction", "edited prediction", "poor prediction",
+         "unrelated prediction")
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
@@ -42,8 +45,9 @@ def predictions(kind: str, outputs: list[list[int]], edit_every: int, vocab: int
         return [() for _ in outputs]
     if kind == "exact prediction":
         return [tuple(o) for o in outputs]
-    if kind == "edited prediction":
-        return [tuple((t + 1) % vocab if j % edit_every == edit_every // 2 else t
+    if kind in ("edited prediction", "poor prediction"):
+        every = edit_every if kind == "edited prediction" else 3
+        return [tuple((t + 1) % vocab if j % every == every // 2 else t
                       for j, t in enumerate(o)) for o in outputs]
     return [tuple((7 * j + 3) % (vocab - 10) + 10 for j in range(len(o))) for o in outputs]
 
@@ -58,6 +62,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[5])
     ap.add_argument("--edit-every", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--every-draft", action="store_true",
+                    help="also run each prediction with the cost model's cut of the drafts "
+                         "off (Scheduler._drafts_worth: every draft the step allows)")
     args = ap.parse_args()
 
     model = make_model(args.preset, cached_model_path(args.preset))
@@ -76,20 +83,31 @@ def main() -> None:
             params = {kind: [dataclasses.replace(greedy, prediction_token_ids=p)
                              for p in predictions(kind, want, args.edit_every, vocab)]
                       for kind in KINDS}
-            figures: dict[str, list[float]] = {kind: [] for kind in KINDS}
+            labels = list(KINDS)
+            if args.every_draft:
+                labels += [f"{kind}, every draft" for kind in KINDS[1:-1]]
+            figures: dict[str, list[float]] = {label: [] for label in labels}
             counts: dict[str, tuple[int, int]] = {}
+            scheduler = llm.engine.scheduler
             for rep in range(args.reps):  # each rep in another order: drift favours none
-                for kind in KINDS[rep % 4:] + KINDS[: rep % 4]:
-                    tps, got, drafted, accepted = run(llm, prompts, params[kind])
-                    assert got == want, f"{kind}: the output changed"
-                    figures[kind].append(tps)
-                    counts[kind] = (drafted, accepted)
+                shift = rep % len(labels)
+                for label in labels[shift:] + labels[:shift]:
+                    kind, _, every = label.partition(", ")
+                    if every:  # NOTE: a benchmark's A/B: the instance's method replaced
+                        scheduler._drafts_worth = lambda req, limit: limit  # type: ignore[method-assign]
+                    try:
+                        tps, got, drafted, accepted = run(llm, prompts, params[kind])
+                    finally:
+                        scheduler.__dict__.pop("_drafts_worth", None)
+                    assert got == want, f"{label}: the output changed"
+                    figures[label].append(tps)
+                    counts[label] = (drafted, accepted)
             base = figures["no prediction"]
-            for kind in KINDS:
+            for kind in labels:
                 ratio = statistics.median(f / b for f, b in zip(figures[kind], base))
                 drafted, accepted = counts[kind]
                 kept = f"{accepted}/{drafted} drafts kept" if drafted else "no drafts"
-                print(f"  k={k} batch {batch:3d}  {kind:22s} {statistics.median(figures[kind]):8.1f} "
+                print(f"  k={k} batch {batch:3d}  {kind:35s} {statistics.median(figures[kind]):8.1f} "
                       f"tok/s  {ratio:5.2f}x  ({kept})")
         llm.shutdown()
 

@@ -25,6 +25,13 @@ from fastserve.model.make_model import cached_model_path, make_model
 BLOCK = 16
 
 
+def _step(tables: list[list[int]], ctx: int, k: int, params: SamplingParams) -> SchedulerOutput:
+    """Every request's last token at position `ctx`, with `k` drafts after it."""
+    return SchedulerOutput([
+        ScheduledRequest(f"r{i}", [7, *range(10, 10 + k)], ctx, t, params, 1, num_draft_tokens=k)
+        for i, t in enumerate(tables)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
@@ -52,14 +59,9 @@ def main() -> None:
             for i, t in enumerate(tables):
                 runner.execute(SchedulerOutput([ScheduledRequest(f"p{i}", [5] * ctx, 0, t, params, 0)]))
 
-            def step(k: int) -> SchedulerOutput:
-                return SchedulerOutput([
-                    ScheduledRequest(f"r{i}", [7, *range(10, 10 + k)], ctx, t, params, 1,
-                                     num_draft_tokens=k) for i, t in enumerate(tables)])
-
-            runs = {"decode step": (step(0), default_rows),
-                    "verify, extend call per request": (step(args.k), 0),
-                    "verify, decode rows": (step(args.k), default_rows)}
+            runs = {"decode step": (_step(tables, ctx, 0, params), default_rows),
+                    "verify, extend call per request": (_step(tables, ctx, args.k, params), 0),
+                    "verify, decode rows": (_step(tables, ctx, args.k, params), default_rows)}
             times: dict[str, list[float]] = {name: [] for name in runs}
             for _ in range(args.reps):
                 for name, (plan, rows) in runs.items():

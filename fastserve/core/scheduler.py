@@ -270,8 +270,8 @@ class Scheduler(ABC):
         p = req.params
         # NOTE: k drafts give at most k + 1 tokens, and feed positions up to num_tokens - 1 + k.
         limit = min(max_tokens, p.max_tokens - req.num_output_tokens - 1,
-                    req.max_model_len - req.num_tokens)
-        draft = self.drafter.propose(req, limit)
+                    req.max_model_len - req.num_tokens, self.drafter.num_speculative_tokens)
+        draft = self.drafter.propose(req, self._drafts_worth(req, limit))
         if not draft:
             return 0
         rid = req.request_id
@@ -282,6 +282,32 @@ class Scheduler(ABC):
         if draft:
             self._drafts[rid] = draft
         return len(draft)
+
+    def _drafts_worth(self, req: Request, limit: int) -> int:
+        """How many drafts (at most `limit`) the cost model says pay for themselves: with the
+        request's acceptance a, j drafts yield a + a^2 + ... + a^j tokens on average, each
+        sparing it a decode step (its share of one: the fixed cost split over the last
+        batch's jobs, plus its own decode), for the cost of feeding j more tokens. Where a
+        step is weight-bound (a small batch, a GPU) that is cheap and every draft pays; where
+        it is compute-bound (a CPU's large batch) only well-kept drafts do."""
+        if limit <= 0:
+            return 0
+        cost = self.cost
+        a = self.drafter.acceptance(req) if self.drafter is not None else 0.0
+        ctx = req.num_tokens
+        num_jobs = max(1, len(self._batch_ids))
+        share_s = cost.iteration_s(0, num_jobs, num_jobs * ctx) / num_jobs
+        decode_s = cost.iteration_s(0, 1, ctx)
+        best, best_gain, expected, a_j = 0, 0.0, 0.0, 1.0
+        for j in range(1, limit + 1):
+            a_j *= a
+            expected += a_j
+            n = 1 + j  # the last token and j drafts, fed as a chunk after ctx - 1 cached ones
+            extra_s = cost.iteration_s(n, 0, 0, n * n + 2 * n * (ctx - 1), ctx - 1) - decode_s
+            gain = expected * share_s - extra_s
+            if gain > best_gain:
+                best, best_gain = j, gain
+        return best
 
     def _by_priority(self, order: list[Request]) -> list[Request]:
         """Requests' `priority` over the policy's order: a lower value runs first, whatever
@@ -394,6 +420,8 @@ class Scheduler(ABC):
         req.num_accepted_tokens += num_accepted
         self.num_draft_tokens += sched.num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        if self.drafter is not None:
+            self.drafter.observe(req.request_id, sched.num_draft_tokens, num_accepted)
         reason = None
         num_kept = 0
         for t in tokens:

@@ -25,6 +25,13 @@ from fastserve.request import Request
 # sitting out a plan for its token (`Drafter.wants_last_token`): an unrelated prediction
 # costs a few steps, not half the request's speed.
 MAX_MISSES = 4
+# The acceptance estimate (`Drafter.acceptance`): a draft's chance to be kept before a request
+# has shown its own, how many drafts that guess weighs, and the decay of older verdicts per
+# step (also on steps that draft nothing, so that a request that stopped drafting for a poor
+# record tries again).
+PRIOR_ACCEPTANCE = 0.7
+PRIOR_WEIGHT = 4.0
+DECAY = 0.85
 # Earlier occurrences of a suffix's last token checked per lookup, the latest first: bounds a
 # lookup's cost in a long, repetitive context.
 MAX_CANDIDATES = 64
@@ -87,6 +94,10 @@ class _State:
     prediction: _Prediction | None
     own: TokenIndex | None  # the request's own tokens (ngram); None: not looked up
     num_misses: int = 0  # proposals in a row that found nothing
+    # Verdicts, decayed: drafts kept, and drafts judged (each kept one, and the first
+    # rejected one: the drafts after it were never judged).
+    num_kept: float = 0.0
+    num_judged: float = 0.0
 
 
 class Drafter:
@@ -117,17 +128,34 @@ class Drafter:
         used_up = pred is None or pred.cursor == len(pred.tokens)
         return state.num_misses < MAX_MISSES and (state.own is not None or not used_up)
 
+    def acceptance(self, req: Request) -> float:
+        """The estimated chance that the request's next draft is kept, given the one before
+        it was: its recent verdicts, drawn toward PRIOR_ACCEPTANCE while they are few."""
+        state = self._states.get(req.request_id)
+        kept, judged = (state.num_kept, state.num_judged) if state else (0.0, 0.0)
+        return (kept + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
+
+    def observe(self, request_id: str, num_drafted: int, num_kept: int) -> None:
+        """A verification's verdict: `num_kept` of `num_drafted` drafts kept."""
+        state = self._states.get(request_id)
+        if state is not None and num_drafted:
+            state.num_kept += num_kept
+            state.num_judged += num_kept + (num_kept < num_drafted)
+
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         """Up to `max_tokens` guesses of the tokens after the request's last one (empty when
         there is nothing to go on)."""
-        if max_tokens <= 0:
-            return []
         state = self._states.get(req.request_id)
         if state is None:
             pred = req.params.prediction_token_ids
             state = self._states[req.request_id] = _State(
                 _Prediction(list(pred)) if pred else None,
                 TokenIndex() if self.uses_ngram else None)
+        state.num_kept *= DECAY  # NOTE: every step, drafting or not
+        state.num_judged *= DECAY
+        if max_tokens <= 0:
+            state.num_misses += 1
+            return []
         k = min(max_tokens, self.num_speculative_tokens)
         draft: list[int] = []
         if state.prediction is not None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 
 from fastserve.config import SpeculativeConfig
+from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ExecutorOutput
 from fastserve.core.speculative import Drafter
 from fastserve.request import Request, SamplingParams
-from tests.core.factories import make_scheduler
+from tests.core.factories import UNIT_COST, make_scheduler
 
 _ids = itertools.count()
 
@@ -103,3 +104,33 @@ def test_under_async_scheduling_only_a_useful_prediction_waits_for_its_token() -
     assert drafter.propose(followed, 5) == []  # used up: it goes ahead from now on
     assert not drafter.wants_last_token(followed)
     assert not drafter.wants_last_token(_req([1, 2], [3]))  # no prediction
+
+
+def _drafts_under(cost: CostModel, verdicts: tuple[tuple[int, int], ...] = ()) -> int:
+    """Drafts planned for a request's decode (prediction long enough for 5) under `cost`,
+    after `verdicts` ((drafted, kept) pairs) of its earlier verifications."""
+    sched = make_scheduler("fcfs", block_size=4, num_blocks=64, cost=cost)
+    sched.drafter = Drafter(SpeculativeConfig(num_speculative_tokens=5))
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=50, prediction_token_ids=tuple(
+        range(100, 140))), 0.0)
+    sched.add_request(req, 0.0)
+    plan = sched.schedule(0.0)
+    sched.update(plan, ExecutorOutput([100], 0.01), 0.01)
+    sched.drafter.propose(req, 0)  # a step that drafted nothing: the drafter knows it now
+    for drafted, kept in verdicts:
+        sched.drafter.observe("a", drafted, kept)
+    (s,) = sched.schedule(0.01).scheduled
+    return s.num_draft_tokens
+
+
+def test_drafts_are_cut_to_what_the_cost_model_says_pays() -> None:
+    # Weight-bound steps (a GPU, a small batch): a fed token costs little beside a step.
+    cheap_tokens = CostModel(fixed_s=20e-3, per_prefill_token_s=0.2e-3, per_decode_s=0.5e-3)
+    assert _drafts_under(cheap_tokens) == 5
+    # Compute-bound steps: a fed token costs as much as a decode, and drafting never pays.
+    assert _drafts_under(UNIT_COST) == 0
+    # In between, a request whose drafts were mostly rejected drafts fewer.
+    middle = CostModel(fixed_s=2e-3, per_prefill_token_s=1e-3, per_decode_s=1e-3)
+    good = _drafts_under(middle, ((5, 5),) * 4)
+    poor = _drafts_under(middle, ((5, 0),) * 4)
+    assert good == 5 and 0 <= poor < good
