@@ -307,6 +307,8 @@ class Scheduler(ABC):
             gain = expected * share_s - extra_s
             if gain > best_gain:
                 best, best_gain = j, gain
+        if best == 0 and self.drafter is not None and self.drafter.is_due_probe(req):
+            return 1  # a probe: its verdict may show the drafts are worth more
         return best
 
     def _by_priority(self, order: list[Request]) -> list[Request]:

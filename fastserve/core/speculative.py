@@ -30,8 +30,11 @@ MAX_MISSES = 4
 # step (also on steps that draft nothing, so that a request that stopped drafting for a poor
 # record tries again).
 PRIOR_ACCEPTANCE = 0.7
-PRIOR_WEIGHT = 4.0
-DECAY = 0.85
+PRIOR_WEIGHT = 2.0
+DECAY = 0.97
+# A request the cost model gives no drafts still drafts one every this many steps (and on its
+# first): without verdicts its record could never show that its drafts are kept.
+PROBE_EVERY = 8
 # Earlier occurrences of a suffix's last token checked per lookup, the latest first: bounds a
 # lookup's cost in a long, repetitive context.
 MAX_CANDIDATES = 64
@@ -98,6 +101,7 @@ class _State:
     # rejected one: the drafts after it were never judged).
     num_kept: float = 0.0
     num_judged: float = 0.0
+    num_idle: int = 0  # steps since it last drafted
 
 
 class Drafter:
@@ -135,6 +139,12 @@ class Drafter:
         kept, judged = (state.num_kept, state.num_judged) if state else (0.0, 0.0)
         return (kept + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
 
+    def is_due_probe(self, req: Request) -> bool:
+        """Whether a request that would draft nothing should draft one token anyway (see
+        PROBE_EVERY)."""
+        state = self._states.get(req.request_id)
+        return state is None or state.num_idle >= PROBE_EVERY
+
     def observe(self, request_id: str, num_drafted: int, num_kept: int) -> None:
         """A verification's verdict: `num_kept` of `num_drafted` drafts kept."""
         state = self._states.get(request_id)
@@ -155,6 +165,7 @@ class Drafter:
         state.num_judged *= DECAY
         if max_tokens <= 0:
             state.num_misses += 1
+            state.num_idle += 1
             return []
         k = min(max_tokens, self.num_speculative_tokens)
         draft: list[int] = []
@@ -163,6 +174,7 @@ class Drafter:
         if not draft and state.own is not None:
             draft = self._lookup_own(state.own, req, k)
         state.num_misses = 0 if draft else state.num_misses + 1
+        state.num_idle = 0 if draft else state.num_idle + 1
         return draft
 
     def drop(self, request_id: str) -> None:

@@ -106,7 +106,8 @@ def test_under_async_scheduling_only_a_useful_prediction_waits_for_its_token() -
     assert not drafter.wants_last_token(_req([1, 2], [3]))  # no prediction
 
 
-def _drafts_under(cost: CostModel, verdicts: tuple[tuple[int, int], ...] = ()) -> int:
+def _drafts_under(cost: CostModel, verdicts: tuple[tuple[int, int], ...] = (),
+                  fresh: bool = False) -> int:
     """Drafts planned for a request's decode (prediction long enough for 5) under `cost`,
     after `verdicts` ((drafted, kept) pairs) of its earlier verifications."""
     sched = make_scheduler("fcfs", block_size=4, num_blocks=64, cost=cost)
@@ -116,7 +117,8 @@ def _drafts_under(cost: CostModel, verdicts: tuple[tuple[int, int], ...] = ()) -
     sched.add_request(req, 0.0)
     plan = sched.schedule(0.0)
     sched.update(plan, ExecutorOutput([100], 0.01), 0.01)
-    sched.drafter.propose(req, 0)  # a step that drafted nothing: the drafter knows it now
+    if not fresh:
+        sched.drafter.propose(req, 0)  # a step that drafted nothing: the drafter knows it now
     for drafted, kept in verdicts:
         sched.drafter.observe("a", drafted, kept)
     (s,) = sched.schedule(0.01).scheduled
@@ -129,6 +131,8 @@ def test_drafts_are_cut_to_what_the_cost_model_says_pays() -> None:
     assert _drafts_under(cheap_tokens) == 5
     # Compute-bound steps: a fed token costs as much as a decode, and drafting never pays.
     assert _drafts_under(UNIT_COST) == 0
+    # ... but its first decode, and one in PROBE_EVERY after, drafts a token to learn from.
+    assert _drafts_under(UNIT_COST, fresh=True) == 1
     # In between, a request whose drafts were mostly rejected drafts fewer.
     middle = CostModel(fixed_s=2e-3, per_prefill_token_s=1e-3, per_decode_s=1e-3)
     good = _drafts_under(middle, ((5, 5),) * 4)
