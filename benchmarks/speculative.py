@@ -94,7 +94,7 @@ def main() -> None:
                 for label in labels[shift:] + labels[:shift]:
                     kind, _, every = label.partition(", ")
                     if every:  # NOTE: a benchmark's A/B: the instance's method replaced
-                        scheduler._drafts_worth = lambda req, limit: limit  # type: ignore[method-assign]
+                        scheduler._drafts_worth = lambda drafter, req, limit: limit  # type: ignore[method-assign]
                     try:
                         tps, got, drafted, accepted = run(llm, prompts, params[kind])
                     finally:

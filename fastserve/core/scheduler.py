@@ -271,7 +271,7 @@ class Scheduler(ABC):
         # NOTE: k drafts give at most k + 1 tokens, and feed positions up to num_tokens - 1 + k.
         limit = min(max_tokens, p.max_tokens - req.num_output_tokens - 1,
                     req.max_model_len - req.num_tokens, self.drafter.num_speculative_tokens)
-        draft = self.drafter.propose(req, self._drafts_worth(req, limit))
+        draft = self.drafter.propose(req, self._drafts_worth(self.drafter, req, limit))
         if not draft:
             return 0
         rid = req.request_id
@@ -283,7 +283,7 @@ class Scheduler(ABC):
             self._drafts[rid] = draft
         return len(draft)
 
-    def _drafts_worth(self, req: Request, limit: int) -> int:
+    def _drafts_worth(self, drafter: Drafter, req: Request, limit: int) -> int:
         """How many drafts (at most `limit`) the cost model says pay for themselves: with the
         request's acceptance a, j drafts yield a + a^2 + ... + a^j tokens on average, each
         sparing it a decode step (its share of one: the fixed cost split over the last
@@ -293,7 +293,7 @@ class Scheduler(ABC):
         if limit <= 0:
             return 0
         cost = self.cost
-        a = self.drafter.acceptance(req) if self.drafter is not None else 0.0
+        a = drafter.acceptance(req)
         ctx = req.num_tokens
         num_jobs = max(1, len(self._batch_ids))
         share_s = cost.iteration_s(0, num_jobs, num_jobs * ctx) / num_jobs
@@ -307,7 +307,7 @@ class Scheduler(ABC):
             gain = expected * share_s - extra_s
             if gain > best_gain:
                 best, best_gain = j, gain
-        if best == 0 and self.drafter is not None and self.drafter.is_due_probe(req):
+        if best == 0 and drafter.is_due_probe(req):
             return 1  # a probe: its verdict may show the drafts are worth more
         return best
 

@@ -96,12 +96,11 @@ class _Prediction:
 class _State:
     prediction: _Prediction | None
     own: TokenIndex | None  # the request's own tokens (ngram); None: not looked up
-    num_misses: int = 0  # proposals in a row that found nothing
     # Verdicts, decayed: drafts kept, and drafts judged (each kept one, and the first
     # rejected one: the drafts after it were never judged).
     num_kept: float = 0.0
     num_judged: float = 0.0
-    num_idle: int = 0  # steps since it last drafted
+    num_idle: int = 0  # steps in a row that drafted nothing
 
 
 class Drafter:
@@ -130,7 +129,7 @@ class Drafter:
             return True
         pred = state.prediction
         used_up = pred is None or pred.cursor == len(pred.tokens)
-        return state.num_misses < MAX_MISSES and (state.own is not None or not used_up)
+        return state.num_idle < MAX_MISSES and (state.own is not None or not used_up)
 
     def acceptance(self, req: Request) -> float:
         """The estimated chance that the request's next draft is kept, given the one before
@@ -164,7 +163,6 @@ class Drafter:
         state.num_kept *= DECAY  # NOTE: every step, drafting or not
         state.num_judged *= DECAY
         if max_tokens <= 0:
-            state.num_misses += 1
             state.num_idle += 1
             return []
         k = min(max_tokens, self.num_speculative_tokens)
@@ -173,7 +171,6 @@ class Drafter:
             draft = self._follow(state.prediction, req, k)
         if not draft and state.own is not None:
             draft = self._lookup_own(state.own, req, k)
-        state.num_misses = 0 if draft else state.num_misses + 1
         state.num_idle = 0 if draft else state.num_idle + 1
         return draft
 

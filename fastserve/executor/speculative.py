@@ -74,12 +74,6 @@ class PendingVerdicts:
         return Verified(out, errors)
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
-           first_rows: list[int]) -> Verified:
-    """`check`, read back at once."""
-    return check(sampler, logits, reqs, first_rows).read()
-
-
 def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
           first_rows: list[int]) -> PendingVerdicts:
     """The verdicts' device work. `logits` [num_rows, vocab]: for each of `reqs` (every one

@@ -1,4 +1,4 @@
-"""Speculative decoding's check (`fastserve.executor.speculative.verify`) on fixed logits:
+"""Speculative decoding's check (`fastserve.executor.speculative.check`) on fixed logits:
 greedy keeps exactly the drafts decoding would produce, and sampling keeps each token's
 distribution the model's own (the speculative-sampling rule with a point-mass draft)."""
 
@@ -8,10 +8,15 @@ import torch
 
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.sampler import Sampler
-from fastserve.executor.speculative import verify
+from fastserve.executor.speculative import Verified, check
 from fastserve.request import SamplingParams
 
 EOS = 4
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
+           first_rows: list[int]) -> Verified:
+    return check(sampler, logits, reqs, first_rows).read()
 
 
 def _spec(rid: str, drafts: list[int], params: SamplingParams, num_output: int = 3) -> ScheduledRequest:
