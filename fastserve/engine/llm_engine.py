@@ -109,8 +109,11 @@ class LLMEngine:
             self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
         # Structured output: grammars compile as requests are added; the sampler masks with them.
         self.grammars = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
-        if isinstance(self.runner, ModelRunner):
-            self.runner.sampler.grammars = self.grammars
+        # The sampler in this process, if any: not a pipeline's (its last stage's rank samples).
+        local = self.runner if isinstance(self.runner, ModelRunner) else self.runner.stage
+        self._samples_here = local.is_sampler
+        if local.is_sampler:
+            local.sampler.grammars = self.grammars
         if config.model.warmup:
             self._warmup()
         cost, profile_path = self._cost_model()
@@ -184,20 +187,15 @@ class LLMEngine:
             if adapter is None:
                 served = ", ".join(self.loras.paths) or "none"
                 raise InvalidRequestError(f"lora: no adapter named {lora!r} (served: {served})", "model")
-        if params.logits_processors and isinstance(self.runner, DistributedExecutor):
+        if params.logits_processors and not self._samples_here:
             raise InvalidRequestError(
-                "logits_processors run in the sampling process: not with tensor or pipeline "
-                "parallelism", "logits_processors")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(params, name) is not None and isinstance(self.runner, DistributedExecutor):
-                raise InvalidRequestError(
-                    f"{name}: log-probabilities are not returned with tensor or pipeline "
-                    "parallelism yet", name)
+                "logits_processors run in the sampling process, a worker under pipeline "
+                "parallelism: not with pipeline parallelism", "logits_processors")
         structured = params.structured_output
-        if structured is not None and isinstance(self.runner, DistributedExecutor):
+        if structured is not None and not self._samples_here:
             raise InvalidRequestError(
-                "structured output masks logits in the sampling process: not with tensor or "
-                "pipeline parallelism", structured.param)
+                "structured output masks logits in the sampling process, a worker under "
+                "pipeline parallelism: not with pipeline parallelism", structured.param)
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         num_seqs = params.num_sequences
@@ -218,10 +216,6 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if num_seqs == 1:
             return self._queue(req, text)
-        if num_seqs > params.n and isinstance(self.runner, DistributedExecutor):
-            raise InvalidRequestError(
-                "best_of > n ranks sequences by log-probabilities taken in the sampling "
-                "process: not with tensor or pipeline parallelism", "best_of")
         return self.groups.add(request_id, params, text, add_leader=lambda p: self._queue(
             dataclasses.replace(req, params=p), text))
 

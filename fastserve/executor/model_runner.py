@@ -228,13 +228,12 @@ class ModelRunner:
                 if r.num_draft_tokens:
                     got = verified.token_ids.get(r.request_id)
                     tokens[i] = got[0] if got else FAILED_TOKEN
-        self._emit(tokens)
         end = time.perf_counter()
         # NOTE: from the later of its launch and the previous finish: with async scheduling
         # iterations overlap, and each counts the time since the one before it came back.
         duration_s = end - max(launched.start_s, self._last_finish_s)
         self._last_finish_s = end
-        return ExecutorOutput(
+        out = ExecutorOutput(
             sampled_token_ids=tokens,
             duration_s=duration_s,
             swap_wait_s=launched.swap_wait_s,
@@ -243,6 +242,8 @@ class ModelRunner:
             prompt_logprobs=launched.prompt_logprobs,
             verified_token_ids=verified.token_ids if verified is not None else {},
         )
+        self._emit(out)
+        return out
 
     def _feed(self, reqs: list[ScheduledRequest], flat: FlatBatch) -> TokenFeed | None:
         """Where this batch's PENDING_TOKEN inputs come from: the previous launch's draws."""
@@ -288,8 +289,9 @@ class ModelRunner:
         to_draw = [dataclasses.replace(r, samples=False) if r.num_draft_tokens else r for r in reqs]
         return take_rows(logits, last_rows), to_draw, verified
 
-    def _emit(self, tokens: list[int]) -> None:
-        """After sampling: a pipeline stage sends its activations or tokens on here."""
+    def _emit(self, out: ExecutorOutput) -> None:
+        """After sampling: a pipeline stage sends its activations, or its tokens and
+        log-probabilities, on here."""
 
     def _pending_tokens(self, request_ids: list[str]) -> torch.Tensor:
         """[len(request_ids)] long, on the device: the tokens the previous launch drew for

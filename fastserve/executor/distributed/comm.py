@@ -6,7 +6,8 @@ Groups (every rank creates all of them, in the same order):
   between stages and sampled tokens back to the driver;
 - one tensor-parallel group per stage (same backend and timeout): the layers' all-reduces;
 - `ctrl` (gloo, no practical timeout, since workers wait there while the engine is idle): plans
-  from the driver, answers back;
+  from the driver, answers back, and (tag `TAG_LOGPROBS`) a pipeline's log-probabilities from
+  the sampler rank to the driver;
 - `heartbeat` (gloo, `worker_timeout_s`): the monitored barrier of `heartbeat.Heartbeat`.
 
 NOTE: a gloo send completes only once the receiver has posted the matching receive, so every
@@ -29,6 +30,7 @@ from fastserve.executor.distributed.layout import RankLayout
 CTRL_TIMEOUT = timedelta(days=365)
 TAG_ACTIVATIONS = 1
 TAG_TOKENS = 2
+TAG_LOGPROBS = 3
 
 
 @dataclass(frozen=True)
@@ -104,17 +106,19 @@ def recv_tensor(t: torch.Tensor, src: int, tag: int, timeout_s: float | None = N
     return t
 
 
-def isend_object(obj: object, dst: int, group: dist.ProcessGroup) -> Pending:
+def isend_object(obj: object, dst: int, group: dist.ProcessGroup, tag: int = 0) -> Pending:
     """Send a picklable object: its length, then its bytes."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.long)
-    pending = isend_tensor(size, dst, 0, group)
-    pending.add(isend_tensor(payload, dst, 0, group))
+    pending = isend_tensor(size, dst, tag, group)
+    pending.add(isend_tensor(payload, dst, tag, group))
     return pending
 
 
-def recv_object(src: int, group: dist.ProcessGroup, timeout_s: float | None = None) -> object:
-    """The next object `src` sent on `group`; without a timeout, the group's own applies."""
-    size = recv_tensor(torch.empty(1, dtype=torch.long), src, 0, timeout_s, group)
-    payload = recv_tensor(torch.empty(int(size.item()), dtype=torch.uint8), src, 0, timeout_s, group)
+def recv_object(src: int, group: dist.ProcessGroup, timeout_s: float | None = None,
+                tag: int = 0) -> object:
+    """The next object `src` sent on `group` with `tag`; without a timeout, the group's own
+    applies."""
+    size = recv_tensor(torch.empty(1, dtype=torch.long), src, tag, timeout_s, group)
+    payload = recv_tensor(torch.empty(int(size.item()), dtype=torch.uint8), src, tag, timeout_s, group)
     return pickle.loads(payload.numpy().tobytes())

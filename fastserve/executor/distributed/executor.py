@@ -16,6 +16,7 @@ raises `ExecutorDeadError`.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import subprocess
 import time
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.executor.base import ExecutorDeadError, PipelineResult
 from fastserve.executor.distributed.comm import (
+    TAG_LOGPROBS,
     TAG_TOKENS,
     Groups,
     Pending,
@@ -40,7 +42,7 @@ from fastserve.executor.distributed.comm import (
 from fastserve.executor.distributed.heartbeat import Heartbeat
 from fastserve.executor.distributed.layout import RankLayout
 from fastserve.executor.distributed.messages import RankStats, StatsRequest, Step, Stop
-from fastserve.executor.distributed.stage import StageRunner, pool_sizes
+from fastserve.executor.distributed.stage import StageRunner, asks_logprobs, pool_sizes
 from fastserve.executor.distributed.worker import Init
 from fastserve.executor.model_runner import Launched
 
@@ -48,6 +50,16 @@ logger = logging.getLogger(__name__)
 
 STOP_WAIT_S = 10.0  # how long shutdown waits for workers to take `Stop` and exit
 FAILURE_CAUSE_WAIT_S = 2.0  # how long a failed call waits for the heartbeat to name the cause
+
+
+def _for_workers(plan: SchedulerOutput) -> SchedulerOutput:
+    """The plan as the workers get it: without the offline logits processors, which need not
+    pickle and run only where the driver samples (the engine refuses them otherwise)."""
+    if not any(s.params.logits_processors for s in plan.scheduled):
+        return plan
+    scheduled = [dataclasses.replace(s, params=dataclasses.replace(s.params, logits_processors=()))
+                 if s.params.logits_processors else s for s in plan.scheduled]
+    return dataclasses.replace(plan, scheduled=scheduled)
 
 
 @dataclass(frozen=True)
@@ -126,16 +138,23 @@ class DistributedExecutor:
         with self._fatal():
             batch = self._in_flight.popleft()
             wait_start_s = time.perf_counter()
-            tokens = batch.local.sampled_token_ids
+            local = batch.local
+            tokens = local.sampled_token_ids
+            logprobs = local.sample_logprobs, local.prompt_logprobs
+            sampler = self.layout.sampler_rank
             if not self.layout.is_sampler:
                 buf = torch.empty(len(batch.plan.scheduled), dtype=torch.long, device=self.stage.device)
-                tokens = recv_tensor(buf, self.layout.sampler_rank, TAG_TOKENS, self.timeout_s).tolist()
+                tokens = recv_tensor(buf, sampler, TAG_TOKENS, self.timeout_s).tolist()
+                if asks_logprobs(batch.plan):
+                    got = recv_object(sampler, self.groups.ctrl, self.timeout_s, TAG_LOGPROBS)
+                    assert isinstance(got, tuple)
+                    logprobs = got
             end_s = time.perf_counter()
             self._sent(batch.seq)
             # NOTE: drafts are verified on one stage only (`build_engine_core`): the driver's.
-            out = ExecutorOutput(tokens, end_s - batch.start_s, batch.local.swap_wait_s,
-                                 batch.local.failed,
-                                 verified_token_ids=batch.local.verified_token_ids)
+            out = ExecutorOutput(tokens, end_s - batch.start_s, local.swap_wait_s, local.failed,
+                                 sample_logprobs=logprobs[0], prompt_logprobs=logprobs[1],
+                                 verified_token_ids=local.verified_token_ids)
             return PipelineResult(out, end_s - wait_start_s)
 
     @property
@@ -166,8 +185,9 @@ class DistributedExecutor:
         its submission number."""
         self._seq += 1
         pending = Pending()
+        step = Step(_for_workers(plan))
         for rank in range(1, self.layout.world_size):
-            pending.add(isend_object(Step(plan), rank, self.groups.ctrl))
+            pending.add(isend_object(step, rank, self.groups.ctrl))
         self._sends.append((self._seq, pending))
         return self._seq
 

@@ -23,16 +23,19 @@ import torch.distributed as dist
 
 from fastserve.config import EngineConfig
 from fastserve.core.kv_policy import host_pool_blocks
-from fastserve.core.plan import ScheduledRequest, SchedulerOutput
+from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.distributed.comm import (
     TAG_ACTIVATIONS,
+    TAG_LOGPROBS,
     TAG_TOKENS,
     Groups,
     Pending,
+    isend_object,
     isend_tensor,
 )
 from fastserve.executor.distributed.layout import RankLayout, split_layers
 from fastserve.executor.distributed.messages import RankStats
+from fastserve.executor.logprobs import prompt_logprobs
 from fastserve.executor.model_runner import (
     TORCH_DTYPES,
     BatchInputs,
@@ -45,6 +48,13 @@ from fastserve.model.layers import ParallelLMHead, RowParallelLinear, VocabParal
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.model.loader import load_model
 from fastserve.request import TokenLogprobs
+
+
+def asks_logprobs(plan: SchedulerOutput) -> bool:
+    """Whether a request in the batch asked for sampled or prompt log-probabilities: then a
+    sampler rank that is not the driver sends them after the tokens (`TAG_LOGPROBS`)."""
+    return any(s.params.logprobs is not None or s.params.prompt_logprobs is not None
+               for s in plan.scheduled)
 
 
 def rank_arch(arch: ArchConfig, layers: tuple[int, int], tp_size: int) -> ArchConfig:
@@ -176,12 +186,14 @@ class StageRunner(ModelRunner):
         # Between the steps of one `execute`: the posted receive, the stream to send on.
         self._incoming: tuple[dist.Work, torch.Tensor] | None = None
         self._outgoing: torch.Tensor | None = None
+        self._ships_logprobs = False  # the batch asked for log-probabilities (`asks_logprobs`)
         self._compute_start = 0.0
 
     def _receive(self, plan: SchedulerOutput) -> None:
         """Post the receive of this batch's residual stream first: its swaps are queued while
         the activations travel."""
         self._incoming = None
+        self._ships_logprobs = asks_logprobs(plan)
         num_tokens = sum(len(s.token_ids) for s in plan.scheduled)
         if num_tokens and not self.layout.is_first_stage:
             buf = torch.empty(2, num_tokens, self.full_arch.hidden_size, dtype=self.dtype, device=self.device)
@@ -192,8 +204,8 @@ class StageRunner(ModelRunner):
     def _forward(self, batch: BatchInputs, reqs: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor | None, dict[str, tuple[int, list[TokenLogprobs]]]]:
         """This stage's layers: from the embeddings (first stage) or the previous stage's
-        residual stream; logits on the last stage, else the stream is kept for `_emit`.
-        NOTE: no prompt log-probabilities: the server refuses them under parallelism."""
+        residual stream; logits and prompt log-probabilities on the last stage, else the
+        stream is kept for `_emit`."""
         if self._incoming is not None:
             self._incoming[0].wait(timedelta(seconds=self.timeout_s))
         self._compute_start = time.perf_counter()
@@ -216,7 +228,9 @@ class StageRunner(ModelRunner):
             return None, {}
         assert stage.norm is not None
         hidden, _ = stage.norm(x, residual)
-        return self.model.compute_logits(hidden[batch.logits_idx]), {}  # [num_rows, vocab]
+        # NOTE: every rank of the stage scores the same prompt rows (the lm head gathers).
+        return (self.model.compute_logits(hidden[batch.logits_idx]),  # [num_rows, vocab]
+                prompt_logprobs(hidden, reqs, self.model.compute_logits))
 
     def _pending_tokens(self, request_ids: list[str]) -> torch.Tensor:
         """Async scheduling (one stage): the sampling rank looks its draws up and broadcasts
@@ -232,7 +246,7 @@ class StageRunner(ModelRunner):
             dist.broadcast(values, src=self.layout.sampler_rank, group=self.groups.tp)
         return values
 
-    def _emit(self, tokens: list[int]) -> None:
+    def _emit(self, out: ExecutorOutput) -> None:
         lay = self.layout
         self._stats.add(self._compute_start, time.perf_counter())
         if not lay.is_last_stage:
@@ -240,9 +254,13 @@ class StageRunner(ModelRunner):
             self._send(self._outgoing, lay.next_rank, TAG_ACTIVATIONS)
             self._outgoing = None
         elif lay.is_sampler and not lay.is_driver:
-            # NOTE: a sampler rank that is not the driver sends only tokens; FAILED_TOKEN
-            # stands for a failed row's error.
-            self._send(torch.tensor(tokens, dtype=torch.long, device=self.device), 0, TAG_TOKENS)
+            # NOTE: a sampler rank that is not the driver sends the tokens (FAILED_TOKEN stands
+            # for a failed row's error), then the log-probabilities when the plan asked for any.
+            tokens = torch.tensor(out.sampled_token_ids, dtype=torch.long, device=self.device)
+            self._send(tokens, 0, TAG_TOKENS)
+            if self._ships_logprobs:
+                self._sending.add(isend_object((out.sample_logprobs, out.prompt_logprobs), 0,
+                                               self.groups.ctrl, TAG_LOGPROBS))
 
     def stats(self, reset: bool = False) -> RankStats:
         s = self._stats
