@@ -398,10 +398,8 @@ class SamplingParams:
     def can_draft(self) -> bool:
         """Whether decode steps may verify drafted tokens for this request: the executor must
         be able to process each drafted position's logits as it would sample there (not for a
-        grammar, whose state follows every token, or the caller's own processors), and it
-        asks for no log-probabilities (they are not kept for accepted drafts)."""
-        return not (self.logprobs is not None or self.structured_output is not None
-                    or self.logits_processors)
+        grammar, whose state follows every token, or the caller's own processors)."""
+        return not (self.structured_output is not None or self.logits_processors)
 
 
 def _token_ids(ids: object, param: str) -> tuple[int, ...]:

@@ -119,17 +119,48 @@ def test_drafts_stop_at_max_tokens_and_stop_tokens(
 
 def test_requests_that_cannot_draft_run_beside_drafting_ones(
         plain: LLMEngine, reference: tuple[list[list[int]], list[list[int]]]) -> None:
-    """Log-probabilities are kept per sampled token: such a request decodes one token per
-    iteration, in the same batches as requests verifying drafts."""
+    """The caller's logits processors see each sampled row: such a request decodes one token
+    per iteration, in the same batches as requests verifying drafts."""
     prompts, want = reference
     plans = record_launches(plain)
+    seen: list[int] = []
+
+    def count(num_output_tokens: int, logits: torch.Tensor) -> torch.Tensor:
+        seen.append(num_output_tokens)
+        return logits
+
     params = [dataclasses.replace(GREEDY, prediction_token_ids=want[0]),
-              dataclasses.replace(GREEDY, prediction_token_ids=want[1], logprobs=2)]
+              dataclasses.replace(GREEDY, prediction_token_ids=want[1], logits_processors=(count,))]
     outs = run_to_end(plain, prompts[:2], params)
     assert outs[0].num_draft_tokens > 0 and outs[1].num_draft_tokens == 0
-    assert outs[1].logprobs is not None and len(outs[1].logprobs) == len(outs[1].token_ids)
+    assert seen == list(range(len(outs[1].token_ids)))  # once per token, in order
     mixed = [p for p in plans if len({s.num_draft_tokens > 0 for s in p.scheduled}) == 2]
     assert mixed, "no batch held a drafting request beside one that does not draft"
+
+
+def test_accepted_drafts_carry_the_log_probabilities_of_decoding_one_at_a_time(
+        plain: LLMEngine, reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    """Each token a verification gives (accepted drafts and the model's next) has its entry:
+    the raw logits' log-probability and top alternatives at its position, as a decode step's;
+    a stop token inside the accepted drafts ends the entries with the tokens."""
+    prompts, want = reference
+    asks = dataclasses.replace(GREEDY, logprobs=3)
+    stop = dataclasses.replace(asks, stop_token_ids=(want[1][9],), ignore_eos=False)
+    one_at_a_time = run_to_end(plain, prompts[:2], [asks, stop])
+    drafted = run_to_end(plain, prompts[:2], [dataclasses.replace(p, prediction_token_ids=w)
+                                              for p, w in zip([asks, stop], want)])
+    assert drafted[0].num_accepted_tokens > 0 and drafted[1].num_accepted_tokens > 0
+    for got, base in zip(drafted, one_at_a_time, strict=True):
+        assert got.logprobs is not None and base.logprobs is not None
+        assert [lp.token_id for lp in got.logprobs] == got.token_ids
+        assert all(len(lp.top) == 3 for lp in got.logprobs)
+        if IS_EXACT_DTYPE:  # half types may part at a near-tie
+            assert got.token_ids == base.token_ids
+            for g, b in zip(got.logprobs, base.logprobs, strict=True):
+                assert abs(g.logprob - b.logprob) < 1e-3, (g, b)
+                assert [t for t, _ in g.top] == [t for t, _ in b.top]
+    if IS_EXACT_DTYPE:
+        assert len(drafted[1].token_ids) == 10 and drafted[1].finish_reason == "stop"
 
 
 def test_penalties_and_bad_words_count_the_drafts_before_each_position(

@@ -149,3 +149,14 @@ class ExecutorOutput:
     # token they got, in order: the drafts the model accepted, then its own next token. Their
     # entry in sampled_token_ids is the first of these.
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Those of them that asked for log-probabilities: request id -> one entry per token there
+    # (their `sample_logprobs` has none).
+    verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+    def token_logprobs(self, request_id: str) -> list[TokenLogprobs]:
+        """The log-probabilities of the tokens the request got this iteration, if it asked."""
+        verified = self.verified_logprobs.get(request_id)
+        if verified is not None:
+            return verified
+        entry = self.sample_logprobs.get(request_id)
+        return [] if entry is None else [entry]

@@ -28,11 +28,11 @@ did not ask), once all have finished, indexed best first.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastserve.core.kv_manager import KVCacheManager
-from fastserve.request import SEED_RANGE, Request, RequestOutput, SamplingParams, TokenLogprobs
+from fastserve.request import SEED_RANGE, Request, RequestOutput, SamplingParams
 
 # Adds a later sequence to the engine: (its id, its params, sequence 0, the prompt's text).
 AddSequence = Callable[[str, SamplingParams, Request, str | None], Request]
@@ -65,9 +65,8 @@ class RequestGroup:
     num_pending: int = 0  # sequences not added yet (they wait for sequence 0's prefill)
     num_open: int = 1  # sequences added whose final output has not come yet
     held_blocks: list[int] = field(default_factory=list)  # `KVCacheManager.hold_prefix`
-    # best_of > n: each sequence's cumulative log-probability so far, and whether the request
-    # asked for log-probabilities itself (else they are dropped from its outputs).
-    scores: list[float] = field(default_factory=list)
+    # best_of > n: whether the request asked for log-probabilities itself (every sequence
+    # gets them, to be ranked by; else they are dropped from its outputs).
     shows_logprobs: bool = True
     finals: list[RequestOutput] = field(default_factory=list)  # best_of > n: held back
 
@@ -119,7 +118,6 @@ class RequestGroups:
         leader = add_leader(seq_params[0])
         group = RequestGroup(request_id, params.n, self.sequence_ids(request_id, num),
                              seq_params, leader, prompt, num_pending=num - 1,
-                             scores=[0.0] * num if is_best_of else [],
                              shows_logprobs=params.logprobs is not None)
         self._groups[request_id] = group
         for i, sid in enumerate(group.seq_ids):
@@ -129,17 +127,9 @@ class RequestGroups:
             self._add_followers(group)
         return leader
 
-    def after_step(self, touched: Sequence[Request],
-                   sample_logprobs: Mapping[str, TokenLogprobs]) -> None:
-        """After an iteration: score the best_of sequences' tokens (`sample_logprobs`: the
-        iteration's, by request id), add the sequences whose prompt is now cached, release
-        held blocks every sequence has shared."""
-        if self._group_of and sample_logprobs:  # NOTE: nothing to look up without a group
-            for req in touched:
-                entry = self._group_of.get(req.request_id)
-                lp = sample_logprobs.get(req.request_id)
-                if entry is not None and entry[0].scores and lp is not None:
-                    entry[0].scores[entry[1]] += lp.logprob
+    def after_step(self) -> None:
+        """After an iteration: add the sequences whose prompt is now cached, release held
+        blocks every sequence has shared."""
         if not self._waiting:
             return
         still: list[RequestGroup] = []
@@ -215,8 +205,8 @@ class RequestGroups:
         """The `n` outputs to return, best first, re-indexed; a failed one comes first, so
         that the caller sees the failure."""
         def key(out: RequestOutput) -> tuple[bool, float]:
-            failed = out.is_failure
-            return failed, group.scores[out.index]
+            # The cumulative log-probability of its tokens (one entry each, drafts included).
+            return out.is_failure, sum(lp.logprob for lp in out.logprobs or ())
 
         best = sorted(group.finals, key=key, reverse=True)[: group.n]
         return [dataclasses.replace(out, index=i, new_token_ids=list(out.token_ids),

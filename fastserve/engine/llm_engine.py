@@ -340,8 +340,7 @@ class LLMEngine:
                 self._detokenize(req)
         touched += self._aborted
         self._aborted = []
-        last = self.core.last_output
-        self.groups.after_step(touched, last.sample_logprobs if last is not None else {})
+        self.groups.after_step()
         outputs = self.groups.outputs(
             [self._output(r) for r in touched if r.is_finished or not r.params.final_only])
         if len(self.grammars):

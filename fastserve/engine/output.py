@@ -49,14 +49,16 @@ class OutputProcessor:
                 have = len(st.prompt_logprobs)
                 if first <= have:
                     st.prompt_logprobs += entries[have - first :]
-        if not out.sample_logprobs:
+        if not (out.sample_logprobs or out.verified_logprobs):
             return
         for req in touched:
-            entry = out.sample_logprobs.get(req.request_id)
             st = self._streams.get(req.request_id)
-            # A token that did not join the output (a prefill alone) has none.
-            if entry is not None and st is not None and len(st.logprobs) < req.num_output_tokens:
-                st.logprobs.append(entry)
+            if st is None:
+                continue
+            # A token that did not join the output (a prefill alone, or a verified one after a
+            # stop) has none.
+            entries = out.token_logprobs(req.request_id)
+            st.logprobs += entries[: max(0, req.num_output_tokens - len(st.logprobs))]
 
     def detokenize(self, req: Request) -> bool:
         """Take the request's new tokens into its text; True when a stop string was reached."""

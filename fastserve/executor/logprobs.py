@@ -50,9 +50,15 @@ def read_sampled(table: list[list[float]], rows: list[int], reqs: Sequence[Sched
     for i, values in zip(rows, table):
         tok = token_ids[i]
         if tok >= 0:
-            chosen, top = _entry(values, k)
-            out[reqs[i].request_id] = TokenLogprobs(tok, chosen, top[: reqs[i].params.logprobs or 0])
+            out[reqs[i].request_id] = table_entry(values, k, tok, reqs[i].params.logprobs or 0)
     return out
+
+
+def table_entry(values: list[float], k: int, token_id: int, num_top: int) -> TokenLogprobs:
+    """One row of a `sampled_table(..., k)` read back: `token_id`'s entry with its top
+    `num_top` (<= k) alternatives."""
+    chosen, top = _entry(values, k)
+    return TokenLogprobs(token_id, chosen, top[:num_top])
 
 
 def _table(logprobs: torch.Tensor, target_ids: torch.Tensor, k: int) -> torch.Tensor:

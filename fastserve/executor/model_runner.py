@@ -241,6 +241,7 @@ class ModelRunner:
             sample_logprobs=sample_lps,
             prompt_logprobs=launched.prompt_logprobs,
             verified_token_ids=verified.token_ids if verified is not None else {},
+            verified_logprobs=verified.logprobs if verified is not None else {},
         )
         self._emit(out)
         return out

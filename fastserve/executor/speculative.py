@@ -14,6 +14,10 @@ temperature, top-k, top-p, min_p), then:
   token is drawn from p_{j-1} with d_j taken out (renormalised), and when every draft is kept
   from p_k. Each token then has exactly the distribution plain sampling gives it.
 
+The log-probabilities a request asked for are the raw logits' (as the sampler's), taken on
+each row before it is processed: row j's entry is for the token the request got there (d_{j+1}
+when kept, else the row's drawn token).
+
 Everything stays on the device until one read back of every row's verdict and token.
 """
 
@@ -26,17 +30,21 @@ import torch
 
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.logits_processing import apply_logits_processing
+from fastserve.executor.logprobs import logprob_rows, raw_logprobs, sampled_table, table_entry
 from fastserve.executor.sampler import Sampler, probabilities, race
 from fastserve.executor.staging import put_rows, take_rows, to_device
+from fastserve.request import TokenLogprobs
 
 
 @dataclass(frozen=True)
 class Verified:
-    """Each verifying request's tokens (accepted drafts, then the model's next), and the
-    requests whose sampling failed (id -> why)."""
+    """Each verifying request's tokens (accepted drafts, then the model's next), the
+    requests whose sampling failed (id -> why), and for those that asked, each token's
+    log-probabilities."""
 
     token_ids: dict[str, list[int]]
     errors: dict[str, str]
+    logprobs: dict[str, list[TokenLogprobs]]
 
 
 @dataclass
@@ -48,6 +56,11 @@ class PendingVerdicts:
     # Per row its next token, then 1 where its draft is kept, then 1 where its sampling
     # failed; on a GPU, being copied into pinned host memory.
     readback: torch.Tensor
+    # The rows of requests that asked for log-probabilities, and their `sampled_table` of
+    # `lp_k` alternatives (copied beside `readback`); None when none asked.
+    lp_rows: list[int]
+    lp_table: torch.Tensor | None
+    lp_k: int
     copied: torch.cuda.Event | None = None
 
     def read(self) -> Verified:
@@ -55,9 +68,11 @@ class PendingVerdicts:
         if self.copied is not None:
             self.copied.synchronize()
         values: list[int] = self.readback.tolist()
+        table = dict(zip(self.lp_rows, self.lp_table.tolist())) if self.lp_table is not None else {}
         n = len(self.drafts)
         out: dict[str, list[int]] = {}
         errors: dict[str, str] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         place = 0
         for r in self.reqs:
             k = r.num_draft_tokens
@@ -70,8 +85,12 @@ class PendingVerdicts:
             num_kept = 0
             while num_kept < k and values[n + span[num_kept]]:
                 num_kept += 1
-            out[r.request_id] = [*self.drafts[span[0] : span[0] + num_kept], values[span[num_kept]]]
-        return Verified(out, errors)
+            tokens = [*self.drafts[span[0] : span[0] + num_kept], values[span[num_kept]]]
+            out[r.request_id] = tokens
+            if r.params.logprobs is not None:
+                logprobs[r.request_id] = [table_entry(table[i], self.lp_k, t, r.params.logprobs)
+                                          for i, t in zip(span, tokens)]
+        return Verified(out, errors, logprobs)
 
 
 def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
@@ -93,6 +112,8 @@ def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
         drafts += [*drafted, 0]
     index = [f + j for f, r in zip(first_rows, reqs) for j in range(r.num_draft_tokens + 1)]
     logits = take_rows(logits, index).float()  # [R, vocab], a copy the masks may change
+    lp_rows = logprob_rows(rows)
+    raw = raw_logprobs(logits, lp_rows)  # NOTE: before the processing below changes the logits
     apply_logits_processing(logits, rows, sampler.eos_token_ids,
                             any(r.params.uses_logits_fields for r in reqs))
     dev = logits.device
@@ -104,13 +125,22 @@ def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
     if sampled:
         _judge_sampled(sampler, logits, rows, sampled, draft_ids, tokens, accept, bad)
     readback = torch.cat([tokens, accept.long(), bad.long()])
-    pending = PendingVerdicts(reqs, drafts, readback)
-    if readback.is_cuda:  # NOTE: nothing waits for the copy until `read`
-        pending.readback = torch.empty(readback.shape, dtype=readback.dtype,
-                                       pin_memory=True).copy_(readback, non_blocking=True)
+    lp_k, lp_table = 0, None
+    if raw is not None:
+        lp_k = max(rows[i].params.logprobs or 0 for i in lp_rows)
+        got = torch.where(accept, draft_ids, tokens)  # [R]: each row's token
+        lp_table = sampled_table(raw, take_rows(got, lp_rows), lp_k)
+    pending = PendingVerdicts(reqs, drafts, readback, lp_rows, lp_table, lp_k)
+    if readback.is_cuda:  # NOTE: nothing waits for the copies until `read`
+        pending.readback = _to_host(readback)
+        pending.lp_table = None if lp_table is None else _to_host(lp_table)
         pending.copied = torch.cuda.Event()
         pending.copied.record()
     return pending
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def _judge_sampled(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest],

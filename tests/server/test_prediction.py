@@ -17,16 +17,23 @@ def test_a_prediction_changes_nothing_but_the_usage_it_reports(
         client: openai.OpenAI, server: ServerProcess) -> None:
     before = server.metrics()
     plain = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0,  # type: ignore[arg-type]
-                                           max_completion_tokens=24)
+                                           max_completion_tokens=24, logprobs=True, top_logprobs=2)
     text = plain.choices[0].message.content
     assert text
     predicted = client.chat.completions.create(
         model=MODEL, messages=ASK, temperature=0, max_completion_tokens=24,  # type: ignore[arg-type]
-        prediction={"type": "content", "content": text})
+        prediction={"type": "content", "content": text}, logprobs=True, top_logprobs=2)
     assert predicted.choices[0].message.content == text
     details = predicted.usage.completion_tokens_details if predicted.usage else None
     assert details is not None and details.accepted_prediction_tokens
     assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens is not None
+    # Every token has its log-probabilities, drafted or not, as without the prediction.
+    got, want = predicted.choices[0].logprobs, plain.choices[0].logprobs
+    assert got is not None and got.content is not None and want is not None and want.content
+    assert predicted.usage is not None and len(got.content) == predicted.usage.completion_tokens
+    for g, w in zip(got.content, want.content, strict=True):
+        assert g.token == w.token and len(g.top_logprobs) == 2
+        assert abs(g.logprob - w.logprob) < 0.3, (g, w)  # any dtype the server runs
     # Text parts are put together as they are; a stream reports it in its usage chunk.
     half = len(text) // 2
     chunks = list(client.chat.completions.create(

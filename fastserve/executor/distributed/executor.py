@@ -154,7 +154,8 @@ class DistributedExecutor:
             # NOTE: drafts are verified on one stage only (`build_engine_core`): the driver's.
             out = ExecutorOutput(tokens, end_s - batch.start_s, local.swap_wait_s, local.failed,
                                  sample_logprobs=logprobs[0], prompt_logprobs=logprobs[1],
-                                 verified_token_ids=local.verified_token_ids)
+                                 verified_token_ids=local.verified_token_ids,
+                                 verified_logprobs=local.verified_logprobs)
             return PipelineResult(out, end_s - wait_start_s)
 
     @property
