@@ -16,7 +16,7 @@ from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.engine.core import build_engine_core
 from fastserve.engine.group import RequestGroups
-from fastserve.engine.loras import LoRAAdapters, ServedAdapter
+from fastserve.engine.loras import AdapterSlots, LoRAAdapters, ServedAdapter, read_lora
 from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.executor.distributed.executor import DistributedExecutor
@@ -78,12 +78,8 @@ class LLMEngine:
         parallel = config.parallel
         is_distributed = parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
         lora = config.lora
-        weights = None
+        weights: AdapterSlots | None = None
         if is_distributed:
-            if lora.is_enabled:
-                flag = "lora_modules" if lora.lora_modules else "allow_runtime_lora_updating"
-                raise ValueError(f"{flag}: LoRA adapters are not served with tensor or "
-                                 "pipeline parallelism yet")
             self.arch = read_arch_config(path)  # every rank loads its own shard (start_executor)
         else:
             model, self.arch = load_model(path, dtype, config.model.device,
@@ -91,10 +87,11 @@ class LLMEngine:
             if lora.is_enabled:
                 weights = LoRAWeights(model, self.arch, lora.max_loras + 1)
                 model.lora_batch = weights.batch
-        # LoRA adapters: a request names one (its slot of `weights`; 0: the base model).
+        # LoRA adapters: a request names one (its slot of `weights`; 0: the base model). Read
+        # (and checked) before the workers start.
         self.loras = LoRAAdapters(weights, self.arch, lora.max_lora_rank, lora.max_loras)
-        for name, adapter_path in lora.adapters:
-            self.loras.add(self.loras.read(name, adapter_path), adapter_path, busy_slots=())
+        startup_adapters = [(read_lora(name, adapter_path, self.arch, lora.max_lora_rank), adapter_path)
+                            for name, adapter_path in lora.adapters]
         try:
             self.tokenizer = Tokenizer(path)
         except FileNotFoundError as exc:
@@ -105,8 +102,12 @@ class LLMEngine:
         self.runner: ModelRunner | DistributedExecutor
         if is_distributed:
             self.runner = start_executor(config, path, self.eos_token_ids)
+            if lora.is_enabled:  # every rank holds its shard of each adapter
+                self.loras.weights = self.runner
         else:
             self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
+        for adapter, adapter_path in startup_adapters:
+            self.loras.add(adapter, adapter_path, busy_slots=())
         # Structured output: grammars compile as requests are added; the sampler masks with them.
         self.grammars = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         # The sampler in this process, if any: not a pipeline's (its last stage's rank samples).

@@ -13,9 +13,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from fastserve.model.arch import ArchConfig
-from fastserve.model.lora import Adapter, LoRAError, LoRAWeights, read_adapter
+from fastserve.model.lora import Adapter, LoRAError, read_adapter
+
+
+class AdapterSlots(Protocol):
+    """Where adapters' weights go, by slot: a model's `LoRAWeights`, or every rank's
+    (`DistributedExecutor`)."""
+
+    def load(self, slot: int, adapter: Adapter) -> None: ...
+
+    def clear(self, slot: int) -> None: ...
 
 
 class LoRANotFoundError(LoRAError):
@@ -38,12 +48,24 @@ class ServedAdapter:
         return f"lora:{self.name}:{self.serial}"
 
 
+def read_lora(name: str, path: str, arch: ArchConfig, max_rank: int) -> Adapter:
+    """`read_adapter`, any failure a LoRAError naming the field at fault (default `lora_path`)."""
+    try:
+        return read_adapter(name, path, arch, max_rank)
+    except LoRAError as exc:
+        exc.param = exc.param or "lora_path"
+        raise
+    except Exception as exc:  # unreadable: a bad JSON or safetensors file, permissions
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {path!r}: "
+                        f"{type(exc).__name__}: {exc}", "lora_path") from exc
+
+
 class LoRAAdapters:
     """Names -> slots of the adapters served beside the model (empty without LoRA)."""
 
-    def __init__(self, weights: LoRAWeights | None, arch: ArchConfig, max_rank: int,
+    def __init__(self, weights: AdapterSlots | None, arch: ArchConfig, max_rank: int,
                  max_loras: int) -> None:
-        self.weights = weights  # None: the model takes no adapters (LoRA off, or TP/PP)
+        self.weights = weights  # None: the model takes no adapters (LoRA off)
         self.arch = arch
         self.max_rank = max_rank
         self.max_loras = max_loras
@@ -78,14 +100,7 @@ class LoRAAdapters:
         if self.weights is None:
             raise LoRAError("LoRA adapters are off: start with --lora-modules or "
                             "--allow-runtime-lora-updating")
-        try:
-            return read_adapter(name, path, self.arch, self.max_rank)
-        except LoRAError as exc:
-            exc.param = exc.param or "lora_path"
-            raise
-        except Exception as exc:  # unreadable: a bad JSON or safetensors file, permissions
-            raise LoRAError(f"LoRA adapter {name!r}: cannot read {path!r}: "
-                            f"{type(exc).__name__}: {exc}", "lora_path") from exc
+        return read_lora(name, path, self.arch, self.max_rank)
 
     def add(self, adapter: Adapter, path: str, busy_slots: Collection[int],
             replace: bool = False) -> ServedAdapter:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -265,18 +267,25 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor | None, dict[str, tuple[int, list[TokenLogprobs]]]]:
         """The forward pass: logits [num_reqs, vocab] (None on a stage that computes none),
         and the prompt log-probabilities of the requests that asked for them (echo)."""
+        with self._batch_set(batch, reqs):
+            hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
+            logits = self.model.compute_logits(hidden[batch.logits_idx])  # [num_rows, vocab]
+        return logits, prompt_logprobs(hidden, reqs, self.model.compute_logits)
+
+    @contextmanager
+    def _batch_set(self, batch: BatchInputs, reqs: list[ScheduledRequest]) -> Iterator[None]:
+        """For the layers' forward pass: the batch's attention metadata, and which of its
+        tokens run with which LoRA adapter."""
         self.attn.metadata = batch.metadata
         lora = self.model.lora_batch
         if lora is not None:
             lora.set([r.lora_id for r in reqs], [len(r.token_ids) for r in reqs], self.device)
         try:
-            hidden = self.model(batch.input_ids, batch.positions, self.attn)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[batch.logits_idx])  # [num_rows, vocab]
+            yield
         finally:
             self.attn.metadata = None
             if lora is not None:
                 lora.clear()
-        return logits, prompt_logprobs(hidden, reqs, self.model.compute_logits)
 
     def _verify(self, logits: torch.Tensor, reqs: list[ScheduledRequest], first_rows: list[int]
                 ) -> tuple[torch.Tensor, list[ScheduledRequest], PendingVerdicts]:

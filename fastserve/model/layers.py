@@ -293,6 +293,26 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
+    def shard(self, full: Tensor, shard_id: Any = None) -> Tensor:
+        """This rank's slice of a full Hugging Face tensor of this projection (or of one part
+        of a fused one): the weight's, and a LoRA factor's along the same features."""
+        raise NotImplementedError
+
+    @property
+    def output_parts(self) -> list[int]:
+        """This rank's output columns of each part (q, k, v of a fused qkv), in order."""
+        return [self.output_size]
+
+    def part_shard_id(self, part: int) -> Any:
+        """The `shard_id` of part `part` (its index in `output_parts`)."""
+        return None
+
+    def shard_lora(self, a: Tensor, b: Tensor, part: int) -> tuple[Tensor, Tensor]:
+        """A LoRA pair of part `part` (A [rank, in], B [out, rank], the full model's) as this
+        rank applies it: B's rows of the outputs it holds (a column split), or A's columns
+        of the inputs it holds (a row split, whose partial sums the all-reduce adds up)."""
+        return a, self.shard(b, self.part_shard_id(part))
+
     def forward(self, x: Tensor) -> Tensor:
         y = _linear(x, self.weight, self.bias, self.packed)
         return y if self.lora is None else self.lora.add_to(x, y)
@@ -314,8 +334,10 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
     ) -> None:
-        size = param.shape[0]
-        _copy(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
+        _copy(param.data, self.shard(loaded_weight))
+
+    def shard(self, full: Tensor, shard_id: Any = None) -> Tensor:
+        return full.narrow(0, self.tp_rank * self.output_size, self.output_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -338,12 +360,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
     ) -> None:
+        shard = self.shard(loaded_weight, shard_id)
+        offset = sum(self.output_parts[:shard_id])
+        _copy(param.data.narrow(0, offset, shard.shape[0]), shard)
+
+    def shard(self, full: Tensor, shard_id: Any = None) -> Tensor:
         if not isinstance(shard_id, int):
             raise ValueError(f"MergedColumnParallelLinear needs an int shard_id, got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), shard)
+        size = self.output_parts[shard_id]
+        return full.narrow(0, self.tp_rank * size, size)
+
+    @property
+    def output_parts(self) -> list[int]:
+        return [size // self.tp_size for size in self.output_sizes]
+
+    def part_shard_id(self, part: int) -> Any:
+        return part
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -374,26 +406,32 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
 
+    SHARD_IDS = ("q", "k", "v")
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
     ) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp_rank
-        elif shard_id == "k":
-            offset, size, rank = q_size, kv_size, self.tp_rank // self.num_kv_head_replicas
-        elif shard_id == "v":
-            offset, size, rank = (
-                q_size + kv_size,
-                kv_size,
-                self.tp_rank // self.num_kv_head_replicas,
-            )
-        else:
+        shard = self.shard(loaded_weight, shard_id)
+        offset = sum(self.output_parts[: self.SHARD_IDS.index(shard_id)])
+        _copy(param.data.narrow(0, offset, shard.shape[0]), shard)
+
+    def shard(self, full: Tensor, shard_id: Any = None) -> Tensor:
+        if shard_id not in self.SHARD_IDS:
             raise ValueError(
                 f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
             )
-        _copy(param.data.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+        size = self.output_parts[self.SHARD_IDS.index(shard_id)]
+        # A kv head replicated on several ranks: each of them holds the same one.
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
+        return full.narrow(0, rank * size, size)
+
+    @property
+    def output_parts(self) -> list[int]:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [q_size, kv_size, kv_size]
+
+    def part_shard_id(self, part: int) -> Any:
+        return self.SHARD_IDS[part]
 
 
 class RowParallelLinear(LinearBase):
@@ -419,8 +457,13 @@ class RowParallelLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Tensor, shard_id: Any = None
     ) -> None:
-        size = param.shape[1]
-        _copy(param.data, loaded_weight.narrow(1, self.tp_rank * size, size))
+        _copy(param.data, self.shard(loaded_weight))
+
+    def shard(self, full: Tensor, shard_id: Any = None) -> Tensor:
+        return full.narrow(1, self.tp_rank * self.input_size, self.input_size)
+
+    def shard_lora(self, a: Tensor, b: Tensor, part: int) -> tuple[Tensor, Tensor]:
+        return self.shard(a), b
 
     def forward(self, x: Tensor) -> Tensor:
         y = _linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed)

@@ -7,8 +7,11 @@ y = x W^T + scaling * (x A^T) B^T for each request's rows, as PEFT does at infer
 off). The fused projections (q|k|v and gate|up) keep one
 low-rank pair per part, each adding to its part's columns of the output.
 
-Not in the attention and MLP projections (embeddings, the LM head), and with tensor or
-pipeline parallelism, adapters are refused at start-up, naming what is not supported.
+With tensor parallelism each rank holds its shard of every adapter, split as the projection's
+weight is (`LinearBase.shard_lora`): B's rows of the outputs it holds, or A's columns of the
+inputs it holds, whose partial products the projection's all-reduce adds up. A pipeline stage
+holds its own layers' factors. Adapters of other modules (embeddings, the LM head) are refused,
+naming what is not supported.
 """
 
 from __future__ import annotations
@@ -254,19 +257,22 @@ class LoRAWeights:
         self.dtype, self.device = param.dtype, param.device
         self.batch = LoRABatch(self.dtype)
         self.stacks: dict[tuple[int, str], LoRALinear] = {}
-        hidden = arch.hidden_size
-        self.part_sizes = {
-            "self_attn.qkv_proj": [_shape(arch, m)[1] for m in ("q_proj", "k_proj", "v_proj")],
-            "mlp.gate_up_proj": [_shape(arch, m)[1] for m in ("gate_proj", "up_proj")],
-            "self_attn.o_proj": [hidden], "mlp.down_proj": [hidden]}
+        # The layers this model holds (a pipeline stage: its own).
+        stage = getattr(model, "model", None)
+        self.layers = range(getattr(stage, "start_layer", 0),
+                            getattr(stage, "end_layer", arch.num_hidden_layers))
 
     def load(self, slot: int, adapter: Adapter) -> None:
-        """Put `adapter` in `slot` (whatever held it before is cleared)."""
+        """Put `adapter` (the full model's factors) in `slot`, this rank's shard of the layers
+        it holds (whatever held the slot before is cleared)."""
         if not 1 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} is not in [1, {self.max_slots})")
         self.clear(slot)
         for (layer, module), (a, b) in adapter.weights.items():
+            if layer not in self.layers:
+                continue
             ours, part = TARGETS[module]
+            a, b = self._linear(layer, ours).shard_lora(a, b, part)
             stack = self._stack(layer, ours, slot, adapter.rank)
             stack.put(slot, part, a.to(self.device, self.dtype), b.to(self.device, self.dtype),
                       adapter.scaling)
@@ -282,11 +288,11 @@ class LoRAWeights:
         # Slots grow by doubling, up to the limit: few re-allocations as adapters are loaded.
         num_slots = min(self.max_slots, max(slot + 1, 2 * (stack.num_slots if stack else 1)))
         if stack is None:
-            sizes = self.part_sizes[ours]
+            linear = self._linear(layer, ours)
+            sizes = linear.output_parts
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
             stack = LoRALinear(self.batch, list(zip(starts, sizes, strict=True)), num_slots,
-                               rank, self._linear(layer, ours).input_size,
-                               self.dtype, self.device)
+                               rank, linear.input_size, self.dtype, self.device)
         elif slot >= stack.num_slots or rank > stack.rank:
             stack = stack.grown(num_slots, rank)
         else:

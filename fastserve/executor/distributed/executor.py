@@ -41,10 +41,18 @@ from fastserve.executor.distributed.comm import (
 )
 from fastserve.executor.distributed.heartbeat import Heartbeat
 from fastserve.executor.distributed.layout import RankLayout
-from fastserve.executor.distributed.messages import RankStats, StatsRequest, Step, Stop
+from fastserve.executor.distributed.messages import (
+    ClearLoRA,
+    LoadLoRA,
+    RankStats,
+    StatsRequest,
+    Step,
+    Stop,
+)
 from fastserve.executor.distributed.stage import StageRunner, asks_logprobs, pool_sizes
 from fastserve.executor.distributed.worker import Init
 from fastserve.executor.model_runner import Launched
+from fastserve.model.lora import Adapter
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +193,34 @@ class DistributedExecutor:
         """Post the plan to every other rank (stage 0's peers first: they start now); returns
         its submission number."""
         self._seq += 1
-        pending = Pending()
-        step = Step(_for_workers(plan))
-        for rank in range(1, self.layout.world_size):
-            pending.add(isend_object(step, rank, self.groups.ctrl))
-        self._sends.append((self._seq, pending))
+        self._post(Step(_for_workers(plan)), self._seq)
         return self._seq
+
+    def _post(self, msg: object, seq: int) -> None:
+        """Post `msg` to every other rank; its sends are waited for once batch `seq` is back
+        (the workers took it by then: they take messages in order)."""
+        pending = Pending()
+        for rank in range(1, self.layout.world_size):
+            pending.add(isend_object(msg, rank, self.groups.ctrl))
+        self._sends.append((seq, pending))
+
+    # -- LoRA adapters (`LoRAAdapters.weights`) ---------------------------------------------
+
+    def load(self, slot: int, adapter: Adapter) -> None:
+        """Put the adapter in `slot` on every rank: here, then on the workers, which load
+        their shards before the next plan (the control channel keeps the order)."""
+        self.check_health()
+        assert self.stage.lora is not None, "LoRA is off"
+        self.stage.lora.load(slot, adapter)  # NOTE: a failure here has sent nothing yet
+        with self._fatal():
+            self._post(LoadLoRA(slot, adapter), self._seq + 1)
+
+    def clear(self, slot: int) -> None:
+        self.check_health()
+        assert self.stage.lora is not None, "LoRA is off"
+        self.stage.lora.clear(slot)
+        with self._fatal():
+            self._post(ClearLoRA(slot), self._seq + 1)
 
     def _sent(self, seq: int) -> None:
         """Wait for the sends of the plans up to `seq`: taken, since its batch is through."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastserve.core.plan import SchedulerOutput
+from fastserve.model.lora import Adapter
 
 
 @dataclass(frozen=True)
@@ -12,6 +13,21 @@ class Step:
     """Carry out one iteration's plan: swaps, then this rank's share of the batch."""
 
     plan: SchedulerOutput
+
+
+@dataclass(frozen=True)
+class LoadLoRA:
+    """Put a LoRA adapter (the full model's factors) in a slot: this rank's shard of it."""
+
+    slot: int
+    adapter: Adapter
+
+
+@dataclass(frozen=True)
+class ClearLoRA:
+    """No adapter in the slot any more."""
+
+    slot: int
 
 
 @dataclass(frozen=True)

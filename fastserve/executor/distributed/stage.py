@@ -47,6 +47,7 @@ from fastserve.model.arch import ArchConfig
 from fastserve.model.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.model.loader import load_model
+from fastserve.model.lora import LoRAWeights
 from fastserve.request import TokenLogprobs
 
 
@@ -187,6 +188,8 @@ class StageRunner(ModelRunner):
         self._incoming: tuple[dist.Work, torch.Tensor] | None = None
         self._outgoing: torch.Tensor | None = None
         self._ships_logprobs = False  # the batch asked for log-probabilities (`asks_logprobs`)
+        # This rank's shards of the LoRA adapters served (`load_stage`); None: LoRA is off.
+        self.lora: LoRAWeights | None = None
         self._compute_start = 0.0
 
     def _receive(self, plan: SchedulerOutput) -> None:
@@ -218,11 +221,8 @@ class StageRunner(ModelRunner):
         else:
             x, residual = self._incoming[1][0], self._incoming[1][1]  # the previous stage's [2, num_tokens, hidden]
         self._incoming = None
-        self.attn.metadata = batch.metadata
-        try:
+        with self._batch_set(batch, reqs):
             x, residual = stage.forward_layers(x, residual, batch.positions, self._stage_attn)
-        finally:
-            self.attn.metadata = None
         if not self.layout.is_last_stage:
             self._outgoing = torch.stack((x, residual))
             return None, {}
@@ -312,4 +312,10 @@ def load_stage(
                              load_format=config.model.load_format)
     if groups.tp is not None:
         bind_tp_group(model, groups.tp)
-    return StageRunner(layout, model, arch, config, device, eos_token_ids, groups)
+    lora = None
+    if config.lora.is_enabled:  # NOTE: before the runner, which then captures no graphs
+        lora = LoRAWeights(model, arch, config.lora.max_loras + 1)
+        model.lora_batch = lora.batch
+    stage = StageRunner(layout, model, arch, config, device, eos_token_ids, groups)
+    stage.lora = lora
+    return stage

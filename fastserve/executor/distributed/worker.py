@@ -30,7 +30,7 @@ from fastserve.executor.distributed.comm import (
 )
 from fastserve.executor.distributed.heartbeat import Heartbeat
 from fastserve.executor.distributed.layout import RankLayout
-from fastserve.executor.distributed.messages import StatsRequest, Step, Stop
+from fastserve.executor.distributed.messages import ClearLoRA, LoadLoRA, StatsRequest, Step, Stop
 from fastserve.executor.distributed.stage import StageRunner, load_stage, rank_device
 from fastserve.model.make_model import resolve_model_path
 
@@ -107,6 +107,12 @@ def serve(stage: StageRunner, groups: Groups) -> None:
         msg = recv_object(0, groups.ctrl)
         if isinstance(msg, Step):
             stage.execute(msg.plan)
+        elif isinstance(msg, LoadLoRA | ClearLoRA):
+            assert stage.lora is not None, "LoRA adapters sent to a rank started without LoRA"
+            if isinstance(msg, LoadLoRA):
+                stage.lora.load(msg.slot, msg.adapter)
+            else:
+                stage.lora.clear(msg.slot)
         elif isinstance(msg, StatsRequest):
             isend_object(stage.stats(msg.reset), 0, groups.ctrl).wait()
         elif isinstance(msg, Stop):
