@@ -115,6 +115,9 @@ class LLMEngine:
         self._samples_here = local.is_sampler
         if local.is_sampler:
             local.sampler.grammars = self.grammars
+        else:  # a pipeline's driver fills the masks for the rank that samples
+            assert isinstance(self.runner, DistributedExecutor)
+            self.runner.grammars = self.grammars
         if config.model.warmup:
             self._warmup()
         cost, profile_path = self._cost_model()
@@ -192,11 +195,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 "logits_processors run in the sampling process, a worker under pipeline "
                 "parallelism: not with pipeline parallelism", "logits_processors")
-        structured = params.structured_output
-        if structured is not None and not self._samples_here:
-            raise InvalidRequestError(
-                "structured output masks logits in the sampling process, a worker under "
-                "pipeline parallelism: not with pipeline parallelism", structured.param)
         token_ids = self._tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         num_seqs = params.num_sequences

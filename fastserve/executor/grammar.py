@@ -21,6 +21,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -280,67 +281,33 @@ class StructuredOutputs:
         """Set the logits of tokens that would leave the grammar to -inf, in the rows of
         `rows` whose requests have one; returns `rows` less those whose grammar failed (the
         reason is in `errors`)."""
-        # logits: [num_reqs, vocab]
-        masked: list[int] = []
-        limited: dict[str, list[int]] = {"json": [], "tags": []}  # rows by `controls`
-        failed: set[int] = set()
-        bitmask = self._bitmask_for(len(reqs))
-        for i in rows:
-            m = self._matchers.get(reqs[i].request_id)
-            if m is None or not m.is_active:  # not yet begun: the output is free
-                continue
+        return self.fill([reqs[i] for i in rows]).mask(logits, reqs, rows, errors)
+
+    def fill(self, reqs: Sequence[ScheduledRequest]) -> GrammarMasks:
+        """The host's side of `mask`: each request's allowed tokens as its grammar stands
+        now (or why it failed). A pipeline's driver fills them for the plan it sends, since
+        the sampler rank holds no grammars."""
+        ids: list[str] = []
+        failed: dict[str, str] = {}
+        active = [(r.request_id, m) for r in reqs
+                  if (m := self._matchers.get(r.request_id)) is not None and m.is_active]
+        bitmask = self._bitmask_for(len(active))
+        for rid, m in active:  # NOTE: not yet begun (`after`): the output is free
             try:
-                self._matcher(m).fill_next_token_bitmask(bitmask, i)
-                masked.append(i)
-                if m.controls:
-                    limited[m.controls].append(i)
+                self._matcher(m).fill_next_token_bitmask(bitmask, len(ids))
             except Exception as exc:  # NOTE: a grammar that failed to compile fails its request
-                errors[reqs[i].request_id] = f"{m.param}: the grammar failed: {_message(exc)}"
-                failed.add(i)
-        for controls, limited_rows in limited.items():
-            if limited_rows and controls in self._no_control:
-                bitmask[limited_rows] &= self._no_control[controls]
-        if masked:
-            # A grammar with no way on (an empty language) fails its request, not the draw.
-            is_stuck = (bitmask[masked] == 0).all(dim=-1).tolist()  # [len(masked)], on the host
-            for i, stuck in zip(list(masked), is_stuck):
-                if stuck:
-                    m = self._matchers[reqs[i].request_id]
-                    errors[reqs[i].request_id] = f"{m.param}: the grammar allows no token here"
-                    failed.add(i)
-                    masked.remove(i)
-        if masked:
-            self._apply(logits, bitmask, masked)
-            # Other masks may have emptied a row the grammar left only EOS in (min_tokens), or
-            # left none of its tokens (allowed_token_ids, bad_words, a logits processor); the
-            # grammar wins: a valid output needs one of its tokens.
-            self._unblock([i for i in masked if reqs[i].num_output_tokens < reqs[i].params.min_tokens
-                           or reqs[i].params.logits_processors or reqs[i].params.bars_tokens],
-                          logits, bitmask)
-        return [i for i in rows if i not in failed]
-
-    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """-inf where the rows' bits are 0 (xgrammar's kernels: on the CPU 0.7 ms for 16 rows
-        of 4096 tokens, where unpacking the bits with torch ops took longer)."""
-        xgr = _xgr()
-        if logits.device.type == "cpu":
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
-                                            indices=rows)
-            return
-        backend = "triton" if importlib.util.find_spec("triton") else "torch_native"
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=logits.shape[-1], indices=rows,
-                                        backend=backend)
-
-    def _unblock(self, rows: list[int], logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """Rows with no token left get every token their grammar allows, equally likely."""
-        if not rows:
-            return
-        is_empty = torch.isneginf(logits[rows]).all(dim=-1).tolist()  # [len(rows)]
-        empty = [i for i, e in zip(rows, is_empty) if e]
-        if empty:
-            logits[empty] = 0.0
-            self._apply(logits, bitmask, empty)
+                failed[rid] = f"{m.param}: the grammar failed: {_message(exc)}"
+                continue
+            if m.controls in self._no_control:
+                bitmask[len(ids)] &= self._no_control[m.controls]
+            ids.append(rid)
+        out = bitmask[: len(ids)].clone()  # [len(ids), ceil(vocab / 32)] int32
+        # A grammar with no way on (an empty language) fails its request, not the draw.
+        for rid, stuck in zip(list(ids), (out == 0).all(dim=-1).tolist()):
+            if stuck:
+                failed[rid] = f"{self._matchers[rid].param}: the grammar allows no token here"
+        keep = [i for i, rid in enumerate(ids) if rid not in failed]
+        return GrammarMasks([ids[i] for i in keep], out[keep], failed)
 
     def _bitmask_for(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
@@ -353,3 +320,64 @@ class StructuredOutputs:
             # NOTE: waits for the compile, at the request's first sampled token at the latest
             m.matcher = _xgr().GrammarMatcher(m.compiled.result())
         return m.matcher
+
+
+@dataclass(frozen=True)
+class GrammarMasks:
+    """Grammar masks filled on the host for a batch (`StructuredOutputs.fill`): picklable, so
+    that a pipeline's driver sends them with the plan to the rank that samples."""
+
+    request_ids: list[str]  # the requests with a mask, in `bitmask`'s row order
+    bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32, on the host
+    failed: dict[str, str]  # request id -> why its grammar failed
+
+    def __len__(self) -> int:
+        return len(self.request_ids) + len(self.failed)
+
+    def mask(self, logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
+             errors: dict[str, str]) -> list[int]:
+        """As `StructuredOutputs.mask`, with these masks."""
+        # logits: [num_reqs, vocab]
+        place = {rid: j for j, rid in enumerate(self.request_ids)}
+        masked = [i for i in rows if reqs[i].request_id in place]
+        for i in rows:
+            why = self.failed.get(reqs[i].request_id)
+            if why is not None:
+                errors[reqs[i].request_id] = why
+        if masked:
+            # [num_reqs, words]: each masked row's bits at its row of the batch
+            bitmask = torch.full((len(reqs), self.bitmask.shape[1]), -1, dtype=torch.int32)
+            bitmask[masked] = self.bitmask[[place[reqs[i].request_id] for i in masked]]
+            _apply(logits, bitmask, masked)
+            # Other masks may have emptied a row the grammar left only EOS in (min_tokens), or
+            # left none of its tokens (allowed_token_ids, bad_words, a logits processor); the
+            # grammar wins: a valid output needs one of its tokens.
+            _unblock([i for i in masked if reqs[i].num_output_tokens < reqs[i].params.min_tokens
+                      or reqs[i].params.logits_processors or reqs[i].params.bars_tokens],
+                     logits, bitmask)
+        return [i for i in rows if reqs[i].request_id not in self.failed]
+
+
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf where the rows' bits are 0 (xgrammar's kernels: on the CPU 0.7 ms for 16 rows
+    of 4096 tokens, where unpacking the bits with torch ops took longer)."""
+    xgr = _xgr()
+    if logits.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
+                                        indices=rows)
+        return
+    backend = "triton" if importlib.util.find_spec("triton") else "torch_native"
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=logits.shape[-1], indices=rows,
+                                    backend=backend)
+
+
+def _unblock(rows: list[int], logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Rows with no token left get every token their grammar allows, equally likely."""
+    if not rows:
+        return
+    is_empty = torch.isneginf(logits[rows]).all(dim=-1).tolist()  # [len(rows)]
+    empty = [i for i, e in zip(rows, is_empty) if e]
+    if empty:
+        logits[empty] = 0.0
+        _apply(logits, bitmask, empty)

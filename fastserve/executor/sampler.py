@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastserve.core.plan import NO_TOKEN, ScheduledRequest
-from fastserve.executor.grammar import StructuredOutputs
+from fastserve.executor.grammar import GrammarMasks, StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, read_sampled, sampled_table
 from fastserve.executor.staging import put_rows, take_rows, to_device
@@ -80,8 +80,9 @@ class Sampler:
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
-        # Structured output: the requests' grammars, which mask their rows (set by the engine).
-        self.grammars: StructuredOutputs | None = None
+        # Structured output: the requests' grammars, which mask their rows (set by the engine;
+        # on a pipeline's sampler rank, the masks the driver filled for the batch).
+        self.grammars: StructuredOutputs | GrammarMasks | None = None
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:

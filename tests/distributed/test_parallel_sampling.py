@@ -1,8 +1,9 @@
 """What the sampling process computes, with the model split across processes (gloo on CPU):
 log-probabilities (sampled and prompt) and best_of come back from the sampler rank, a worker's
-under pipeline parallelism, as on one device; structured output and logits processors run
-under tensor parallelism (the driver samples) and are refused, naming the field, under pipeline
-parallelism (a worker samples)."""
+under pipeline parallelism, as on one device. Structured output runs with both (a pipeline's
+driver, which holds the grammars, sends the batch's masks to the worker that samples); offline
+logits processors run where the driver samples (tensor parallelism) and are refused, naming
+the field, under pipeline parallelism."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_logprobs_and_best_of_come_back_as_on_one_device(
         assert best.token_ids == reference[-1].token_ids
 
 
-def test_grammar_and_logits_processors_where_the_driver_samples(split: tuple[LLM, int]) -> None:
+def test_grammars_and_logits_processors(split: tuple[LLM, int]) -> None:
     llm, pp = split
     allowed = [11, 12, 13]
 
@@ -112,14 +113,22 @@ def test_grammar_and_logits_processors_where_the_driver_samples(split: tuple[LLM
     cases = [dataclasses.replace(greedy, logits_processors=(only_allowed,), ignore_eos=True,
                                  max_tokens=5),
              dataclasses.replace(greedy, structured_output=structured)]
-    if pp > 1:  # a worker samples: refused, naming the field
-        for params, field in zip(cases, ["logits_processors", "guided_json"], strict=True):
-            with pytest.raises(InvalidRequestError, match="pipeline parallelism") as err:
-                llm.generate("Answer in JSON:", params, use_tqdm=False)
-            assert err.value.param == field
-        return
+    if pp > 1:  # a worker samples: the caller's own code cannot run there
+        with pytest.raises(InvalidRequestError, match="pipeline parallelism") as err:
+            llm.generate("Hello", cases[0], use_tqdm=False)
+        assert err.value.param == "logits_processors"
+    else:
+        (banned,) = llm.generate(["Hello"], cases[:1], use_tqdm=False)
+        assert banned.token_ids and set(banned.token_ids) <= set(allowed)
     pytest.importorskip("xgrammar")
-    banned, shaped = llm.generate(["Hello", "Answer in JSON:"], cases, use_tqdm=False)
-    assert banned.token_ids and set(banned.token_ids) <= set(allowed)
-    assert shaped.finish_reason == "stop", shaped
-    assert json.loads(shaped.text)["ok"] in (True, False)
+    # Several at once, beside a free request, sampled: each output its schema's.
+    shaped = llm.generate(["Answer in JSON:"] * 3 + ["Hello"], [
+        dataclasses.replace(cases[1], temperature=1.0, seed=i) for i in range(3)] + [greedy],
+        use_tqdm=False)
+    for out in shaped[:3]:
+        assert out.finish_reason == "stop", out
+        assert json.loads(out.text)["ok"] in (True, False)
+    # A schema that is no grammar fails its request alone (400 before it runs).
+    with pytest.raises(InvalidRequestError):
+        llm.generate("x", dataclasses.replace(greedy, structured_output=StructuredOutputParams(
+            "json", '{"type": "nonsense"}', "guided_json")), use_tqdm=False)

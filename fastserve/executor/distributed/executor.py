@@ -51,6 +51,7 @@ from fastserve.executor.distributed.messages import (
 )
 from fastserve.executor.distributed.stage import StageRunner, asks_logprobs, pool_sizes
 from fastserve.executor.distributed.worker import Init
+from fastserve.executor.grammar import GrammarMasks, StructuredOutputs
 from fastserve.executor.model_runner import Launched
 from fastserve.model.lora import Adapter
 
@@ -115,6 +116,9 @@ class DistributedExecutor:
         self._seq = 0
         self._closed = False
         self._caller_threads = caller_threads
+        # The engine's structured requests' grammars, which a pipeline's driver fills masks
+        # from for its sampler rank (`_send`); the driver's own sampler reads them itself.
+        self.grammars: StructuredOutputs | None = None
         self.heartbeat = Heartbeat(groups.heartbeat, self.timeout_s, is_driver=True,
                                    on_failure=self._on_failure, processes=self.processes)
         self.heartbeat.start()
@@ -136,10 +140,12 @@ class DistributedExecutor:
             return  # nothing for any rank to do
         with self._fatal():
             start_s = time.perf_counter()
-            seq = self._send(plan)
+            seq, masks = self._send(plan)
             local = self.stage.execute(plan)
             if not plan.is_empty:
-                self._in_flight.append(_Batch(seq, plan, start_s, local))
+                # The sampler rank sends FAILED_TOKEN for a failed grammar; why, the driver knows.
+                failed = {**local.failed, **masks.failed} if masks is not None else local.failed
+                self._in_flight.append(_Batch(seq, plan, start_s, dataclasses.replace(local, failed=failed)))
 
     def collect(self, now: float = 0.0) -> PipelineResult:
         """The oldest batch in flight: its tokens, and how long the driver waited for them."""
@@ -179,7 +185,7 @@ class DistributedExecutor:
         if self.layout.pp_size > 1:
             raise RuntimeError("launch/finish are for one stage: a pipeline uses submit/collect")
         with self._fatal():
-            seq = self._send(plan)
+            seq, _ = self._send(plan)  # (one stage: the driver samples, with the grammars)
             return _Launch(seq, self.stage.launch(plan))
 
     def finish(self, launched: _Launch) -> ExecutorOutput:
@@ -189,12 +195,17 @@ class DistributedExecutor:
             self._sent(launched.seq)
             return out
 
-    def _send(self, plan: SchedulerOutput) -> int:
+    def _send(self, plan: SchedulerOutput) -> tuple[int, GrammarMasks | None]:
         """Post the plan to every other rank (stage 0's peers first: they start now); returns
-        its submission number."""
+        its submission number, and the grammar masks sent to a sampler rank elsewhere."""
         self._seq += 1
-        self._post(Step(_for_workers(plan)), self._seq)
-        return self._seq
+        masks = None
+        if not self.layout.is_sampler and self.grammars is not None and len(self.grammars):
+            # NOTE: a request's grammar has taken its previous token: a pipeline schedules a
+            # request again only once that batch is back.
+            masks = self.grammars.fill([s for s in plan.scheduled if s.samples])
+        self._post(Step(_for_workers(plan), masks), self._seq)
+        return self._seq, masks
 
     def _post(self, msg: object, seq: int) -> None:
         """Post `msg` to every other rank; its sends are waited for once batch `seq` is back

@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastserve.core.plan import SchedulerOutput
+from fastserve.executor.grammar import GrammarMasks
 from fastserve.model.lora import Adapter
 
 
 @dataclass(frozen=True)
 class Step:
-    """Carry out one iteration's plan: swaps, then this rank's share of the batch."""
+    """Carry out one iteration's plan: swaps, then this rank's share of the batch; the rank
+    that samples masks the structured requests' rows with `masks` (a pipeline's driver fills
+    them: the grammars live there)."""
 
     plan: SchedulerOutput
+    masks: GrammarMasks | None = None
 
 
 @dataclass(frozen=True)

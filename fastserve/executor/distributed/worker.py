@@ -106,6 +106,8 @@ def serve(stage: StageRunner, groups: Groups) -> None:
     while True:
         msg = recv_object(0, groups.ctrl)
         if isinstance(msg, Step):
+            if stage.is_sampler:
+                stage.sampler.grammars = msg.masks
             stage.execute(msg.plan)
         elif isinstance(msg, LoadLoRA | ClearLoRA):
             assert stage.lora is not None, "LoRA adapters sent to a rank started without LoRA"
