@@ -40,13 +40,14 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
                                make_kv_policy(config.cache))
     asked = config.scheduler.async_scheduling
     drafting = config.speculative.speculative_method is not None
+    # NOTE: a draft follows the request's last token: only loops that schedule a request
+    # once its previous token is back draft (not async scheduling's, below).
     if isinstance(executor, PipelinedExecutor) and executor.max_in_flight > 1:
-        if drafting:
-            logger.warning("speculative decoding: off with pipeline parallelism (a batch is "
-                           "scheduled before the tokens of the one before it are back)")
         if asked:
             logger.info("pipeline parallelism keeps its own batches in flight: "
                         "--async-scheduling adds nothing to it")
+        # A request is in one batch in flight at most: it is scheduled with its tokens known.
+        scheduler.drafter = Drafter(config.speculative)
         return PipelinedEngineCore(scheduler, executor, clock)
     if asked or (asked is None and default_async_scheduling(config)):
         if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
@@ -66,8 +67,6 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
         logger.warning("async scheduling needs an executor that launches (one stage) and a "
                        "policy that can schedule ahead (not %s): scheduling in step",
                        config.scheduler.policy)
-    # NOTE: only the step loop that waits for each batch's tokens drafts: a draft follows the
-    # request's last token.
     scheduler.drafter = Drafter(config.speculative)
     return EngineCore(scheduler, executor, clock)
 

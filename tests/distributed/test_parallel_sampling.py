@@ -1,6 +1,6 @@
 """What the sampling process computes, with the model split across processes (gloo on CPU):
-log-probabilities (sampled and prompt) and best_of come back from the sampler rank, a worker's
-under pipeline parallelism, as on one device. Structured output runs with both (a pipeline's
+log-probabilities (sampled and prompt, of decoded and of verified drafted tokens) and best_of
+come back from the sampler rank, a worker's under pipeline parallelism, as on one device. Structured output runs with both (a pipeline's
 driver, which holds the grammars, sends the batch's masks to the worker that samples); offline
 logits processors run where the driver samples (tensor parallelism) and are refused, naming
 the field, under pipeline parallelism."""
@@ -38,12 +38,15 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _run(llm: LLM) -> list[RequestOutput]:
-    """The logprobs requests, beside one without, and a best_of request, in one batch."""
+def _run(llm: LLM, predictions: list[list[int]] | None = None) -> list[RequestOutput]:
+    """The logprobs requests (drafting from `predictions`, if given), beside one without, and
+    a best_of request, in one batch."""
     prompts = _prompts()
     plain = dataclasses.replace(LOGPROBS, logprobs=None, prompt_logprobs=None)
-    return llm.generate([*prompts, prompts[0], prompts[1]],
-                        [LOGPROBS] * len(prompts) + [plain, BEST_OF], use_tqdm=False)
+    asks = [LOGPROBS] * len(prompts) if predictions is None else [
+        dataclasses.replace(LOGPROBS, prediction_token_ids=p) for p in predictions]
+    return llm.generate([*prompts, prompts[0], prompts[1]], [*asks, plain, BEST_OF],
+                        use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +72,15 @@ def _close(got: float, want: float) -> None:
     assert abs(got - want) <= ABS_TOL + REL_TOL * abs(want), (got, want)
 
 
+@pytest.mark.parametrize("drafted", [False, True], ids=["decoded", "drafted"])
 def test_logprobs_and_best_of_come_back_as_on_one_device(
-        split: tuple[LLM, int], reference: list[RequestOutput]) -> None:
-    outs = _run(split[0])
+        split: tuple[LLM, int], reference: list[RequestOutput], drafted: bool) -> None:
+    """Drafted: the reference's outputs as predictions, so that tokens come from verified
+    drafts, each with its log-probabilities, as decoding gave them one at a time."""
+    wanted = [r.token_ids for r in reference[: len(PROMPT_LENS)]]
+    outs = _run(split[0], wanted if drafted else None)
+    if drafted and IS_EXACT_DTYPE:
+        assert all(o.num_accepted_tokens > 0 for o in outs[: len(PROMPT_LENS)])
     for got, want in zip(outs[: len(PROMPT_LENS)], reference, strict=False):
         # The prompt's: teacher-forced, so comparable in any dtype.
         assert got.prompt_logprobs is not None and want.prompt_logprobs is not None

@@ -1,7 +1,8 @@
 """Greedy tokens are the same on one device and split across processes (gloo on CPU): tensor
 parallel (2, 1), pipeline parallel (1, 2) and both (2, 2), tensor parallel with async
-scheduling, and tensor parallel verifying drafts from a prediction, for 8 prompts of different lengths generated together, with an ample KV pool and
-with one so small that jobs are swapped out and back every few iterations."""
+scheduling, and tensor or pipeline parallel verifying drafts from a prediction, for 8 prompts
+of different lengths generated together, with an ample KV pool and with one so small that jobs
+are swapped out and back every few iterations."""
 
 from __future__ import annotations
 
@@ -92,12 +93,13 @@ def test_async_scheduling_with_tensor_parallelism(reference: list[list[int]], po
         assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
 
 
-@pytest.mark.parametrize("pool", ["ample", "small"])
-def test_drafts_verified_with_tensor_parallelism(reference: list[list[int]], pool: str,
-                                                 greedy_reference: GreedyReference) -> None:
-    """Each rank computes the logits of every fed position; the driver keeps the drafts
-    (here the outputs themselves, as predictions), while jobs are swapped out and back."""
-    tokens, stats = _generate(2, 1, pool, predictions=reference)
+@pytest.mark.parametrize("tp,pp,pool", [(2, 1, "ample"), (2, 1, "small"), (1, 2, "small")])
+def test_drafts_verified_across_ranks(reference: list[list[int]], tp: int, pp: int, pool: str,
+                                      greedy_reference: GreedyReference) -> None:
+    """Each rank computes the logits of every fed position; the sampler rank keeps the drafts
+    (here the outputs themselves, as predictions) and, a pipeline's, sends the verified tokens
+    to the driver, while jobs are swapped out and back."""
+    tokens, stats = _generate(tp, pp, pool, predictions=reference)
     assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
     # (In a half type a near-tie may take an output off its prediction: fewer are kept.)
     assert stats["spec_decode_accepted_tokens"] > (len(PROMPT_LENS) * 5 if IS_EXACT_DTYPE else 0)

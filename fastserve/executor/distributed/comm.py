@@ -6,8 +6,8 @@ Groups (every rank creates all of them, in the same order):
   between stages and sampled tokens back to the driver;
 - one tensor-parallel group per stage (same backend and timeout): the layers' all-reduces;
 - `ctrl` (gloo, no practical timeout, since workers wait there while the engine is idle): plans
-  from the driver, answers back, and (tag `TAG_LOGPROBS`) a pipeline's log-probabilities from
-  the sampler rank to the driver;
+  from the driver, answers back, and (tag `TAG_EXTRAS`) what a pipeline's sampler rank
+  computed beyond the tokens (log-probabilities, verified drafts) to the driver;
 - `heartbeat` (gloo, `worker_timeout_s`): the monitored barrier of `heartbeat.Heartbeat`.
 
 NOTE: a gloo send completes only once the receiver has posted the matching receive, so every
@@ -30,7 +30,7 @@ from fastserve.executor.distributed.layout import RankLayout
 CTRL_TIMEOUT = timedelta(days=365)
 TAG_ACTIVATIONS = 1
 TAG_TOKENS = 2
-TAG_LOGPROBS = 3
+TAG_EXTRAS = 3
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.executor.base import ExecutorDeadError, PipelineResult
 from fastserve.executor.distributed.comm import (
-    TAG_LOGPROBS,
+    TAG_EXTRAS,
     TAG_TOKENS,
     Groups,
     Pending,
@@ -45,11 +45,12 @@ from fastserve.executor.distributed.messages import (
     ClearLoRA,
     LoadLoRA,
     RankStats,
+    SamplerExtras,
     StatsRequest,
     Step,
     Stop,
 )
-from fastserve.executor.distributed.stage import StageRunner, asks_logprobs, pool_sizes
+from fastserve.executor.distributed.stage import StageRunner, pool_sizes, ships_extras
 from fastserve.executor.distributed.worker import Init
 from fastserve.executor.grammar import GrammarMasks, StructuredOutputs
 from fastserve.executor.model_runner import Launched
@@ -154,22 +155,22 @@ class DistributedExecutor:
             wait_start_s = time.perf_counter()
             local = batch.local
             tokens = local.sampled_token_ids
-            logprobs = local.sample_logprobs, local.prompt_logprobs
+            extras = SamplerExtras.of(local)  # the driver's own, when it samples
             sampler = self.layout.sampler_rank
             if not self.layout.is_sampler:
                 buf = torch.empty(len(batch.plan.scheduled), dtype=torch.long, device=self.stage.device)
                 tokens = recv_tensor(buf, sampler, TAG_TOKENS, self.timeout_s).tolist()
-                if asks_logprobs(batch.plan):
-                    got = recv_object(sampler, self.groups.ctrl, self.timeout_s, TAG_LOGPROBS)
-                    assert isinstance(got, tuple)
-                    logprobs = got
+                if ships_extras(batch.plan):
+                    got = recv_object(sampler, self.groups.ctrl, self.timeout_s, TAG_EXTRAS)
+                    assert isinstance(got, SamplerExtras)
+                    extras = dataclasses.replace(got, failed={**local.failed, **got.failed})
             end_s = time.perf_counter()
             self._sent(batch.seq)
-            # NOTE: drafts are verified on one stage only (`build_engine_core`): the driver's.
-            out = ExecutorOutput(tokens, end_s - batch.start_s, local.swap_wait_s, local.failed,
-                                 sample_logprobs=logprobs[0], prompt_logprobs=logprobs[1],
-                                 verified_token_ids=local.verified_token_ids,
-                                 verified_logprobs=local.verified_logprobs)
+            out = ExecutorOutput(tokens, end_s - batch.start_s, local.swap_wait_s, extras.failed,
+                                 sample_logprobs=extras.sample_logprobs,
+                                 prompt_logprobs=extras.prompt_logprobs,
+                                 verified_token_ids=extras.verified_token_ids,
+                                 verified_logprobs=extras.verified_logprobs)
             return PipelineResult(out, end_s - wait_start_s)
 
     @property

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastserve.core.plan import SchedulerOutput
+from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.executor.grammar import GrammarMasks
 from fastserve.model.lora import Adapter
+from fastserve.request import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,23 @@ class Step:
 
     plan: SchedulerOutput
     masks: GrammarMasks | None = None
+
+
+@dataclass(frozen=True)
+class SamplerExtras:
+    """What a pipeline's sampler rank sends the driver after a batch's tokens, when the batch
+    asked for it (`StageRunner.ships_extras`): the `ExecutorOutput` fields beyond the tokens."""
+
+    sample_logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
+    verified_token_ids: dict[str, list[int]]
+    verified_logprobs: dict[str, list[TokenLogprobs]]
+    failed: dict[str, str]  # why each failed row failed (its token is FAILED_TOKEN)
+
+    @classmethod
+    def of(cls, out: ExecutorOutput) -> SamplerExtras:
+        return cls(out.sample_logprobs, out.prompt_logprobs, out.verified_token_ids,
+                   out.verified_logprobs, out.failed)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.distributed.comm import (
     TAG_ACTIVATIONS,
-    TAG_LOGPROBS,
+    TAG_EXTRAS,
     TAG_TOKENS,
     Groups,
     Pending,
@@ -34,7 +34,7 @@ from fastserve.executor.distributed.comm import (
     isend_tensor,
 )
 from fastserve.executor.distributed.layout import RankLayout, split_layers
-from fastserve.executor.distributed.messages import RankStats
+from fastserve.executor.distributed.messages import RankStats, SamplerExtras
 from fastserve.executor.logprobs import prompt_logprobs
 from fastserve.executor.model_runner import (
     TORCH_DTYPES,
@@ -51,11 +51,11 @@ from fastserve.model.lora import LoRAWeights
 from fastserve.request import TokenLogprobs
 
 
-def asks_logprobs(plan: SchedulerOutput) -> bool:
-    """Whether a request in the batch asked for sampled or prompt log-probabilities: then a
-    sampler rank that is not the driver sends them after the tokens (`TAG_LOGPROBS`)."""
+def ships_extras(plan: SchedulerOutput) -> bool:
+    """Whether a sampler rank that is not the driver sends `SamplerExtras` after the batch's
+    tokens: a request asked for sampled or prompt log-probabilities, or verifies drafts."""
     return any(s.params.logprobs is not None or s.params.prompt_logprobs is not None
-               for s in plan.scheduled)
+               or s.num_draft_tokens for s in plan.scheduled)
 
 
 def rank_arch(arch: ArchConfig, layers: tuple[int, int], tp_size: int) -> ArchConfig:
@@ -187,7 +187,7 @@ class StageRunner(ModelRunner):
         # Between the steps of one `execute`: the posted receive, the stream to send on.
         self._incoming: tuple[dist.Work, torch.Tensor] | None = None
         self._outgoing: torch.Tensor | None = None
-        self._ships_logprobs = False  # the batch asked for log-probabilities (`asks_logprobs`)
+        self._ships_extras = False  # the batch's sampler sends `SamplerExtras` (`ships_extras`)
         # This rank's shards of the LoRA adapters served (`load_stage`); None: LoRA is off.
         self.lora: LoRAWeights | None = None
         self._compute_start = 0.0
@@ -196,7 +196,7 @@ class StageRunner(ModelRunner):
         """Post the receive of this batch's residual stream first: its swaps are queued while
         the activations travel."""
         self._incoming = None
-        self._ships_logprobs = asks_logprobs(plan)
+        self._ships_extras = ships_extras(plan)
         num_tokens = sum(len(s.token_ids) for s in plan.scheduled)
         if num_tokens and not self.layout.is_first_stage:
             buf = torch.empty(2, num_tokens, self.full_arch.hidden_size, dtype=self.dtype, device=self.device)
@@ -255,12 +255,12 @@ class StageRunner(ModelRunner):
             self._outgoing = None
         elif lay.is_sampler and not lay.is_driver:
             # NOTE: a sampler rank that is not the driver sends the tokens (FAILED_TOKEN stands
-            # for a failed row's error), then the log-probabilities when the plan asked for any.
+            # for a failed row's error), then the rest when the plan asked for any.
             tokens = torch.tensor(out.sampled_token_ids, dtype=torch.long, device=self.device)
             self._send(tokens, 0, TAG_TOKENS)
-            if self._ships_logprobs:
-                self._sending.add(isend_object((out.sample_logprobs, out.prompt_logprobs), 0,
-                                               self.groups.ctrl, TAG_LOGPROBS))
+            if self._ships_extras:
+                self._sending.add(isend_object(SamplerExtras.of(out), 0, self.groups.ctrl,
+                                               TAG_EXTRAS))
 
     def stats(self, reset: bool = False) -> RankStats:
         s = self._stats
