@@ -87,21 +87,30 @@ def rotate_half(x, partner, cos, sin, first, dt: tl.constexpr):
 
 @triton.jit
 def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct,
-                   stride_st, num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                   stride_st, num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    # One program: one token's heads [BLOCK_H x head_dim] from head program_id(1) * BLOCK_H.
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK)
-    m = cols < HALF
-    src = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + cols, mask=m, other=0.0)
+    mc = cols < HALF
+    m = (heads < num_heads)[:, None] & mc[None, :]
+    h = heads.to(tl.int64)[:, None]
+    src = x_ptr + t * stride_xt + h * stride_xh + cols[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0)
     dt = x2.dtype
     x2 = x2.to(tl.float32)
-    cos = tl.load(cos_ptr + t * stride_ct + cols, mask=m, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_st + cols, mask=m, other=0.0).to(tl.float32)
-    dst = out_ptr + (t * num_heads + h) * (2 * HALF)
-    tl.store(dst + cols, rotate_half(x1, x2, cos, sin, True, dt), mask=m)
-    tl.store(dst + HALF + cols, rotate_half(x2, x1, cos, sin, False, dt), mask=m)
+    cos = tl.load(cos_ptr + t * stride_ct + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * stride_st + cols, mask=mc, other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + (t * num_heads + h) * (2 * HALF) + cols[None, :]
+    tl.store(dst, rotate_half(x1, x2, cos, sin, True, dt), mask=m)
+    tl.store(dst + HALF, rotate_half(x2, x1, cos, sin, False, dt), mask=m)
+
+
+# Elements of one half per rotary program at most: all of a token's heads up to 64 heads of
+# 128 (vLLM's CUDA kernel too takes a token per block).
+ROTARY_BLOCK_ELEMENTS = 4096
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,8 +125,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    _rotary_kernel[(num_tokens, num_heads)](
+    block = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, ROTARY_BLOCK_ELEMENTS // block))
+    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         x, out, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
-        HALF=half, BLOCK=triton.next_power_of_2(half), enable_fp_fusion=False,
+        HALF=half, BLOCK=block, BLOCK_H=block_h, enable_fp_fusion=False,
     )
     return out

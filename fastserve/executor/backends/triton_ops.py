@@ -147,21 +147,28 @@ def _fp8_max(cache: torch.Tensor) -> float:
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
+    # One program: one token's kv heads [BLOCK_H x head_dim] from head program_id(1) * BLOCK_H.
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # a padding row: stores nothing
         return
     d = tl.arange(0, BLOCK_D)
-    dm = d < HEAD_DIM
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
-    dst = h * stride_ch + slot * stride_cs + d
-    tl.store(k_cache_ptr + dst, _as_cached(k, k_cache_ptr, FP8_MAX), mask=dm)
-    tl.store(v_cache_ptr + dst, _as_cached(v, v_cache_ptr, FP8_MAX), mask=dm)
+    m = (heads < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    h = heads.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d[None, :], mask=m, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d[None, :], mask=m, other=0.0)
+    dst = h * stride_ch + slot * stride_cs + d[None, :]
+    tl.store(k_cache_ptr + dst, _as_cached(k, k_cache_ptr, FP8_MAX), mask=m)
+    tl.store(v_cache_ptr + dst, _as_cached(v, v_cache_ptr, FP8_MAX), mask=m)
+
+
+# Elements per KV-store program at most: all of a token's kv heads up to 32 heads of 128
+# (vLLM's reshape_and_cache too takes a token per block).
+STORE_BLOCK_ELEMENTS = 4096
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -171,10 +178,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(2) == 1
     assert k_cache.stride() == v_cache.stride()
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, STORE_BLOCK_ELEMENTS // block_d))
+    _store_kv_kernel[(num_tokens, triton.cdiv(num_kv_heads, block_h))](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         FP8_MAX=_fp8_max(k_cache),
     )
 

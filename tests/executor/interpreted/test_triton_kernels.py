@@ -64,9 +64,10 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
                         device=DEVICE)
 
 
-def test_store_kv_writes_slots_and_skips_padding() -> None:
+@pytest.mark.parametrize("kv_heads", [2, 3])  # 3: a token's program masks a fourth head
+def test_store_kv_writes_slots_and_skips_padding(kv_heads: int) -> None:
     torch.manual_seed(0)
-    kv_heads, dim = 2, 24  # head_dim not a power of 2: the masked tail
+    dim = 24  # head_dim not a power of 2: the masked tail
     qkv = torch.randn(4, 3 * kv_heads, dim, device=DEVICE)
     k, v = qkv[:, :kv_heads], qkv[:, kv_heads : 2 * kv_heads]  # strided views, as the model's
     k_cache = torch.zeros(kv_heads, 32, dim, device=DEVICE)
