@@ -173,7 +173,7 @@ def test_bf16_engine_on_cpu_generates_the_float32_greedy_path(tiny_model_path: P
     store, packed weights where the CPU has bf16 instructions), decodes and a chunked prefill
     included: every greedy token is the float32 model's best up to a near-tie."""
     llm = LLM(model=str(tiny_model_path), dtype="bfloat16", max_batch_size=8,
-              max_num_batched_tokens=48)
+              max_num_batched_tokens=48, warmup=False, startup_profile=False)
     runner = llm.engine.runner
     assert runner.cache_dtype == torch.bfloat16 and isinstance(runner.attn, CpuAttention)
     g = torch.Generator().manual_seed(0)

@@ -67,7 +67,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path,
 
 
 def _tokens(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    llm = LLM(model=str(model), dtype=TEST_DTYPE, warmup=False)
+    llm = LLM(model=str(model), dtype=TEST_DTYPE, warmup=False, startup_profile=False)
     try:
         return [out.token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
     finally:

@@ -41,7 +41,7 @@ def want(tiny_model_path: Path, made: dict[str, tuple[Path, Path]]) -> dict[str,
     """Each merged checkpoint's (and the base model's) greedy tokens for PROMPTS[0]."""
     out = {}
     for name, model in (("base", tiny_model_path), *((n, m) for n, (_, m) in made.items())):
-        llm = LLM(model=str(model), dtype=TEST_DTYPE, warmup=False)
+        llm = LLM(model=str(model), dtype=TEST_DTYPE, warmup=False, startup_profile=False)
         try:
             out[name] = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].token_ids
         finally:
