@@ -200,20 +200,23 @@ class DistributedExecutor:
         """Post the plan to every other rank (stage 0's peers first: they start now); returns
         its submission number, and the grammar masks sent to a sampler rank elsewhere."""
         self._seq += 1
+        step = Step(_for_workers(plan))
         masks = None
+        to_sampler: dict[int, object] = {}
         if not self.layout.is_sampler and self.grammars is not None and len(self.grammars):
             # NOTE: a request's grammar has taken its previous token: a pipeline schedules a
             # request again only once that batch is back.
             masks = self.grammars.fill([s for s in plan.scheduled if s.samples])
-        self._post(Step(_for_workers(plan), masks), self._seq)
+            to_sampler[self.layout.sampler_rank] = dataclasses.replace(step, masks=masks)
+        self._post(step, self._seq, to_sampler)
         return self._seq, masks
 
-    def _post(self, msg: object, seq: int) -> None:
-        """Post `msg` to every other rank; its sends are waited for once batch `seq` is back
-        (the workers took it by then: they take messages in order)."""
+    def _post(self, msg: object, seq: int, instead: dict[int, object] | None = None) -> None:
+        """Post `msg` (or `instead[rank]`) to every other rank; its sends are waited for once
+        batch `seq` is back (the workers took it by then: they take messages in order)."""
         pending = Pending()
         for rank in range(1, self.layout.world_size):
-            pending.add(isend_object(msg, rank, self.groups.ctrl))
+            pending.add(isend_object((instead or {}).get(rank, msg), rank, self.groups.ctrl))
         self._sends.append((seq, pending))
 
     # -- LoRA adapters (`LoRAAdapters.weights`) ---------------------------------------------

@@ -14,7 +14,7 @@ from fastserve.request import TokenLogprobs
 class Step:
     """Carry out one iteration's plan: swaps, then this rank's share of the batch; the rank
     that samples masks the structured requests' rows with `masks` (a pipeline's driver fills
-    them: the grammars live there)."""
+    them, since the grammars live there, and sends them to that rank only)."""
 
     plan: SchedulerOutput
     masks: GrammarMasks | None = None
@@ -23,7 +23,7 @@ class Step:
 @dataclass(frozen=True)
 class SamplerExtras:
     """What a pipeline's sampler rank sends the driver after a batch's tokens, when the batch
-    asked for it (`StageRunner.ships_extras`): the `ExecutorOutput` fields beyond the tokens."""
+    asked for it (`stage.ships_extras`): the `ExecutorOutput` fields beyond the tokens."""
 
     sample_logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
