@@ -66,7 +66,8 @@ def test_cpu_engine_keeps_kv_cache_and_bf16_weights_in_huge_pages(tiny_model_pat
     from fastserve.executor.backends.cpu import CpuAttention
     from fastserve.executor.cpu_linear import KERNEL_LAYOUT
 
-    llm = LLM(model=str(tiny_model_path), dtype="bfloat16", kv_cache_gib=0.05)
+    llm = LLM(model=str(tiny_model_path), dtype="bfloat16", kv_cache_gib=0.05, warmup=False,
+              startup_profile=False)
     runner = llm.engine.runner
     if not isinstance(runner.attn, CpuAttention):
         pytest.skip("the CPU kernels are not built here: the plain backend runs")
