@@ -281,33 +281,37 @@ class StructuredOutputs:
         """Set the logits of tokens that would leave the grammar to -inf, in the rows of
         `rows` whose requests have one; returns `rows` less those whose grammar failed (the
         reason is in `errors`)."""
-        return self.fill([reqs[i] for i in rows]).mask(logits, reqs, rows, errors)
+        return self.fill(reqs).mask(logits, reqs, rows, errors)
 
-    def fill(self, reqs: Sequence[ScheduledRequest]) -> GrammarMasks:
+    def fill(self, reqs: Sequence[ScheduledRequest], copy: bool = False) -> GrammarMasks:
         """The host's side of `mask`: each request's allowed tokens as its grammar stands
-        now (or why it failed). A pipeline's driver fills them for the plan it sends, since
-        the sampler rank holds no grammars."""
-        ids: list[str] = []
+        now (or why it failed), a bitmask row per request. A pipeline's driver fills them for
+        the plan it sends (`copy`: not in the buffer reused by the next fill), since the
+        sampler rank holds no grammars."""
+        ids = [r.request_id for r in reqs]
+        bitmask = self._bitmask_for(len(reqs))[: len(reqs)]
+        masked: list[int] = []
         failed: dict[str, str] = {}
-        active = [(r.request_id, m) for r in reqs
-                  if (m := self._matchers.get(r.request_id)) is not None and m.is_active]
-        bitmask = self._bitmask_for(len(active))
-        for rid, m in active:  # NOTE: not yet begun (`after`): the output is free
+        for j, rid in enumerate(ids):
+            m = self._matchers.get(rid)
+            if m is None or not m.is_active:  # not yet begun (`after`): the output is free
+                continue
             try:
-                self._matcher(m).fill_next_token_bitmask(bitmask, len(ids))
+                self._matcher(m).fill_next_token_bitmask(bitmask, j)
             except Exception as exc:  # NOTE: a grammar that failed to compile fails its request
                 failed[rid] = f"{m.param}: the grammar failed: {_message(exc)}"
                 continue
             if m.controls in self._no_control:
-                bitmask[len(ids)] &= self._no_control[m.controls]
-            ids.append(rid)
-        out = bitmask[: len(ids)].clone()  # [len(ids), ceil(vocab / 32)] int32
-        # A grammar with no way on (an empty language) fails its request, not the draw.
-        for rid, stuck in zip(list(ids), (out == 0).all(dim=-1).tolist()):
-            if stuck:
-                failed[rid] = f"{self._matchers[rid].param}: the grammar allows no token here"
-        keep = [i for i, rid in enumerate(ids) if rid not in failed]
-        return GrammarMasks([ids[i] for i in keep], out[keep], failed)
+                bitmask[j] &= self._no_control[m.controls]
+            masked.append(j)
+        if masked:
+            # A grammar with no way on (an empty language) fails its request, not the draw.
+            is_stuck = (bitmask[masked] == 0).all(dim=-1).tolist()  # [len(masked)], on the host
+            for j, stuck in zip(list(masked), is_stuck):
+                if stuck:
+                    failed[ids[j]] = f"{self._matchers[ids[j]].param}: the grammar allows no token here"
+                    masked.remove(j)
+        return GrammarMasks(ids, bitmask.clone() if copy else bitmask, masked, failed)
 
     def _bitmask_for(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
@@ -327,27 +331,32 @@ class GrammarMasks:
     """Grammar masks filled on the host for a batch (`StructuredOutputs.fill`): picklable, so
     that a pipeline's driver sends them with the plan to the rank that samples."""
 
-    request_ids: list[str]  # the requests with a mask, in `bitmask`'s row order
+    request_ids: list[str]  # the requests filled for, one bitmask row each
     bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32, on the host
+    masked: list[int]  # the rows with a mask (the others' bits are not set)
     failed: dict[str, str]  # request id -> why its grammar failed
 
     def __len__(self) -> int:
-        return len(self.request_ids) + len(self.failed)
+        return len(self.masked) + len(self.failed)
 
     def mask(self, logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
              errors: dict[str, str]) -> list[int]:
         """As `StructuredOutputs.mask`, with these masks."""
         # logits: [num_reqs, vocab]
-        place = {rid: j for j, rid in enumerate(self.request_ids)}
-        masked = [i for i in rows if reqs[i].request_id in place]
         for i in rows:
             why = self.failed.get(reqs[i].request_id)
             if why is not None:
                 errors[reqs[i].request_id] = why
-        if masked:
-            # [num_reqs, words]: each masked row's bits at its row of the batch
-            bitmask = torch.full((len(reqs), self.bitmask.shape[1]), -1, dtype=torch.int32)
+        keep = set(rows)
+        if [r.request_id for r in reqs] == self.request_ids:  # filled for these very rows
+            bitmask, masked = self.bitmask, [i for i in self.masked if i in keep]
+        else:  # a pipeline's sampler left out rows the driver filled for: line the rest up
+            place = {rid: j for j, rid in enumerate(self.request_ids)}
+            has = set(self.masked)
+            masked = [i for i in rows if place.get(reqs[i].request_id) in has]
+            bitmask = self.bitmask.new_full((len(reqs), self.bitmask.shape[1]), -1)
             bitmask[masked] = self.bitmask[[place[reqs[i].request_id] for i in masked]]
+        if masked:
             _apply(logits, bitmask, masked)
             # Other masks may have emptied a row the grammar left only EOS in (min_tokens), or
             # left none of its tokens (allowed_token_ids, bad_words, a logits processor); the

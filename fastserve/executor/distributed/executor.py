@@ -145,8 +145,9 @@ class DistributedExecutor:
             local = self.stage.execute(plan)
             if not plan.is_empty:
                 # The sampler rank sends FAILED_TOKEN for a failed grammar; why, the driver knows.
-                failed = {**local.failed, **masks.failed} if masks is not None else local.failed
-                self._in_flight.append(_Batch(seq, plan, start_s, dataclasses.replace(local, failed=failed)))
+                if masks is not None and masks.failed:
+                    local = dataclasses.replace(local, failed={**local.failed, **masks.failed})
+                self._in_flight.append(_Batch(seq, plan, start_s, local))
 
     def collect(self, now: float = 0.0) -> PipelineResult:
         """The oldest batch in flight: its tokens, and how long the driver waited for them."""
@@ -206,7 +207,7 @@ class DistributedExecutor:
         if not self.layout.is_sampler and self.grammars is not None and len(self.grammars):
             # NOTE: a request's grammar has taken its previous token: a pipeline schedules a
             # request again only once that batch is back.
-            masks = self.grammars.fill([s for s in plan.scheduled if s.samples])
+            masks = self.grammars.fill([s for s in plan.scheduled if s.samples], copy=True)
             to_sampler[self.layout.sampler_rank] = dataclasses.replace(step, masks=masks)
         self._post(step, self._seq, to_sampler)
         return self._seq, masks
