@@ -397,9 +397,9 @@ class SamplingParams:
     @property
     def can_draft(self) -> bool:
         """Whether decode steps may verify drafted tokens for this request: the executor must
-        be able to process each drafted position's logits as it would sample there (not for a
-        grammar, whose state follows every token, or the caller's own processors)."""
-        return not (self.structured_output is not None or self.logits_processors)
+        be able to process each drafted position's logits as it would sample there (not for
+        the caller's own processors, which see one row per call)."""
+        return not self.logits_processors
 
 
 def _token_ids(ids: object, param: str) -> tuple[int, ...]:

@@ -3,6 +3,7 @@ schema, regex or choice, even from the random-weight tiny model; a bad grammar f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -132,6 +133,11 @@ def test_a_grammar_that_begins_after_a_text_leaves_the_text_before_free(llm: LLM
     assert out.text.startswith(marker) and out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text[len(marker):]), schema)
     assert unheld.text == free.text  # the grammar never began
+    # Drafted: the prediction's free text stops short of the marker, the grammar's drafts then
+    # follow: the same tokens.
+    again = llm.generate([PROMPT], dataclasses.replace(held, prediction_token_ids=out.token_ids),
+                         use_tqdm=False)[0]
+    assert again.token_ids == out.token_ids and again.num_draft_tokens > 0
     assert len(llm.engine.grammars) == 0
 
 
@@ -185,3 +191,81 @@ def test_mask_covers_a_padded_vocabulary(tiny_model_path) -> None:
     allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert allowed and max(allowed) < tok.vocab_size
     assert all("hello".startswith(tok.decode([t])) for t in allowed)
+
+
+def _grammar_takes(grammars: StructuredOutputs, params: StructuredOutputParams,
+                   output: list[int], drafts: list[int]) -> bool:
+    """Whether a fresh matcher of `params`'s grammar takes `output`, then `drafts` (a stop
+    token ends them)."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(grammars.cache.compile(params).result())
+    for tok in [*output, *drafts]:
+        if matcher.is_terminated() or not matcher.accept_token(tok):
+            return False
+    return True
+
+
+def test_drafts_keep_to_the_grammar(llm: LLM) -> None:
+    """Speculative decoding with a grammar: a prediction that is the output drafts it all;
+    one that leaves the schema is cut where it does (every draft fed is one the grammar
+    takes), and the tokens are decoding's one at a time, held to the grammar, either way."""
+    from tests.engine_runs import record_launches, run_to_end
+
+    engine = llm.engine
+    tok = engine.tokenizer
+    prompts = [tok.encode(PROMPT)] * 10
+    held = [StructuredOutputParams("json", json.dumps(s), "response_format") for s in SCHEMAS]
+    greedy = [SamplingParams(max_tokens=60, temperature=0.0, structured_output=h) for h in held]
+    want = [o.token_ids for o in run_to_end(engine, prompts, greedy)]
+    # The output itself, and a prediction that follows it for a few tokens, then leaves JSON.
+    off = [tok.encode(tok.decode(w[:3]) + '"bad": \'x\', 7}}', add_special_tokens=False) for w in want]
+    plans = record_launches(engine)
+    drafter = engine.scheduler.drafter
+    assert drafter is not None and drafter.vet is not None
+    vet, cuts = drafter.vet, []
+    drafter.vet = lambda req, draft: cuts.append((len(draft), n := vet(req, draft))) or n
+    try:
+        outs = run_to_end(engine, prompts * 2, [dataclasses.replace(g, prediction_token_ids=p)
+                                                for g, p in zip(greedy * 2, want + off)])
+    finally:
+        drafter.vet = vet
+    for i, out in enumerate(outs):
+        assert out.error is None and out.token_ids == want[i % 10], i  # (float32)
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(tok.decode(out.token_ids, True)), SCHEMAS[i % 10])
+    exact = outs[:10]
+    assert sum(o.num_draft_tokens for o in exact) > 0
+    assert all(o.num_accepted_tokens == o.num_draft_tokens for o in exact)
+    by_id = {o.request_id: (o, held[i % 10]) for i, o in enumerate(outs)}
+    fed = [(s, *by_id[s.request_id]) for p in plans for s in p.scheduled if s.num_draft_tokens]
+    assert fed
+    for s, out, params in fed:
+        drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
+        assert _grammar_takes(engine.grammars, params, out.token_ids[: s.num_output_tokens], drafts)
+    assert any(n < proposed for proposed, n in cuts)  # the leaving predictions' were cut
+    assert len(engine.grammars) == 0
+
+
+def test_a_draft_the_grammar_refuses_is_not_kept_however_likely(tiny_model_path) -> None:
+    """The check masks each drafted row as the grammar stands after the drafts before it:
+    a draft the grammar refuses loses to the grammar's tokens even as the argmax."""
+    from fastserve.core.plan import ScheduledRequest
+    from fastserve.executor.sampler import Sampler
+    from fastserve.executor.speculative import check
+
+    tok = Tokenizer(tiny_model_path)
+    grammars = StructuredOutputs(tok, tok.vocab_size, tok.eos_token_ids)
+    grammars.add("r", _structured("choice", ("abc",), "guided_choice"))
+    a, b, z = (tok.encode(c, add_special_tokens=False)[0] for c in "abz")
+    sampler = Sampler(tok.eos_token_ids, seed=0, device=torch.device("cpu"))
+    sampler.grammars = grammars
+    # Fed its last token, then drafts a (the grammar's) and z (not): three rows of logits.
+    sched = ScheduledRequest("r", [7, a, z], 10, [0, 1, 2, 3], SamplingParams(temperature=0.0),
+                             0, num_draft_tokens=2)
+    logits = torch.zeros(3, tok.vocab_size)
+    logits[0, a] = logits[1, z] = logits[2, z] = 50.0  # each row's favourite: a, z, z
+    logits[1, b] = 10.0
+    verified = check(sampler, logits, [sched], [0]).read()
+    assert verified.errors == {}
+    assert verified.token_ids["r"] == [a, b]  # a kept; z refused, b is the grammar's best

@@ -15,7 +15,7 @@ plans a decode, so the simulator runs the same code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastserve.config import SpeculativeConfig
@@ -112,6 +112,9 @@ class Drafter:
         self.lookup_lengths = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
         self.uses_ngram = config.speculative_method == "ngram"
         self._states: dict[str, _State] = {}
+        # How many of a draft's first tokens the request's output may take next, where
+        # something other than the model constrains it (the engine's grammars); None: all.
+        self.vet: Callable[[Request, Sequence[int]], int] | None = None
 
     def drafts_for(self, req: Request) -> bool:
         """Whether decode steps of `req` verify drafts at all."""
@@ -171,6 +174,8 @@ class Drafter:
             draft = self._follow(state.prediction, req, k)
         if not draft and state.own is not None:
             draft = self._lookup_own(state.own, req, k)
+        if draft and self.vet is not None:
+            draft = draft[: self.vet(req, draft)]
         state.num_idle = 0 if draft else state.num_idle + 1
         return draft
 

@@ -141,6 +141,8 @@ class LLMEngine:
                                       self.runner.num_blocks, self.runner.num_host_blocks,
                                       self.eos_token_ids)
         self.scheduler = self.core.scheduler
+        if self.scheduler.drafter is not None:  # a structured request's drafts keep to its grammar
+            self.scheduler.drafter.vet = self.grammars.num_valid
         self.kv = self.scheduler.kv
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -152,9 +152,16 @@ _CONTROL_BYTES = re.compile(rb"[\x00-\x1f]")
 _CONTROL_BYTES_BUT_NEWLINES = re.compile(rb"[\x00-\x09\x0b\x0c\x0e-\x1f]")
 
 
+def control_tokens(info: Any, vocab_size: int, but_newlines: bool = False) -> list[bool]:
+    """Per token id below `vocab_size`: whether its bytes hold a control byte (0x00-0x1f;
+    `but_newlines`: other than \\n and \\r)."""
+    pattern = _CONTROL_BYTES_BUT_NEWLINES if but_newlines else _CONTROL_BYTES
+    return [pattern.search(tok) is not None for tok in info.decoded_vocab[:vocab_size]]
+
+
 def no_control_mask(info: Any, vocab_size: int, but_newlines: bool = False) -> torch.Tensor:
     """A bitmask row ([ceil(vocab / 32)] int32, bit j of word w: token 32 w + j) allowing the
-    tokens with no control byte (0x00-0x1f; `but_newlines`: \\n and \\r are allowed).
+    tokens with no control byte (`control_tokens`).
 
     NOTE: xgrammar's JSON-schema strings with a length bound (maxLength) take any character
     but quote, backslash and newlines, so control characters could appear raw, which JSON
@@ -163,9 +170,7 @@ def no_control_mask(info: Any, vocab_size: int, but_newlines: bool = False) -> t
     newline): their rows are ANDed with the `but_newlines` mask.
     """
     words = -(-vocab_size // 32)
-    decoded = info.decoded_vocab[:vocab_size]
-    pattern = _CONTROL_BYTES_BUT_NEWLINES if but_newlines else _CONTROL_BYTES
-    flags = [pattern.search(tok) is None for tok in decoded]
+    flags = [not c for c in control_tokens(info, vocab_size, but_newlines)]
     flags += [False] * (words * 32 - len(flags))
     allowed = torch.tensor(flags, dtype=torch.int64)
     packed = (allowed.view(words, 32) << torch.arange(32)).sum(dim=-1)  # [words] in [0, 2**32)
@@ -211,6 +216,9 @@ class StructuredOutputs:
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         # [ceil(vocab / 32)] int32 rows, by `_Matcher.controls`
         self._no_control: dict[str, torch.Tensor] = {}
+        # By `_Matcher.controls`: the tokens a draft may not hold whatever the grammar says
+        # (those with control bytes the mask above bars, special tokens but the stop tokens).
+        self._refused: dict[str, frozenset[int]] = {}
 
     @property
     def cache(self) -> GrammarCache:
@@ -220,6 +228,11 @@ class StructuredOutputs:
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
             self._no_control = {"json": no_control_mask(info, self.vocab_size),
                                 "tags": no_control_mask(info, self.vocab_size, but_newlines=True)}
+            special = set(info.special_token_ids) - set(self.stop_token_ids)
+            self._refused = {"": frozenset(special)}
+            for controls, but_newlines in (("json", False), ("tags", True)):
+                flags = control_tokens(info, self.vocab_size, but_newlines)
+                self._refused[controls] = frozenset(special | {t for t, f in enumerate(flags) if f})
             self._cache = GrammarCache(info, self.cache_size)
         return self._cache
 
@@ -263,6 +276,40 @@ class StructuredOutputs:
                 raise ValueError(f"token {tok} does not continue the grammar of {m.param}")
         return bool(matcher.is_terminated())
 
+    def num_valid(self, req: Request, draft: Sequence[int]) -> int:
+        """Speculative decoding: how many of `draft`'s first tokens may follow the request's
+        output so far (`Drafter.vet`): those its grammar accepts, up to its stop token; before
+        the grammar begins, those that do not begin it. None while its grammar compiles (the
+        engine thread does not wait for it), all without a grammar. The matcher's state is
+        left as it was."""
+        m = self._matchers.get(req.request_id)
+        if m is None:
+            return len(draft)
+        if m.num_accepted != req.num_output_tokens or not m.compiled.done() \
+                or m.compiled.exception() is not None:
+            return 0
+        if not m.is_active:
+            tail = m.tail
+            for n, tok in enumerate(draft):
+                tail = (tail + self.tokenizer.decode([tok], skip_special_tokens=False))[-(len(m.after) + 64):]
+                if m.after in tail:
+                    return n  # the grammar's first token is the model's own
+            return len(draft)
+        matcher = self._matcher(m)
+        n = 0
+        try:
+            refused = self._refused[m.controls]
+            for tok in draft:
+                if tok in refused or not matcher.accept_token(tok):
+                    break
+                n += 1
+                if matcher.is_terminated():
+                    break
+        finally:
+            if n:
+                matcher.rollback(n)
+        return n
+
     def _begin(self, m: _Matcher, new: list[int]) -> list[int]:
         """Read `new` tokens for `m.after`; the tokens after the one that completes it are
         the grammar's first (and `m` is active from then on)."""
@@ -285,33 +332,68 @@ class StructuredOutputs:
 
     def fill(self, reqs: Sequence[ScheduledRequest], copy: bool = False) -> GrammarMasks:
         """The host's side of `mask`: each request's allowed tokens as its grammar stands
-        now (or why it failed), a bitmask row per request. A pipeline's driver fills them for
-        the plan it sends (`copy`: not in the buffer reused by the next fill), since the
+        now (or why it failed), a bitmask row per request. A request verifying k drafts
+        (`num_draft_tokens`) gets k + 1 rows, in the order of the logits rows it is fed: row
+        j holds the tokens allowed after its first j drafts. A pipeline's driver fills them
+        for the plan it sends (`copy`: not in the buffer reused by the next fill), since the
         sampler rank holds no grammars."""
-        ids = [r.request_id for r in reqs]
-        bitmask = self._bitmask_for(len(reqs))[: len(reqs)]
+        ids = [r.request_id for r in reqs for _ in range(1 + r.num_draft_tokens)]
+        bitmask = self._bitmask_for(len(ids))[: len(ids)]
         masked: list[int] = []
         failed: dict[str, str] = {}
-        for j, rid in enumerate(ids):
-            m = self._matchers.get(rid)
+        first_rows: set[int] = set()
+        row = 0
+        for r in reqs:
+            first, row = row, row + 1 + r.num_draft_tokens
+            m = self._matchers.get(r.request_id)
             if m is None or not m.is_active:  # not yet begun (`after`): the output is free
                 continue
             try:
-                self._matcher(m).fill_next_token_bitmask(bitmask, j)
+                masked += self._fill_rows(m, r, bitmask, first)
             except Exception as exc:  # NOTE: a grammar that failed to compile fails its request
-                failed[rid] = f"{m.param}: the grammar failed: {_message(exc)}"
+                failed[r.request_id] = f"{m.param}: the grammar failed: {_message(exc)}"
                 continue
-            if m.controls in self._no_control:
-                bitmask[j] &= self._no_control[m.controls]
-            masked.append(j)
+            first_rows.add(first)
         if masked:
             # A grammar with no way on (an empty language) fails its request, not the draw.
+            # NOTE: a later row (after a draft) stays free: the request fails there only if
+            # the draft is kept, when its grammar refuses the row's token.
             is_stuck = (bitmask[masked] == 0).all(dim=-1).tolist()  # [len(masked)], on the host
             for j, stuck in zip(list(masked), is_stuck):
                 if stuck:
-                    failed[ids[j]] = f"{self._matchers[ids[j]].param}: the grammar allows no token here"
                     masked.remove(j)
+                    if j in first_rows:
+                        failed[ids[j]] = f"{self._matchers[ids[j]].param}: the grammar allows no token here"
         return GrammarMasks(ids, bitmask.clone() if copy else bitmask, masked, failed)
+
+    def _fill_rows(self, m: _Matcher, r: ScheduledRequest, bitmask: torch.Tensor,
+                   first: int) -> list[int]:
+        """Fill the request's rows from `first` on: after its output, then after each of its
+        drafts in turn while the grammar takes them (the rows after one it refuses, or after
+        its stop token, stay unfilled: the check never reaches them). Returns the rows filled;
+        the matcher's state is left as it was."""
+        matcher = self._matcher(m)
+        k = r.num_draft_tokens
+        drafts = r.token_ids[len(r.token_ids) - k :]
+        no_control = self._no_control.get(m.controls)
+        rows: list[int] = []
+        num_taken = 0
+        try:
+            for j in range(k + 1):
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                if no_control is not None:
+                    bitmask[first + j] &= no_control
+                rows.append(first + j)
+                if j == k or drafts[j] in self._refused[m.controls] \
+                        or not matcher.accept_token(drafts[j]):
+                    break
+                num_taken += 1
+                if matcher.is_terminated():
+                    break
+        finally:
+            if num_taken:
+                matcher.rollback(num_taken)
+        return rows
 
     def _bitmask_for(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
@@ -350,12 +432,12 @@ class GrammarMasks:
         keep = set(rows)
         if [r.request_id for r in reqs] == self.request_ids:  # filled for these very rows
             bitmask, masked = self.bitmask, [i for i in self.masked if i in keep]
-        else:  # a pipeline's sampler left out rows the driver filled for: line the rest up
-            place = {rid: j for j, rid in enumerate(self.request_ids)}
+        else:  # other rows than filled for (a pipeline's sampler; drafts): line them up
+            place = self._place(reqs)
             has = set(self.masked)
-            masked = [i for i in rows if place.get(reqs[i].request_id) in has]
+            masked = [i for i in rows if place[i] in has]
             bitmask = self.bitmask.new_full((len(reqs), self.bitmask.shape[1]), -1)
-            bitmask[masked] = self.bitmask[[place[reqs[i].request_id] for i in masked]]
+            bitmask[masked] = self.bitmask[[place[i] for i in masked]]
         if masked:
             _apply(logits, bitmask, masked)
             # Other masks may have emptied a row the grammar left only EOS in (min_tokens), or
@@ -365,6 +447,23 @@ class GrammarMasks:
                       or reqs[i].params.logits_processors or reqs[i].params.bars_tokens],
                      logits, bitmask)
         return [i for i in rows if reqs[i].request_id not in self.failed]
+
+
+    def _place(self, reqs: list[ScheduledRequest]) -> list[int | None]:
+        """Each of `reqs`'s bitmask row (None: not filled for): a request's j-th occurrence
+        in `reqs` (the j-th row it verifies) takes its j-th row here."""
+        first: dict[str, int] = {}
+        count: dict[str, int] = {}
+        for j, rid in enumerate(self.request_ids):
+            first.setdefault(rid, j)
+            count[rid] = count.get(rid, 0) + 1
+        seen: dict[str, int] = {}
+        place: list[int | None] = []
+        for r in reqs:
+            rid = r.request_id
+            n = seen[rid] = seen.get(rid, -1) + 1
+            place.append(first[rid] + n if n < count.get(rid, 0) else None)
+        return place
 
 
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

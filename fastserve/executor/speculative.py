@@ -14,6 +14,9 @@ temperature, top-k, top-p, min_p), then:
   token is drawn from p_{j-1} with d_j taken out (renormalised), and when every draft is kept
   from p_k. Each token then has exactly the distribution plain sampling gives it.
 
+A request with a grammar has each row masked as its grammar stands after the drafts before
+it (`StructuredOutputs.fill`): a draft its grammar refuses is never kept.
+
 The log-probabilities a request asked for are the raw logits' (as the sampler's), taken on
 each row before it is processed: row j's entry is for the token the request got there (d_{j+1}
 when kept, else the row's drawn token).
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, sampled_table, table_entry
 from fastserve.executor.sampler import Sampler, probabilities, race
@@ -61,6 +65,7 @@ class PendingVerdicts:
     lp_rows: list[int]
     lp_table: torch.Tensor | None
     lp_k: int
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)  # known before the read
     copied: torch.cuda.Event | None = None
 
     def read(self) -> Verified:
@@ -71,20 +76,22 @@ class PendingVerdicts:
         table = dict(zip(self.lp_rows, self.lp_table.tolist())) if self.lp_table is not None else {}
         n = len(self.drafts)
         out: dict[str, list[int]] = {}
-        errors: dict[str, str] = {}
+        errors = dict(self.errors)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         place = 0
         for r in self.reqs:
             k = r.num_draft_tokens
             span = range(place, place + k + 1)
             place += k + 1
-            if any(values[2 * n + i] for i in span):
+            if r.request_id in errors:
+                continue
+            num_kept = 0  # NOTE: the rows after the first rejection are never read
+            while num_kept < k and not values[2 * n + span[num_kept]] and values[n + span[num_kept]]:
+                num_kept += 1
+            if values[2 * n + span[num_kept]]:
                 errors[r.request_id] = ("sampling failed: the probabilities are not finite (or "
                                         "every token is barred)")
                 continue
-            num_kept = 0
-            while num_kept < k and values[n + span[num_kept]]:
-                num_kept += 1
             tokens = [*self.drafts[span[0] : span[0] + num_kept], values[span[num_kept]]]
             out[r.request_id] = tokens
             if r.params.logprobs is not None:
@@ -116,6 +123,11 @@ def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
     raw = raw_logprobs(logits, lp_rows)  # NOTE: before the processing below changes the logits
     apply_logits_processing(logits, rows, sampler.eos_token_ids,
                             any(r.params.uses_logits_fields for r in reqs))
+    errors: dict[str, str] = {}
+    grammars = sampler.grammars
+    if grammars is not None and len(grammars):  # NOTE: after the other masks, as `Sampler.draw`
+        masks = grammars.fill(reqs) if isinstance(grammars, StructuredOutputs) else grammars
+        masks.mask(logits, rows, list(range(len(rows))), errors)
     dev = logits.device
     draft_ids = to_device(drafts, torch.long, dev)  # [R]
     tokens = logits.argmax(dim=-1)  # [R]: the greedy rows' next tokens
@@ -130,7 +142,7 @@ def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
         lp_k = max(rows[i].params.logprobs or 0 for i in lp_rows)
         got = torch.where(accept, draft_ids, tokens)  # [R]: each row's token
         lp_table = sampled_table(raw, take_rows(got, lp_rows), lp_k)
-    pending = PendingVerdicts(reqs, drafts, readback, lp_rows, lp_table, lp_k)
+    pending = PendingVerdicts(reqs, drafts, readback, lp_rows, lp_table, lp_k, errors)
     if readback.is_cuda:  # NOTE: nothing waits for the copies until `read`
         pending.readback = _to_host(readback)
         pending.lp_table = None if lp_table is None else _to_host(lp_table)

@@ -3,8 +3,8 @@ PP=2 against one device, one engine of each kept for the module:
 
 - log-probabilities (sampled and prompt, of decoded and of verified drafted tokens) and
   best_of come back from the sampler rank, a worker's under pipeline parallelism;
-- structured output runs with both (a pipeline's driver, which holds the grammars, sends the
-  batch's masks to the worker that samples); offline logits processors run where the driver
+- structured output runs with both, drafted tokens held to the grammar too (a pipeline's
+  driver, which holds the grammars, sends the batch's masks to the worker that samples); offline logits processors run where the driver
   samples (tensor parallelism) and are refused, naming the field, under pipeline parallelism;
 - LoRA adapters: each rank holds its shard of every adapter (B's rows where the projection
   splits its outputs, A's columns where it splits its inputs) and only its stage's layers; a
@@ -171,6 +171,16 @@ def test_grammars_and_logits_processors(split: tuple[LLM, int]) -> None:
     for out in shaped[:3]:
         assert out.finish_reason == "stop", out
         assert json.loads(out.text)["ok"] in (True, False)
+    # Drafts held to the grammar: the greedy output as its own prediction, and a sampled one's
+    # (right in places) as another's; the driver fills each drafted row's mask.
+    (ref,) = llm.generate(["Answer in JSON:"], [cases[1]], use_tqdm=False)
+    drafted = llm.generate(["Hello"] + ["Answer in JSON:"] * 2, [greedy] + [
+        dataclasses.replace(cases[1], prediction_token_ids=p.token_ids) for p in (ref, shaped[0])],
+        use_tqdm=False)[1:]  # (beside a free request: rows to line up with the masks)
+    assert ref.finish_reason == "stop" and drafted[0].num_draft_tokens > 0
+    for out in drafted:
+        assert out.finish_reason == "stop" and json.loads(out.text)["ok"] in (True, False)
+        assert out.token_ids == ref.token_ids or not IS_EXACT_DTYPE
     # A schema that is no grammar fails its request alone (400 before it runs).
     with pytest.raises(InvalidRequestError):
         llm.generate("x", dataclasses.replace(greedy, structured_output=StructuredOutputParams(
