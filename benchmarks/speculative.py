@@ -4,10 +4,13 @@ their prediction (a file rewritten unchanged), the output with one token in `--e
 changed (an edited file), one in 3 changed (a poor prediction), and an unrelated text
 (nothing to accept), at each batch size, in one engine per `--k` (drafted tokens verified
 per step), repetitions interleaved. `--every-draft` runs the predictions again without the
-cost model's cut of the drafts (every draft the step allows).
+cost model's cut of the drafts (every draft the step allows). `--schema` holds every request
+to a JSON schema (structured output: drafts are cut to what the grammar takes and each drafted
+row is masked), so the edits mostly break the grammar where they fall.
 
     .venv/bin/python benchmarks/speculative.py [--preset small] [--dtype float32] \\
-        [--batch 1 8 32] [--input-len 128] [--output-len 128] [--k 5] [--reps 3] [--every-draft]
+        [--batch 1 8 32] [--input-len 128] [--output-len 128] [--k 5] [--reps 3] [--every-draft] \\
+        [--schema]
 
 The outputs are checked to be the plain run's, token for token. Random weights: an ngram
 lookup in the request's own tokens (--speculative-method ngram) finds little to draft in a
@@ -18,12 +21,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
 from fastserve import LLM, SamplingParams
 from fastserve.model.make_model import cached_model_path, make_model
+from fastserve.request import StructuredOutputParams
 
+# `--schema`: objects in an array whose minItems no output reaches, so every request decodes
+# --output-len tokens.
+SCHEMA = {"type": "array", "minItems": 30, "items": {
+    "type": "object", "required": ["id", "tag", "note"],
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "tag": {"enum": ["alpha", "beta", "gamma"]},
+                   "note": {"type": "string", "maxLength": 12}}}}
 KINDS = ("no prediction", "exact prediction", "edited prediction", "poor prediction",
          "unrelated prediction")
 
@@ -65,11 +77,17 @@ def main() -> None:
     ap.add_argument("--every-draft", action="store_true",
                     help="also run each prediction with the cost model's cut of the drafts "
                          "off (Scheduler._drafts_worth: every draft the step allows)")
+    ap.add_argument("--schema", action="store_true",
+                    help="hold every request to a JSON schema (structured output)")
     args = ap.parse_args()
 
     model = make_model(args.preset, cached_model_path(args.preset))
     greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    if args.schema:
+        greedy = dataclasses.replace(greedy, structured_output=StructuredOutputParams(
+            "json", json.dumps(SCHEMA), "response_format"))
     print(f"{args.preset}, {args.dtype}, {args.input_len} in / {args.output_len} out, greedy, "
+          f"{'a JSON schema on every request, ' if args.schema else ''}"
           f"edit: one token in {args.edit_every}, {args.reps} reps (median output tok/s; "
           "ratio: median of per-rep ratios to no prediction)")
     for k in args.k:
