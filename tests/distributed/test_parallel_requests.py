@@ -141,6 +141,19 @@ def test_logprobs_and_best_of_come_back_as_on_one_device(
         assert best.token_ids == reference[-1].token_ids
 
 
+def test_a_row_whose_sampling_fails_says_why(split: tuple[LLM, int]) -> None:
+    """Every token barred at the second: the request fails with the sampler rank's reason
+    (under pipeline parallelism a worker's, sent though the batch asked for no
+    log-probabilities); the batch's other request gets its tokens."""
+    # 11 is barred; 12 only after a 12: the first token is 12, the second has none left.
+    barred = dataclasses.replace(GREEDY, allowed_token_ids=(11, 12),
+                                 bad_words_token_ids=((11,), (12, 12)))
+    failed, fine = split[0].generate(["Hello", "Hello"], [barred, GREEDY], use_tqdm=False)
+    assert failed.finish_reason == "error" and failed.token_ids == [12]
+    assert "every token is barred" in (failed.error or ""), failed.error
+    assert fine.finish_reason == "length" and len(fine.token_ids) == GREEDY.max_tokens
+
+
 def test_grammars_and_logits_processors(split: tuple[LLM, int]) -> None:
     llm, pp = split
     allowed = [11, 12, 13]

@@ -50,7 +50,7 @@ from fastserve.executor.distributed.messages import (
     Step,
     Stop,
 )
-from fastserve.executor.distributed.stage import StageRunner, pool_sizes, ships_extras
+from fastserve.executor.distributed.stage import StageRunner, pool_sizes
 from fastserve.executor.distributed.worker import Init
 from fastserve.executor.grammar import GrammarMasks, StructuredOutputs
 from fastserve.executor.model_runner import Launched
@@ -159,9 +159,11 @@ class DistributedExecutor:
             extras = SamplerExtras.of(local)  # the driver's own, when it samples
             sampler = self.layout.sampler_rank
             if not self.layout.is_sampler:
-                buf = torch.empty(len(batch.plan.scheduled), dtype=torch.long, device=self.stage.device)
-                tokens = recv_tensor(buf, sampler, TAG_TOKENS, self.timeout_s).tolist()
-                if ships_extras(batch.plan):
+                # The tokens, then a flag: whether `SamplerExtras` follow (`StageRunner._emit`).
+                buf = torch.empty(len(batch.plan.scheduled) + 1, dtype=torch.long,
+                                  device=self.stage.device)
+                *tokens, ships = recv_tensor(buf, sampler, TAG_TOKENS, self.timeout_s).tolist()
+                if ships:
                     got = recv_object(sampler, self.groups.ctrl, self.timeout_s, TAG_EXTRAS)
                     assert isinstance(got, SamplerExtras)
                     extras = dataclasses.replace(got, failed={**local.failed, **got.failed})

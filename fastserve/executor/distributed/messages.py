@@ -23,7 +23,8 @@ class Step:
 @dataclass(frozen=True)
 class SamplerExtras:
     """What a pipeline's sampler rank sends the driver after a batch's tokens, when the batch
-    asked for it (`stage.ships_extras`): the `ExecutorOutput` fields beyond the tokens."""
+    asked for it (`stage.ships_extras`) or a row failed: the `ExecutorOutput` fields beyond
+    the tokens."""
 
     sample_logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]

@@ -53,7 +53,8 @@ from fastserve.request import TokenLogprobs
 
 def ships_extras(plan: SchedulerOutput) -> bool:
     """Whether a sampler rank that is not the driver sends `SamplerExtras` after the batch's
-    tokens: a request asked for sampled or prompt log-probabilities, or verifies drafts."""
+    tokens whatever happens: a request asked for sampled or prompt log-probabilities, or
+    verifies drafts (it sends them too for a batch where a row's sampling failed)."""
     return any(s.params.logprobs is not None or s.params.prompt_logprobs is not None
                or s.num_draft_tokens for s in plan.scheduled)
 
@@ -255,10 +256,13 @@ class StageRunner(ModelRunner):
             self._outgoing = None
         elif lay.is_sampler and not lay.is_driver:
             # NOTE: a sampler rank that is not the driver sends the tokens (FAILED_TOKEN stands
-            # for a failed row's error), then the rest when the plan asked for any.
-            tokens = torch.tensor(out.sampled_token_ids, dtype=torch.long, device=self.device)
+            # for a failed row's error) and a flag, then, where the flag says so, the rest:
+            # when the plan asked for any, or a row failed (why, the driver cannot know).
+            ships = self._ships_extras or bool(out.failed)
+            tokens = torch.tensor([*out.sampled_token_ids, int(ships)], dtype=torch.long,
+                                  device=self.device)
             self._send(tokens, 0, TAG_TOKENS)
-            if self._ships_extras:
+            if ships:
                 self._sending.add(isend_object(SamplerExtras.of(out), 0, self.groups.ctrl,
                                                TAG_EXTRAS))
 
