@@ -293,9 +293,63 @@ class JsonSchemaFormat(BaseModel):
         None, description="Accepted; the output always follows the schema exactly.")
 
 
+class StructuralTagItem(BaseModel):
+    """vLLM's `response_format.structures` item: where the output holds `begin`, JSON
+    matching `schema` follows, then `end`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    begin: Annotated[Text, Field(min_length=1)]
+    # NOTE: `schema` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[Text, Any] = Field(alias="schema")
+    end: Text
+
+
+def structural_tag_spec(value: dict[str, Any] | str, param: str) -> str:
+    """xgrammar's structural tag (its JSON text: {"type": "structural_tag", "format": ...})
+    from either form a client sends it in: that one, or vLLM's first, {"structures": [{begin,
+    schema, end}, ...], "triggers": [...]} (free text until a trigger, then a structure;
+    as often as the model likes). Raises InvalidRequestError naming `param` for text that is
+    no JSON object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"{param}: not valid JSON: {exc}", param) from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"{param}: must be a JSON object", param)
+    if "structures" not in value and "triggers" not in value:
+        return json.dumps(value, ensure_ascii=False)
+    extra = sorted(set(value) - {"type", "structures", "triggers"})
+    if extra or not isinstance(value.get("triggers"), list):
+        raise InvalidRequestError(f"{param}: give structures and triggers (vLLM's form), or "
+                                  "type and format (xgrammar's)", param)
+    try:
+        items = [StructuralTagItem.model_validate(item) for item in value.get("structures") or ()]
+    except ValidationError as exc:
+        raise InvalidRequestError(f"{param}.structures: {exc.errors()[0]['msg']}", param) from None
+    return _legacy_structural_tag(items, value["triggers"])
+
+
+# vLLM's form of a structural tag: the whitespace its JSON may hold between two tokens (a model
+# may write `{"a": 1}` or `{"a":1}`, but may not pad it forever; as in tool calls).
+LEGACY_TAG_WHITESPACE = 1
+
+
+def _legacy_structural_tag(structures: list[StructuralTagItem], triggers: list[str]) -> str:
+    """vLLM's first form of a structural tag as xgrammar's: tags triggered as often as the
+    output likes, free text between them (what xgrammar made of that form)."""
+    tags = [{"type": "tag", "begin": t.begin, "end": t.end,
+             "content": {"type": "json_schema", "json_schema": t.schema_,
+                         "max_whitespace_cnt": LEGACY_TAG_WHITESPACE}} for t in structures]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "tags": tags}}, ensure_ascii=False)
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: `text`, `json_object` (any JSON object) or `json_schema`
-    (JSON matching `json_schema.schema`).
+    (JSON matching `json_schema.schema`); vLLM's `structural_tag` (JSON in given tags, text
+    around them), in vLLM's form (`structures`, `triggers`) or xgrammar's (`format`).
 
     NOTE: one model rather than a tagged union, so that an error's `param` reads
     `response_format.json_schema.name` (a union would put its tag in the path).
@@ -303,15 +357,40 @@ class ResponseFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = Field(None, description="Only with type json_schema.")
+    structures: list[StructuralTagItem] | None = Field(
+        None, description="Type structural_tag, vLLM's form: after a trigger, the output holds "
+        "one of these (begin, JSON matching schema, end); text around them is free.")
+    triggers: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="Type structural_tag, vLLM's form: texts that begin a "
+        "structure (each structure's begin starts with one).")
+    format: dict[Text, Any] | None = Field(
+        None, description="Type structural_tag, xgrammar's form: the structural tag's format "
+        "(tag, triggered_tags, tags_with_separator, sequence, ...).")
 
     @model_validator(mode="after")
-    def _schema_iff_json_schema(self) -> ResponseFormat:
+    def _fields_of_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise PydanticCustomError("json_schema", "json_schema is given exactly when type is "
                                                      "json_schema")
+        legacy = self.structures is not None or self.triggers is not None
+        if self.type != "structural_tag" and (legacy or self.format is not None):
+            raise PydanticCustomError("structural_tag", "structures, triggers and format are "
+                                                        "for type structural_tag only")
+        if self.type == "structural_tag" and legacy == (self.format is not None):
+            raise PydanticCustomError("structural_tag", "type structural_tag takes structures "
+                                      "and triggers (vLLM's form) or format (xgrammar's)")
+        if legacy and (self.structures is None or self.triggers is None):
+            raise PydanticCustomError("structural_tag", "structures and triggers go together")
         return self
+
+    def structural_tag(self) -> str:
+        """The structural tag (type structural_tag) as xgrammar reads it."""
+        if self.format is not None:
+            return json.dumps({"type": "structural_tag", "format": self.format}, ensure_ascii=False)
+        assert self.structures is not None and self.triggers is not None
+        return _legacy_structural_tag(self.structures, self.triggers)
 
 
 class StructuredOutputs(BaseModel):
@@ -341,7 +420,10 @@ class StructuredOutputs(BaseModel):
         None, description="Accepted: there is one structured-output backend (xgrammar), so no "
         "fallback.")
     whitespace_pattern: Annotated[Any, Only(())] = Field(None, description="Not supported.")
-    structural_tag: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+    structural_tag: dict[Text, Any] | Text | None = Field(
+        None, description="The output matches this structural tag (an object or its text): "
+        "xgrammar's form ({type: structural_tag, format}) or vLLM's first ({structures, "
+        "triggers}).")
 
     def params(self) -> StructuredOutputParams:
         """The grammar asked for; raises InvalidRequestError naming the key when none or more
@@ -358,13 +440,17 @@ class StructuredOutputs(BaseModel):
             specs.append(("grammar", self.grammar))
         if self.json_object:
             specs.append(("json_object", ""))
+        if self.structural_tag is not None:
+            specs.append(("structural_tag", structural_tag_spec(
+                self.structural_tag, "structured_outputs.structural_tag")))
         names = [f"structured_outputs.{kind}" for kind, _ in specs]
         if len(names) > 1:
             raise InvalidRequestError(f"{names[1]}: only one of {', '.join(names)} may be given",
                                       names[1])
         if not specs:
             raise InvalidRequestError("structured_outputs: give one of json, regex, choice, "
-                                      "grammar, json_object (true)", "structured_outputs")
+                                      "grammar, json_object (true), structural_tag",
+                                      "structured_outputs")
         kind, spec = specs[0]
         return StructuredOutputParams(kind, spec, names[0])
 
@@ -486,6 +572,8 @@ class _GenerationRequest(BaseModel):
         if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
             return StructuredOutputParams("json", json.dumps(fmt.json_schema.schema_),
                                           "response_format.json_schema.schema")
+        if fmt is not None and fmt.type == "structural_tag":
+            return StructuredOutputParams("structural_tag", fmt.structural_tag(), "response_format")
         if fmt is not None and fmt.type != "text":
             return StructuredOutputParams("json_object", "", "response_format")
         if self.guided_json is not None:

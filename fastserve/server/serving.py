@@ -190,7 +190,7 @@ class OpenAIServing:
                                   as_function_call=body.uses_functions,
                                   echo_text=body.echoed or None)
         structured = job.params.structured_output
-        if structured is not None and structured.kind == "structural_tag":
+        if structured is not None and structured.param in ("tool_choice", "functions"):
             chat_tools.check_schemas(body)
         if self.reasoning:
             inside = reasoning.starts_inside(text)

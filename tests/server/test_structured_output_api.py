@@ -1,5 +1,6 @@
-"""Structured output over HTTP: OpenAI's `response_format` (json_object, json_schema) and
-vLLM's `guided_json` / `guided_regex` / `guided_choice`, against a real server driven by the
+"""Structured output over HTTP: OpenAI's `response_format` (json_object, json_schema), vLLM's
+structural tags (`response_format` type structural_tag, `structured_outputs.structural_tag`)
+and `guided_json` / `guided_regex` / `guided_choice`, against a real server driven by the
 `openai` client, its `parse` helper with a pydantic model included."""
 
 from __future__ import annotations
@@ -96,7 +97,60 @@ def test_guided_fields(client: openai.OpenAI) -> None:
         assert isinstance(json.loads(resp3.choices[0].message.content or "")["ok"], bool)
 
 
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def _tagged(text: str, begin: str, end: str) -> tuple[dict[str, Any], str]:
+    """The JSON between `begin` and `end` at the start of `text`, and the text after."""
+    assert text.startswith(begin), text
+    body, found, rest = text[len(begin):].partition(end)
+    assert found, text
+    return json.loads(body), rest
+
+
+def test_structural_tags_in_both_forms(server: ServerProcess, client: openai.OpenAI) -> None:
+    """xgrammar's form: a tag the whole output must be. vLLM's first form: text is free until
+    a trigger, then a structure. Built on greedy decoding: the free output's first token is
+    the trigger, so the structure comes right there."""
+    fmt = {"type": "tag", "begin": "<answer>", "end": "</answer>",
+           "content": {"type": "json_schema", "json_schema": OK_SCHEMA, "max_whitespace_cnt": 1}}
+    for body in ({"response_format": {"type": "structural_tag", "format": fmt}},
+                 {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": fmt}}},
+                 {"structured_outputs": {"structural_tag": json.dumps(
+                     {"type": "structural_tag", "format": fmt})}}):
+        resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=30,
+                                              extra_body=body)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        answer, rest = _tagged(choice.message.content or "", "<answer>", "</answer>")
+        assert isinstance(answer["ok"], bool) and rest == ""
+    free = client.completions.create(model=MODEL, prompt="code:", max_tokens=1, temperature=0)
+    trigger = free.choices[0].text
+    assert trigger.strip()
+    structure = {"begin": trigger + "=", "schema": OK_SCHEMA, "end": ";"}
+    for field, value in (("response_format", {"type": "structural_tag", "structures": [structure],
+                                              "triggers": [trigger]}),
+                         ("structured_outputs", {"structural_tag": json.dumps(
+                             {"structures": [structure], "triggers": [trigger]})})):
+        tagged = client.completions.create(model=MODEL, prompt="code:", max_tokens=30,
+                                           temperature=0, extra_body={field: value})
+        answer, _ = _tagged(tagged.choices[0].text, trigger + "=", ";")
+        assert isinstance(answer["ok"], bool)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": {"type": "structural_tag", "format": {"type": "bogus"}}},
+     "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": [
+        {"begin": "<a>", "schema": OK_SCHEMA, "end": "</a>"}], "triggers": ["<b"]}},
+     "response_format"),  # no structure begins with the trigger
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<a"]}}, "response_format"),
+    ({"response_format": {"type": "json_object", "format": {"type": "any_text"}}},
+     "response_format"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": {"structures": [{"begin": "<a>"}], "triggers": ["<a"]}}},
+     "structured_outputs.structural_tag"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
      "response_format.json_schema.schema"),
