@@ -288,7 +288,9 @@ class ResponsesRequest(BaseModel):
     top_logprobs: schemas.NumLogprobs | None = Field(
         None, description="The most likely alternatives to each output token, returned with "
         "include message.output_text.logprobs.")
-    max_tool_calls: Annotated[Any, Only(())] = Field(None, description="Not supported.")
+    max_tool_calls: schemas.Count | None = Field(
+        None, description="Accepted: it bounds the calls of built-in tools, and this server has "
+        "none (function calls come back to the caller, in the output).")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -458,6 +460,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     truncation: Literal["auto", "disabled"] = "disabled"
     top_logprobs: int | None = None
+    max_tool_calls: int | None = None
     store: bool = False
     background: bool = False
     previous_response_id: str | None = None
@@ -490,4 +493,5 @@ class ResponseObject(BaseModel):
                    service_tier="flex" if body.service_tier == "flex" else
                    "priority" if body.service_tier == "priority" else "default",
                    background=bool(body.background), previous_response_id=body.previous_response_id,
-                   truncation=body.truncation or "disabled", top_logprobs=body.top_logprobs)
+                   truncation=body.truncation or "disabled", top_logprobs=body.top_logprobs,
+                   max_tool_calls=body.max_tool_calls)

@@ -115,9 +115,11 @@ def test_sdk_stream_and_parse(client: openai.OpenAI) -> None:
 
 
 def test_function_calls_and_their_outputs(server: ServerProcess, client: openai.OpenAI) -> None:
+    # max_tool_calls bounds built-in tools' calls (there are none): a function call comes back.
     body = {"input": "Weather in Paris?", "tools": [TOOL], "tool_choice": "required",
-            "parallel_tool_calls": False, "max_output_tokens": 200, "seed": 0}
+            "parallel_tool_calls": False, "max_output_tokens": 200, "seed": 0, "max_tool_calls": 0}
     resp = create(server, body)
+    assert resp["max_tool_calls"] == 0
     (call,) = resp["output"]
     assert call["type"] == "function_call" and call["name"] == "get_weather"
     assert resp["status"] == "completed" and call["status"] == "completed"
@@ -175,6 +177,7 @@ def test_the_fleet_router_sees_the_replicas_prompt(client: openai.OpenAI,
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}},
      "text.format.schema"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the template has no effort
+    ({"max_tool_calls": -1}, "max_tool_calls"),
 ])
 def test_bad_fields_are_400_naming_them(server: ServerProcess, fields: dict[str, Any],
                                         param: str) -> None:
