@@ -19,6 +19,17 @@ SEED_RANGE = (-(2**63), 2**64)
 # Most alternatives a request may ask for per position (vLLM's default max_logprobs; OpenAI's
 # chat top_logprobs allows 20).
 MAX_LOGPROBS = 20
+# Beam search asks each beam's step for 2 n alternatives (`MAX_LOGPROBS` at most).
+MAX_BEAMS = MAX_LOGPROBS // 2
+# A beam's score divides by its length to this power (HF's and vLLM's 0.6 to 2 fit well
+# inside; far beyond, the power overflows a float).
+LENGTH_PENALTY_RANGE = (-10.0, 10.0)
+# SamplingParams fields refused with use_beam_search when not at their defaults.
+BEAM_SEARCH_REFUSES = (
+    "top_p", "top_k", "min_p", "stop", "min_tokens", "logits_processors", "logprobs",
+    "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids", "best_of",
+    "structured_output", "prediction", "prediction_token_ids")
 # OpenAI's ranges: presence/frequency penalties, and a logit bias per token.
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -187,6 +198,12 @@ class SamplingParams:
     # (`fastserve.core.speculative`): the output is what it would be without it, sooner.
     prediction: str | None = None
     prediction_token_ids: Sequence[int] = ()
+    # vLLM's beam search (`fastserve.engine.beam_search`): the `n` best of `n` beams, each step
+    # keeping the n best continuations by the model's raw log-probabilities; ranked by their
+    # sum over (prompt + output tokens) ** length_penalty. Deterministic: temperature and
+    # seed change nothing; the fields that change which token is drawn are refused with it.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -236,6 +253,35 @@ class SamplingParams:
                 "prediction")
         object.__setattr__(self, "prediction_token_ids",
                            _token_ids(self.prediction_token_ids, "prediction_token_ids"))
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise InvalidRequestError(
+                f"use_beam_search must be a bool, got {self.use_beam_search!r}", "use_beam_search")
+        lo, hi = LENGTH_PENALTY_RANGE
+        if not _is_number(self.length_penalty) or not lo <= self.length_penalty <= hi:
+            raise InvalidRequestError(
+                f"length_penalty must be in [{lo}, {hi}], got {self.length_penalty!r}",
+                "length_penalty")
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise InvalidRequestError("length_penalty: only with use_beam_search",
+                                          "length_penalty")
+            return
+        if self.max_tokens == 0:
+            raise InvalidRequestError("max_tokens: at least 1 with use_beam_search", "max_tokens")
+        if self.n > MAX_BEAMS:
+            raise InvalidRequestError(
+                f"n: at most {MAX_BEAMS} beams with use_beam_search, got {self.n}", "n")
+        # The fields beam search would not honour: a 400 rather than an answer without them.
+        default = SamplingParams()
+        for name in BEAM_SEARCH_REFUSES:
+            if getattr(self, name) != getattr(default, name) and not (
+                    name == "best_of" and self.best_of == self.n):
+                raise InvalidRequestError(
+                    f"{name}: not with use_beam_search (beams are ranked by the model's raw "
+                    "log-probabilities)", name)
 
     def _check_logits_fields(self) -> None:
         """The log-probability, penalty, bias and min_p fields (ranges as OpenAI / vLLM)."""

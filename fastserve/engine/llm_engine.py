@@ -14,6 +14,8 @@ from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
+from fastserve.core.scheduler import check_fits
+from fastserve.engine.beam_search import BeamSearches
 from fastserve.engine.core import build_engine_core
 from fastserve.engine.group import RequestGroups
 from fastserve.engine.loras import AdapterSlots, LoRAAdapters, ServedAdapter, read_lora
@@ -148,6 +150,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self.groups = RequestGroups(self.kv, self._add_sequence)  # requests with n, best_of > 1
+        self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode)  # use_beam_search
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
         # each also scored against the cost model (`cost_check`, shown in /metrics), which
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
@@ -201,7 +204,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         num_seqs = params.num_sequences
         seq_ids = self.groups.sequence_ids(request_id, num_seqs)
-        if any(sid in self.scheduler.requests or self.groups.is_reserved(sid) for sid in seq_ids):
+        if request_id in self.beams or any(
+                sid in self.scheduler.requests or self.groups.is_reserved(sid) for sid in seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(
             request_id=request_id,
@@ -215,6 +219,10 @@ class LLMEngine:
             cache_salt=adapter.cache_salt if adapter else None,
         )
         text = prompt if isinstance(prompt, str) else None
+        if params.use_beam_search:  # its steps are requests of their own (`BeamSearches`)
+            check_fits(req, self.kv)  # (its last step's: the prompt and max_tokens)
+            self.beams.add(req, text, self.eos_token_ids)
+            return req
         if num_seqs == 1:
             return self._queue(req, text)
         return self.groups.add(request_id, params, text, add_leader=lambda p: self._queue(
@@ -233,6 +241,15 @@ class LLMEngine:
             raise
         self.outputs.add(req, prompt)
         return req
+
+    def _add_beam_step(self, step_id: str, token_ids: list[int], params: SamplingParams,
+                       first: Request) -> None:
+        """One step of a beam of `first`, a beam-search request (`BeamSearches`): a request of
+        its own, with the request's arrival, priority and adapter."""
+        self._queue(Request(request_id=step_id, prompt_token_ids=token_ids, params=params,
+                            arrival_s=first.arrival_s, max_model_len=first.max_model_len,
+                            priority=first.priority, lora_id=first.lora_id,
+                            cache_salt=first.cache_salt), None)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, first: Request,
                       prompt: str | None) -> Request:
@@ -287,6 +304,7 @@ class LLMEngine:
         """Stop a request now and free its KV blocks; its final output comes from `step()`.
         A request with several sequences stops them all."""
         seq_ids = (self.groups.abort(request_id) if self.groups.is_group(request_id)
+                   else self.beams.step_ids(request_id) if request_id in self.beams
                    else [request_id])
         for sid in seq_ids:
             req = self.scheduler.abort(sid, self.clock.now())
@@ -342,8 +360,9 @@ class LLMEngine:
         touched += self._aborted
         self._aborted = []
         self.groups.after_step()
-        outputs = self.groups.outputs(
-            [self._output(r) for r in touched if r.is_finished or not r.params.final_only])
+        outputs = self.beams.outputs(self.groups.outputs(
+            [self._output(r) for r in touched if r.is_finished or not r.params.final_only]),
+            self.clock.now())
         if len(self.grammars):
             for req in touched:
                 if req.is_finished:

@@ -52,6 +52,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from fastserve.request import (
+    LENGTH_PENALTY_RANGE,
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORDS,
     MAX_LOGPROBS,
@@ -499,8 +500,13 @@ class _GenerationRequest(BaseModel):
     request_id: Text | None = Field(
         None, description="Extension: the response `id` is built from it (for tracing).")
     # vLLM's extensions, accepted only at the values that mean "not used".
-    length_penalty: Annotated[Any, Only((1,))] = Field(None, description="Extension: only 1.")
-    use_beam_search: Annotated[Any, Only((False,))] = Field(None, description="Extension: only false.")
+    use_beam_search: StrictBool | None = Field(
+        None, description="Extension: the n best of n beams (at most 10), ranked by the model's "
+        "raw log-probabilities; deterministic. Not with fields that change which token is "
+        "drawn (top_p, penalties, logprobs, stop, a grammar, ...).")
+    length_penalty: StrictFloat | None = Field(
+        None, ge=LENGTH_PENALTY_RANGE[0], le=LENGTH_PENALTY_RANGE[1], description="Extension, with use_beam_search: a beam's summed log-probability is "
+        "divided by its length (prompt included) to this power. Default 1.")
     skip_special_tokens: StrictBool | None = Field(
         None, description="Extension: false keeps special tokens (EOS, template markers) in the "
         "text. Default true.")
@@ -619,6 +625,8 @@ class _GenerationRequest(BaseModel):
             **self._sequences(),
             structured_output=self.structured_output(tool_format),
             prediction=self.predicted_text,
+            use_beam_search=bool(self.use_beam_search),
+            length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
         )
 
     @property

@@ -1,6 +1,6 @@
 """vLLM's sampling extensions over HTTP, against a real server on the tiny model:
-`allowed_token_ids`, `bad_words`, `prompt_logprobs`, `return_tokens_as_token_ids` and
-`structured_outputs`, with the 400s that name the field at fault."""
+`allowed_token_ids`, `bad_words`, `prompt_logprobs`, `return_tokens_as_token_ids`,
+`structured_outputs` and `use_beam_search`, with the 400s that name the field at fault."""
 
 from __future__ import annotations
 
@@ -251,6 +251,44 @@ def test_structured_outputs_constrain_the_output(server: ServerProcess) -> None:
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
 
 
+# -- use_beam_search ----------------------------------------------------------------------
+
+
+def _sse_texts(server: ServerProcess, body: dict[str, Any]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", server.v1 + "/completions", json={"model": MODEL, **body},
+                      timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    return texts
+
+
+def test_beam_search_returns_n_beams(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT_IDS, "max_tokens": 6, "ignore_eos": True, "use_beam_search": True,
+            "n": 3, "length_penalty": 0.8, "return_token_ids": True}
+    resp = post(server, "/completions", body)
+    beams = [c["token_ids"] for c in resp["choices"]]
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
+    assert len({tuple(b) for b in beams}) == 3 and all(len(b) == 6 for b in beams)
+    assert resp["usage"]["completion_tokens"] == 18
+    # The same beams again (deterministic), streamed too.
+    assert post(server, "/completions", body)["choices"] == resp["choices"]
+    streamed = _sse_texts(server, {**body, "stream": True, "return_token_ids": False})
+    assert [streamed[i] for i in range(3)] == [c["text"] for c in resp["choices"]]
+    # One beam keeps the most likely token each step: greedy decoding.
+    one = post(server, "/completions", {**body, "n": 1, "length_penalty": 1.0})
+    greedy = post(server, "/completions", {"prompt": PROMPT_IDS, "max_tokens": 6,
+                                           "ignore_eos": True, "temperature": 0,
+                                           "return_token_ids": True})
+    assert one["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"] or not IS_EXACT_DTYPE
+    chat = post(server, "/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "n": 2,
+                                              "use_beam_search": True})
+    assert len(chat["choices"]) == 2
+
+
 # -- errors -------------------------------------------------------------------------------
 
 
@@ -276,6 +314,9 @@ def test_structured_outputs_constrain_the_output(server: ServerProcess) -> None:
     ({"structured_outputs": {"lark": "start: 'a'"}}, "structured_outputs.lark"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "structured_outputs"),
+    ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+    ({"use_beam_search": True, "n": 11}, "n"),
+    ({"length_penalty": 0.5}, "length_penalty"),
 ])
 @pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
 def test_bad_values_are_400_naming_the_field(server: ServerProcess, path: str,
