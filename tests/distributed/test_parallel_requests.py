@@ -2,10 +2,12 @@
 PP=2 against one device, one engine of each kept for the module:
 
 - log-probabilities (sampled and prompt, of decoded and of verified drafted tokens) and
-  best_of come back from the sampler rank, a worker's under pipeline parallelism;
+  best_of come back from the sampler rank, a worker's under pipeline parallelism, and so
+  beam search finds one device's beams;
 - structured output runs with both, drafted tokens held to the grammar too (a pipeline's
-  driver, which holds the grammars, sends the batch's masks to the worker that samples); offline logits processors run where the driver
-  samples (tensor parallelism) and are refused, naming the field, under pipeline parallelism;
+  driver, which holds the grammars, sends the batch's masks to the worker that samples);
+  offline logits processors run where the driver samples (tensor parallelism) and are
+  refused, naming the field, under pipeline parallelism;
 - LoRA adapters: each rank holds its shard of every adapter (B's rows where the projection
   splits its outputs, A's columns where it splits its inputs) and only its stage's layers; a
   batch mixing adapters and the base model gets one device's tokens, for adapters given at
@@ -139,6 +141,16 @@ def test_logprobs_and_best_of_come_back_as_on_one_device(
     assert len(best.outputs) == 1 and len(best.token_ids) == 6
     if IS_EXACT_DTYPE:  # the same seeded candidates, ranked by the same scores
         assert best.token_ids == reference[-1].token_ids
+
+
+def test_beam_search_finds_one_devices_beams(split: tuple[LLM, int], one_device: LLM) -> None:
+    """Each step's alternatives come from the sampler rank, as log-probabilities do."""
+    params = SamplingParams(use_beam_search=True, n=3, max_tokens=4, ignore_eos=True)
+    prompt = _prompts()[1]
+    (got,), (want,) = (llm.generate([prompt], params, use_tqdm=False) for llm in (split[0], one_device))
+    assert len(got.outputs) == 3 and all(len(o.token_ids) == 4 for o in got.outputs)
+    if IS_EXACT_DTYPE:  # half types may part at a near-tie
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
 
 
 def test_a_row_whose_sampling_fails_says_why(split: tuple[LLM, int]) -> None:
