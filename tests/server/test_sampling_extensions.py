@@ -274,10 +274,14 @@ def test_beam_search_returns_n_beams(server: ServerProcess) -> None:
     assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
     assert len({tuple(b) for b in beams}) == 3 and all(len(b) == 6 for b in beams)
     assert resp["usage"]["completion_tokens"] == 18
-    # The same beams again (deterministic), streamed too.
-    assert post(server, "/completions", body)["choices"] == resp["choices"]
+    # The same beams again (deterministic), streamed too (compared in float32, as the other
+    # exact comparisons here).
+    again = post(server, "/completions", body)["choices"]
     streamed = _sse_texts(server, {**body, "stream": True, "return_token_ids": False})
-    assert [streamed[i] for i in range(3)] == [c["text"] for c in resp["choices"]]
+    assert sorted(streamed) == [0, 1, 2]
+    if IS_EXACT_DTYPE:
+        assert again == resp["choices"]
+        assert [streamed[i] for i in range(3)] == [c["text"] for c in resp["choices"]]
     # One beam keeps the most likely token each step: greedy decoding.
     one = post(server, "/completions", {**body, "n": 1, "length_penalty": 1.0})
     greedy = post(server, "/completions", {"prompt": PROMPT_IDS, "max_tokens": 6,
