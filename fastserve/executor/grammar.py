@@ -159,9 +159,9 @@ def control_tokens(info: Any, vocab_size: int, but_newlines: bool = False) -> li
     return [pattern.search(tok) is not None for tok in info.decoded_vocab[:vocab_size]]
 
 
-def no_control_mask(info: Any, vocab_size: int, but_newlines: bool = False) -> torch.Tensor:
+def no_control_mask(has_control: list[bool], vocab_size: int) -> torch.Tensor:
     """A bitmask row ([ceil(vocab / 32)] int32, bit j of word w: token 32 w + j) allowing the
-    tokens with no control byte (`control_tokens`).
+    tokens with no control byte (`has_control`: `control_tokens`; ids past it are barred).
 
     NOTE: xgrammar's JSON-schema strings with a length bound (maxLength) take any character
     but quote, backslash and newlines, so control characters could appear raw, which JSON
@@ -170,7 +170,7 @@ def no_control_mask(info: Any, vocab_size: int, but_newlines: bool = False) -> t
     newline): their rows are ANDed with the `but_newlines` mask.
     """
     words = -(-vocab_size // 32)
-    flags = [not c for c in control_tokens(info, vocab_size, but_newlines)]
+    flags = [not c for c in has_control]
     flags += [False] * (words * 32 - len(flags))
     allowed = torch.tensor(flags, dtype=torch.int64)
     packed = (allowed.view(words, 32) << torch.arange(32)).sum(dim=-1)  # [words] in [0, 2**32)
@@ -226,12 +226,11 @@ class StructuredOutputs:
             if not is_available():
                 raise InvalidRequestError(INSTALL_HINT, "response_format")
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
-            self._no_control = {"json": no_control_mask(info, self.vocab_size),
-                                "tags": no_control_mask(info, self.vocab_size, but_newlines=True)}
             special = set(info.special_token_ids) - set(self.stop_token_ids)
             self._refused = {"": frozenset(special)}
             for controls, but_newlines in (("json", False), ("tags", True)):
                 flags = control_tokens(info, self.vocab_size, but_newlines)
+                self._no_control[controls] = no_control_mask(flags, self.vocab_size)
                 self._refused[controls] = frozenset(special | {t for t, f in enumerate(flags) if f})
             self._cache = GrammarCache(info, self.cache_size)
         return self._cache
@@ -279,8 +278,8 @@ class StructuredOutputs:
     def num_valid(self, req: Request, draft: Sequence[int]) -> int:
         """Speculative decoding: how many of `draft`'s first tokens may follow the request's
         output so far (`Drafter.vet`): those its grammar accepts, up to its stop token; before
-        the grammar begins, those that do not begin it. None while its grammar compiles (the
-        engine thread does not wait for it), all without a grammar. The matcher's state is
+        the grammar begins, those that do not begin it. None of them while its grammar
+        compiles (the engine thread does not wait for it); all without a grammar. The matcher's state is
         left as it was."""
         m = self._matchers.get(req.request_id)
         if m is None:
@@ -447,7 +446,6 @@ class GrammarMasks:
                       or reqs[i].params.logits_processors or reqs[i].params.bars_tokens],
                      logits, bitmask)
         return [i for i in rows if reqs[i].request_id not in self.failed]
-
 
     def _place(self, reqs: list[ScheduledRequest]) -> list[int | None]:
         """Each of `reqs`'s bitmask row (None: not filled for): a request's j-th occurrence
