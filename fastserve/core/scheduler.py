@@ -334,9 +334,11 @@ class Scheduler(ABC):
     def schedule_ahead(self, plan: SchedulerOutput) -> None:
         """Async scheduling: `plan` runs on the device while the next plan is scheduled. Its
         jobs' new tokens count as computed, and each job that samples holds a placeholder
-        token (PENDING_TOKEN), which the next plan's decode feeds from the device. A job
-        whose next step needs its token on the host (a grammar, a logits processor, a
-        token that may be its last by length) sits the next plan out, as a pipeline's jobs in flight do.
+        token (PENDING_TOKEN), which the next plan's decode feeds from the device (a
+        grammar's mask, made on the host, waits for it: the executor draws that plan's tokens
+        once these are back, `AsyncExecutor.draw`). A job whose next step needs its token on
+        the host (a logits processor, a draft, a token that may be its last by length) sits
+        the next plan out, as a pipeline's jobs in flight do.
         `update` puts the real tokens in. NOTE: only for a policy that `can_schedule_ahead`."""
         for sched in plan.scheduled:
             rid = sched.request_id
@@ -356,7 +358,7 @@ class Scheduler(ABC):
         if not sched.samples:  # a prefill chunk: the next chunk's tokens are the prompt's
             return True
         p = req.params
-        if p.max_tokens == 0 or p.structured_output is not None:
+        if p.max_tokens == 0:
             return False
         if p.logits_processors:  # NOTE: a processor may keep state from one step to the next
             return False

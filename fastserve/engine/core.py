@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastserve.clock import Clock
@@ -95,6 +95,10 @@ class EngineCore:
         # What the executor returned for the requests of the latest step's update (None when
         # the step handed back no batch): the engine takes their log-probabilities from it.
         self.last_output: ExecutorOutput | None = None
+        # Called with the requests of each update once the scheduler has their tokens: the
+        # engine advances their grammars here, before async scheduling's next draw masks with
+        # them (`AsyncEngineCore`).
+        self.on_update: Callable[[list[Request]], None] = lambda touched: None
 
     @property
     def num_in_flight(self) -> int:
@@ -115,7 +119,12 @@ class EngineCore:
         self.num_iterations += not plan.is_empty
         self.busy_s += out.duration_s
         self.swap_wait_s += out.swap_wait_s
-        return self.scheduler.update(plan, out, self.clock.now())
+        return self._update(plan, out)
+
+    def _update(self, plan: SchedulerOutput, out: ExecutorOutput) -> list[Request]:
+        touched = self.scheduler.update(plan, out, self.clock.now())
+        self.on_update(touched)
+        return touched
 
     def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[Request]:
         logger.exception("iteration failed; failing its %d requests", len(plan.scheduled))
@@ -188,7 +197,7 @@ class PipelinedEngineCore(EngineCore):
         self.clock.advance(result.wait_s)
         self.busy_s += result.out.duration_s
         self.swap_wait_s += result.out.swap_wait_s
-        return self.scheduler.update(plan, result.out, self.clock.now())
+        return self._update(plan, result.out)
 
 
 class AsyncEngineCore(EngineCore):
@@ -202,7 +211,9 @@ class AsyncEngineCore(EngineCore):
     the next batch, then reads the previous one's tokens back and hands them to the
     scheduler. A job that stopped (EOS, a stop string) spent one more step on the device,
     whose token is dropped; one whose last token by length is on the device is not
-    scheduled ahead.
+    scheduled ahead. A batch with a grammar's job in it is launched as well, but drawn from
+    only once the previous batch's tokens are back and its grammars have taken them
+    (`on_update`): its forward pass still overlaps the host's work (vLLM defers the same).
     """
 
     def __init__(self, scheduler: Scheduler, executor: AsyncExecutor, clock: Clock) -> None:
@@ -223,22 +234,35 @@ class AsyncEngineCore(EngineCore):
             self.scheduler.schedule_ahead(prev[0])
         plan = self.last_plan = self.scheduler.schedule(self.clock.now())
         failed: list[Request] = []
+        launched = None
         try:
             launched = self.runner.launch(plan)
         except ExecutorDeadError:
             raise
         except Exception as exc:  # NOTE: one failing batch must not take the engine down
             failed = self._fail(plan, exc)
-        else:
-            if not plan.is_empty:
-                self._on_device = (plan, launched)
-                self.num_iterations += 1
-        if prev is None:
-            return failed
-        return failed + self._finish(*prev)
+        touched = failed + (self._finish(*prev) if prev is not None else [])
+        if launched is not None and not plan.is_empty:
+            # NOTE: after `_finish`: a grammar masks the plan's draw with the token just back.
+            seen = {id(r) for r in touched}
+            touched += [r for r in self._draw(plan, launched) if id(r) not in seen]
+        return touched
+
+    def _draw(self, plan: SchedulerOutput, launched: Any) -> list[Request]:
+        """Sample the launched plan where its draw waited for the previous plan's tokens (a
+        grammar's mask follows them); from then on it is on the device. Returns the requests
+        failed if the draw fails."""
+        try:
+            launched = self.runner.draw(launched)
+        except ExecutorDeadError:
+            raise
+        except Exception as exc:
+            return self._fail(plan, exc)
+        self._on_device = (plan, launched)
+        self.num_iterations += 1
+        return []
 
     def _finish(self, plan: SchedulerOutput, launched: Any) -> list[Request]:
-        scheduler = self.scheduler
         try:
             out = self.last_output = self.runner.finish(launched)
         except ExecutorDeadError:
@@ -249,7 +273,7 @@ class AsyncEngineCore(EngineCore):
         self.clock.advance(out.duration_s)
         self.busy_s += out.duration_s
         self.swap_wait_s += out.swap_wait_s
-        touched = scheduler.update(plan, out, self.clock.now())
+        touched = self._update(plan, out)
         self._back(plan)
         return touched
 

@@ -143,6 +143,9 @@ class LLMEngine:
                                       self.runner.num_blocks, self.runner.num_host_blocks,
                                       self.eos_token_ids)
         self.scheduler = self.core.scheduler
+        # NOTE: grammars take their tokens inside the step: async scheduling masks the next
+        # batch's draw with them there.
+        self.core.on_update = self._advance_grammars
         if self.scheduler.drafter is not None:  # a structured request's drafts keep to its grammar
             self.scheduler.drafter.vet = self.grammars.num_valid
         self.kv = self.scheduler.kv
@@ -351,7 +354,6 @@ class LLMEngine:
         if self.core.last_output is not None:
             self.outputs.take_logprobs(touched, self.core.last_output)
         for req in touched:
-            self._advance_grammar(req)
             if req.is_finished or not req.params.final_only or req.params.stop:
                 self._detokenize(req)
         for req in self._aborted:
@@ -370,16 +372,20 @@ class LLMEngine:
         self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
 
-    def _advance_grammar(self, req: Request) -> None:
-        """Feed a structured request's new token to its grammar; it stops once that ends."""
-        if req.params.structured_output is None or req.request_id not in self.grammars:
+    def _advance_grammars(self, touched: list[Request]) -> None:
+        """Feed the structured requests' new tokens to their grammars; each stops once its
+        grammar ends."""
+        if not len(self.grammars):
             return
-        try:
-            if self.grammars.advance(req) and not req.is_finished:
-                self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
-        except Exception as exc:
-            logger.exception("the grammar of request %s failed; failing it", req.request_id)
-            self._fail(req, f"structured output failed: {type(exc).__name__}: {exc}")
+        for req in touched:
+            if req.params.structured_output is None or req.request_id not in self.grammars:
+                continue
+            try:
+                if self.grammars.advance(req) and not req.is_finished:
+                    self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+            except Exception as exc:
+                logger.exception("the grammar of request %s failed; failing it", req.request_id)
+                self._fail(req, f"structured output failed: {type(exc).__name__}: {exc}")
 
     def _detokenize(self, req: Request) -> None:
         """Take the request's new tokens into its text and check its stop strings.

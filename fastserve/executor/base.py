@@ -58,6 +58,13 @@ class AsyncExecutor(Executor, Protocol):
         """Queue the plan's work on the device; returns what `finish` takes."""
         ...
 
+    def draw(self, launched: Any) -> Any:
+        """Queue the sampling of a launched plan whose draw waited for the previous plan's
+        tokens (a grammar's request, its token pending on the device, is masked as its
+        grammar stands once that token is back); returns what `finish` takes. A plan drawn
+        at launch is returned as it is."""
+        ...
+
     def finish(self, launched: Any) -> ExecutorOutput:
-        """Wait for a launched plan and read its tokens back (in launch order)."""
+        """Wait for a launched (and drawn) plan and read its tokens back (in launch order)."""
         ...

@@ -347,6 +347,8 @@ class StructuredOutputs:
             m = self._matchers.get(r.request_id)
             if m is None or not m.is_active:  # not yet begun (`after`): the output is free
                 continue
+            if m.matcher is not None and m.matcher.is_terminated():
+                continue  # it has stopped: a row launched before its last token was back
             try:
                 masked += self._fill_rows(m, r, bitmask, first)
             except Exception as exc:  # NOTE: a grammar that failed to compile fails its request

@@ -55,6 +55,17 @@ class FlatBatch:
 
 
 @dataclass(frozen=True)
+class Undrawn:
+    """A launched plan's logits, to be sampled once the previous plan's tokens are back: a
+    grammar's request among its rows is fed its newest token from the device, and its mask
+    is made on the host after that token (async scheduling, `ModelRunner.draw`)."""
+
+    logits: torch.Tensor  # [num_reqs, vocab]
+    reqs: list[ScheduledRequest]  # the rows to draw for
+    fed: torch.Tensor | None  # as `Sampler.draw` takes it
+
+
+@dataclass(frozen=True)
 class Launched:
     """A plan queued on the device (`ModelRunner.launch`), its tokens not read back yet."""
 
@@ -64,6 +75,7 @@ class Launched:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
     is_empty: bool = False  # no batch: only swaps and finished ids
     verified: PendingVerdicts | None = None  # the requests that verified drafts
+    undrawn: Undrawn | None = None  # not sampled yet: `draw` does (then `draft` is set)
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,13 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_siz
     kv_heads = max(1, arch.num_key_value_heads // tp_size)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_hidden_layers * kv_heads * arch.head_dim * block_size * elem
+
+
+def _waits_for_grammar(reqs: list[ScheduledRequest]) -> bool:
+    """Whether a request with a grammar samples after a token still on the device: its mask
+    follows that token (`ModelRunner.draw`)."""
+    return any(r.samples and r.params.structured_output is not None
+               and r.token_ids[0] == PENDING_TOKEN for r in reqs)
 
 
 def _counts_pending(reqs: list[ScheduledRequest]) -> bool:
@@ -171,12 +190,13 @@ class ModelRunner:
         logger.info("executor: %s", ", ".join(f"{k}={v}" for k, v in self.info.items()))
 
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
-        return self.finish(self.launch(plan))
+        return self.finish(self.draw(self.launch(plan)))
 
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput) -> Launched:
         """Queue the plan's work on the device (on a CPU: run it); `finish` reads the tokens
-        back. A decode fed PENDING_TOKEN takes the token the previous launch drew for it."""
+        back. A decode fed PENDING_TOKEN takes the token the previous launch drew for it; if
+        it has a grammar, sampling waits for `draw`."""
         start = time.perf_counter()
         self.sampler.drop(plan.finished_ids)
         self._receive(plan)
@@ -209,8 +229,21 @@ class ModelRunner:
             to_draw = plan.scheduled
             if flat.first_rows is not None:
                 logits, to_draw, verified = self._verify(logits, plan.scheduled, flat.first_rows)
+            if _waits_for_grammar(to_draw):
+                return Launched(start, swap_wait_s, None, prompt_lps, verified=verified,
+                                undrawn=Undrawn(logits, to_draw, fed))
             draft = self._last_draft = self.sampler.draw(logits, to_draw, fed)
         return Launched(start, swap_wait_s, draft, prompt_lps, verified=verified)
+
+    @torch.inference_mode()
+    def draw(self, launched: Launched) -> Launched:
+        """Sample a launched plan that `launch` left undrawn, now that the tokens it was fed
+        from the device are back and its grammars have taken them."""
+        u = launched.undrawn
+        if u is None:
+            return launched
+        draft = self._last_draft = self.sampler.draw(u.logits, u.reqs, u.fed)
+        return dataclasses.replace(launched, draft=draft, undrawn=None)
 
     @torch.inference_mode()
     def finish(self, launched: Launched) -> ExecutorOutput:

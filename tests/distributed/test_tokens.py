@@ -7,6 +7,7 @@ are swapped out and back every few iterations."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from fastserve import LLM, SamplingParams
 from fastserve.engine.core import AsyncEngineCore, PipelinedEngineCore
 from fastserve.executor.distributed.executor import DistributedExecutor
+from fastserve.request import StructuredOutputParams
 from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
@@ -91,6 +93,32 @@ def test_async_scheduling_with_tensor_parallelism(reference: list[list[int]], po
     assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
     if pool == "small":
         assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
+
+
+def test_async_scheduling_with_tensor_parallelism_masks_grammars() -> None:
+    """A grammar's job is scheduled ahead with tensor parallelism too: the driver draws its
+    next token once the one on the device is back and its grammar has taken it, and the
+    outputs are one device's scheduled in step."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    shaped = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutputParams(
+        "json", json.dumps(schema), "guided_json"))
+    params = [shaped, GREEDY, dataclasses.replace(shaped, temperature=1.0, seed=2)]
+    prompts = ["Answer in JSON:", "Hello", "Answer in JSON:"]
+    runs = []
+    for tp, async_scheduling in ((1, False), (2, True)):
+        llm = LLM(dtype=TEST_DTYPE, warmup=False, startup_profile=False, tensor_parallel_size=tp,
+                  worker_timeout_s=60.0, async_scheduling=async_scheduling)
+        try:
+            assert isinstance(llm.engine.core, AsyncEngineCore) == async_scheduling
+            runs.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    want, got = runs
+    for out in (got[0], got[2]):
+        assert out.finish_reason == "stop" and json.loads(out.text)["ok"] in (True, False)
+    if IS_EXACT_DTYPE:
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 @pytest.mark.parametrize("tp,pp,pool", [(2, 1, "ample"), (2, 1, "small"), (1, 2, "small")])

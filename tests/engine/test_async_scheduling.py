@@ -7,6 +7,7 @@ and failures."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -245,9 +246,9 @@ def test_the_default_is_async_on_one_cuda_device_only() -> None:
         assert type(_engine(None, device="cuda", policy="mlfq-preempt").core) is EngineCore
 
 
-@pytest.mark.parametrize("where", ["launch", "finish"])
+@pytest.mark.parametrize("where", ["launch", "draw", "finish"])
 def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> None:
-    """A batch whose launch (or read back) raises fails its own jobs, with the error, while
+    """A batch whose launch (its draw, or its read back) raises fails its own jobs, with the error, while
     the batch before it is still handed back; nothing is left ahead or held, and the engine
     serves the next request."""
     engine = _engine(True)
@@ -283,8 +284,7 @@ def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> No
 
 def test_sequences_grammars_and_echo_equal_scheduling_in_step() -> None:
     """`n`, `best_of` (scored by the sampled tokens' log-probabilities, each read back with
-    its step), a JSON grammar (its job sits every next iteration out), a stop string and
-    prompt log-probabilities."""
+    its step), a JSON grammar, a stop string and prompt log-probabilities."""
     pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = [
@@ -308,3 +308,43 @@ def test_sequences_grammars_and_echo_equal_scheduling_in_step() -> None:
     if TEST_DTYPE == "float32":
         assert got == want
     assert [r[0] for r in got] == [r[0] for r in want]
+
+
+def test_a_grammars_job_runs_every_iteration_its_mask_after_the_token_on_the_device() -> None:
+    """A structured request is scheduled ahead like any other: its next step is launched
+    with its token still on the device, and drawn from once that token is back and its
+    grammar has taken it. Its output keeps to its grammar and equals scheduling in step:
+    grammars that end before their length (a choice, a regex; the step launched after the
+    last token is dropped), one that runs to its length (JSON), sampled and greedy, beside
+    a free request."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    regex = "[a-z]{2,5}-[0-9]{2}"
+    grammars = [StructuredOutputParams("json", json.dumps(schema), "response_format"),
+                StructuredOutputParams("choice", ("yes", "no, never"), "structured_outputs"),
+                StructuredOutputParams("regex", regex, "structured_outputs")]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, structured_output=grammars[0]),
+              SamplingParams(max_tokens=24, temperature=0.0, structured_output=grammars[1]),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=5, structured_output=grammars[2]),
+              _greedy(16)]
+    runs = []
+    for async_scheduling in (False, True):
+        engine = _engine(async_scheduling, max_batch_size=8)
+        launched = record_launches(engine)
+        runs.append(_run(engine, _prompts(engine)[:4], params))
+        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+        assert len(engine.grammars) == 0
+    want, got = runs
+    json_steps = {i: s for i, plan in enumerate(launched) for s in plan.scheduled
+                  if s.request_id == "r0"}
+    json_plans = sorted(json_steps)
+    pending = [i for i in json_plans if json_steps[i].token_ids == [PENDING_TOKEN]]
+    # Every plan from its prefill to its last token, each decode fed from the device.
+    assert json_plans == list(range(json_plans[0], json_plans[0] + 24))
+    assert len(pending) == 23
+    assert [o.finish_reason for o in got] == ["length", "stop", "stop", "length"]
+    assert got[0].text.startswith('{"name": "')
+    assert got[1].text in ("yes", "no, never")
+    assert re.fullmatch(regex, got[2].text), got[2].text
+    if TEST_DTYPE == "float32":  # the same logits, the same seeded draws
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -192,6 +192,12 @@ class DistributedExecutor:
             seq, _ = self._send(plan)  # (one stage: the driver samples, with the grammars)
             return _Launch(seq, self.stage.launch(plan))
 
+    def draw(self, launched: _Launch) -> _Launch:
+        """The driver samples a launched plan that waited for its grammars (one stage: its
+        peers sample nothing)."""
+        with self._fatal():
+            return dataclasses.replace(launched, local=self.stage.draw(launched.local))
+
     def finish(self, launched: _Launch) -> ExecutorOutput:
         """The launched plan's tokens (the driver samples them)."""
         with self._fatal():
