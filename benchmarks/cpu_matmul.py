@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
-from fastserve.executor.cpu_linear import onednn_linear, pack, packed_shape
+from fastserve.executor.cpu_linear import onednn_linear, pack
 from fastserve.executor.cpu_memory import huge_page_views
 from fastserve.model.make_model import cached_model_path
 
@@ -53,7 +53,8 @@ def main() -> None:
     shapes = layer_shapes(model)
     g = torch.Generator().manual_seed(0)
     plain = [(torch.randn(o, i, generator=g) * 0.02).to(torch.bfloat16) for o, i in shapes]
-    ours = huge_page_views([packed_shape(w) for w in plain], torch.bfloat16)
+    # NOTE: the kernel's own shape, also on an AMX CPU (where the engine takes oneDNN's).
+    ours = huge_page_views([tuple(kernel.bf16_packed_shape(*w.shape)) for w in plain], torch.bfloat16)
     for w, dst in zip(plain, ours):
         kernel.bf16_pack_weight(w, dst)
     onednn = [pack(w) for w in plain]
@@ -63,10 +64,12 @@ def main() -> None:
         "onednn": lambda x, j: onednn_linear(x, onednn[j], None),
         "F.linear": lambda x, j: torch.nn.functional.linear(x, plain[j]),
     }
+    if hasattr(kernel, "bf16_linear_amx") and kernel.amx_ready():  # the same packed weights
+        ways["amx"] = lambda x, j: kernel.bf16_linear_amx(x, ours[j], None, shapes[j][0])
     print(f"{model.name}: {len(shapes)} linear layers, {weight_bytes / 1e6:.0f} MB bfloat16, "
           f"{torch.get_num_threads()} threads, CPU {cpu_isa()}; medians of {args.reps} interleaved reps")
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms (GB/s)':>20}" for name in ways)
-          + "   kernel vs onednn   vs F.linear")
+          + "   kernel vs onednn   vs F.linear" + ("   amx vs onednn" if "amx" in ways else ""))
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {i: torch.randn(rows, i, generator=g).to(torch.bfloat16) for i in {i for _, i in shapes}}
         times: dict[str, list[float]] = {name: [] for name in ways}
@@ -78,7 +81,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         cells = " ".join(f"{med[n] * 1e3:>10.2f} ({weight_bytes / med[n] / 1e9:>5.1f})   " for n in ways)
-        print(f"{rows:>5} {cells} {med['onednn'] / med['kernel']:>8.2f}x {med['F.linear'] / med['kernel']:>11.2f}x")
+        amx = f" {med['onednn'] / med['amx']:>14.2f}x" if "amx" in med else ""
+        print(f"{rows:>5} {cells} {med['onednn'] / med['kernel']:>8.2f}x {med['F.linear'] / med['kernel']:>11.2f}x{amx}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,15 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
   1.2x at 64, 1.07x at 256 and 1.0x at 2048: a decode batch's matmuls are bound by reading
   the weights, which the kernel streams near the memory's speed. At 4096 rows it was 0.91x
   oneDNN's and 0.94x `F.linear`'s, so larger calls take `F.linear` on the plain weights.
-- bfloat16 elsewhere oneDNN supports it (AMX tiles, or a build of the kernels without
-  AVX-512 BF16): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
+- bfloat16 with AMX: the same packed layout, read by the kernel's AMX tiles
+  (`bf16_linear_amx`), up to 768 rows (`AMX_MAX_ROWS`). On the small preset's 49 matmuls (a
+  2-core Sapphire Rapids, `benchmarks/cpu_matmul.py`, medians) it is 1.4-1.55x oneDNN's AMX
+  matmul at 1-32 rows (it streams the weights at 25-31 GB/s where oneDNN reached 17-21),
+  1.38x at 64, 1.18x at 128, 1.1-1.2x at 256-768, 0.99x at 1024 and 0.7x at 1536; larger
+  calls take `F.linear`. A weight whose input width is not a multiple of 32 (an A tile's
+  row) takes the AVX-512 path, which on that CPU is compute-bound past 16 rows.
+- bfloat16 elsewhere oneDNN supports it (a build of the kernels without AVX-512 BF16, or AMX
+  refused by the OS): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
   batches, a few percent for prefills). A CPU without bf16 instructions keeps the plain weights.
 The packed copies double the weights' memory; our kernel's are kept in huge pages
 (`cpu_memory`).
@@ -35,9 +42,14 @@ from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
 logger = logging.getLogger(__name__)
 
 KERNEL_LAYOUT = "avx512bf16-kernel"  # the name of `csrc/cpu_gemm.cpp`'s layout
+AMX_LAYOUT = "amx-bf16-kernel"  # the same layout, read by AMX tiles
 # Up to this many rows the kernel wins; larger calls (prefills of over 2048 tokens: the input
 # no longer stays in cache while each block is read) take the plain weights' F.linear.
 KERNEL_MAX_ROWS = 2048
+# With AMX: the tiles up to here (where oneDNN's and F.linear's blocking overtakes theirs);
+# the AVX-512 path (a weight the tiles cannot take) up to 16 rows, where F.linear catches up.
+AMX_MAX_ROWS = 768
+AVX512_ON_AMX_MAX_ROWS = 16
 
 # Up to this many rows a float32 packed weight wins (decode batches); prefills use the plain one.
 F32_PACKED_MAX_ROWS = 64
@@ -55,18 +67,35 @@ def pack(weight: Tensor) -> Tensor:
 
 
 def _bf16_kernel() -> ModuleType | None:
-    """The kernels' bfloat16 matmul where it is the one to use: built with AVX-512 BF16, on a
-    CPU without AMX (whose tiles oneDNN uses, unmeasured against ours)."""
+    """The kernels' bfloat16 matmul where it is the one to use: built with AVX-512 BF16, and
+    on a CPU with AMX, with the tiles' path, which Linux let this process use."""
     kernel = decode_attention_kernel()
-    if kernel is None or not hasattr(kernel, "bf16_linear") or cpu_isa() == "amx_bf16":
+    if kernel is None or not hasattr(kernel, "bf16_linear"):
         return None
+    if cpu_isa() == "amx_bf16" and not _has_amx(kernel):
+        return None  # oneDNN's AMX matmul beats the AVX-512 path there
     return kernel
 
 
-def _kernel_matmul(kernel: ModuleType, n: int) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+def _has_amx(kernel: ModuleType) -> bool:
+    return hasattr(kernel, "bf16_linear_amx") and bool(kernel.amx_ready())
+
+
+def _kernel_matmul(kernel: ModuleType, n: int, k: int
+                   ) -> tuple[Callable[[Tensor, Tensor, Tensor | None], Tensor], int]:
+    """The kernel's matmul for an [n, k] weight, and the most rows it takes."""
+    if _has_amx(kernel):
+        if k % 32 == 0:
+            def amx(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+                return kernel.bf16_linear_amx(x, packed, bias, n)
+            return amx, AMX_MAX_ROWS
+        max_rows = AVX512_ON_AMX_MAX_ROWS
+    else:
+        max_rows = KERNEL_MAX_ROWS
+
     def matmul(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
         return kernel.bf16_linear(x, packed, bias, n)
-    return matmul
+    return matmul, max_rows
 
 
 def weight_layout(dtype: torch.dtype, device: torch.device) -> str:
@@ -75,8 +104,9 @@ def weight_layout(dtype: torch.dtype, device: torch.device) -> str:
     FASTSERVE_CPU_KERNELS=0, no oneDNN, or no fast path for the dtype on this CPU)."""
     if not cpu_kernels_enabled() or device.type != "cpu":
         return "plain"
-    if dtype == torch.bfloat16 and _bf16_kernel() is not None:
-        return KERNEL_LAYOUT
+    kernel = _bf16_kernel() if dtype == torch.bfloat16 else None
+    if kernel is not None:
+        return AMX_LAYOUT if _has_amx(kernel) else KERNEL_LAYOUT
     if not torch.backends.mkldnn.is_available():
         return "plain"
     if dtype == torch.float32 or (dtype == torch.bfloat16
@@ -91,11 +121,12 @@ def packed_weight(weight: Tensor, max_rows: int | None = None,
     kernel's layout when given), used for calls of up to `max_rows` rows (default: per dtype);
     None where the plain weight is what runs."""
     layout = weight_layout(weight.dtype, weight.device)
-    if layout == KERNEL_LAYOUT:
+    if layout in (KERNEL_LAYOUT, AMX_LAYOUT):
         kernel = _bf16_kernel()
         assert kernel is not None
         packed = kernel.bf16_pack_weight(weight.detach(), out)
-        return PackedWeight(packed, _kernel_matmul(kernel, weight.shape[0]), max_rows or KERNEL_MAX_ROWS)
+        matmul, kernel_rows = _kernel_matmul(kernel, *weight.shape)
+        return PackedWeight(packed, matmul, min(max_rows or kernel_rows, kernel_rows))
     if layout == "plain":
         return None
     rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize
@@ -119,7 +150,7 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
     layout = weight_layout(layers[0].weight.dtype, layers[0].weight.device)
     try:
         outs: list[Tensor | None] = [None] * len(layers)
-        if layout == KERNEL_LAYOUT:
+        if layout in (KERNEL_LAYOUT, AMX_LAYOUT):
             outs = list(huge_page_views([packed_shape(m.weight) for m in layers], torch.bfloat16))
         for m, out in zip(layers, outs):
             m.packed = packed_weight(m.weight, max_rows, out)

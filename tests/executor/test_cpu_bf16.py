@@ -133,14 +133,27 @@ def test_bf16_packed_weights_give_the_plain_logits(tiny_model_path: Path) -> Non
 @pytest.mark.skipif(KERNEL is None or not hasattr(KERNEL, "bf16_linear"),
                     reason="the bfloat16 matmul kernel needs AVX-512 BF16 (the kernels on this "
                     "CPU are built without it, or are off)")
-@pytest.mark.parametrize("n,k", [(768, 768), (2304, 768), (100, 33), (130, 2048), (1, 8)])
-@pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 48, 49, 130])
-def test_bf16_matmul_kernel_is_the_exact_product_rounded(n: int, k: int, rows: int) -> None:
-    """`bf16_linear` (the CPU backend's bfloat16 matmul): every output the float32 product of
-    the bfloat16 inputs (+ bias) rounded to bfloat16, up to the sum's order, for row counts
-    across register tiles and row panels, an output count off the 64-wide blocks and an odd
-    input width; a strided and a 3-D input; bad input named."""
+@pytest.mark.parametrize("path", ["avx512", "amx"])
+@pytest.mark.parametrize("n,k", [(768, 768), (2304, 768), (100, 33), (130, 2048), (1, 8), (70, 96)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 16, 17, 48, 49, 130])
+def test_bf16_matmul_kernel_is_the_exact_product_rounded(path: str, n: int, k: int, rows: int) -> None:
+    """`bf16_linear` (the CPU backend's bfloat16 matmul) and, where the CPU has AMX,
+    `bf16_linear_amx` on the same packed weight: every output the float32 product of the
+    bfloat16 inputs (+ bias) rounded to bfloat16, up to the sum's order, for row counts across
+    register tiles, AMX's 16-row tiles and row panels, an output count off the 64-wide blocks
+    and an odd input width (AMX: refused, naming the multiple of 32 it needs); a strided and a
+    3-D input; bad input named."""
     assert KERNEL is not None
+    linear = KERNEL.bf16_linear
+    if path == "amx":
+        if not hasattr(KERNEL, "bf16_linear_amx") or not KERNEL.amx_ready():
+            pytest.skip("no AMX tiles on this CPU (or Linux refused them)")
+        linear = KERNEL.bf16_linear_amx
+        if k % 32:
+            with pytest.raises(RuntimeError, match="multiple of 32"):
+                linear(torch.zeros(rows, k, dtype=torch.bfloat16),
+                       KERNEL.bf16_pack_weight(torch.zeros(n, k, dtype=torch.bfloat16)), None, n)
+            return
     g = torch.Generator().manual_seed(rows * 7 + n)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
@@ -149,7 +162,7 @@ def test_bf16_matmul_kernel_is_the_exact_product_rounded(n: int, k: int, rows: i
     for x in (wide[:, :k].contiguous(), wide[:, 3:3 + k]):  # contiguous and strided rows
         for b in (None, bias):
             exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-            got = KERNEL.bf16_linear(x, packed, b, n)
+            got = linear(x, packed, b, n)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
             # one rounding to bfloat16 (half a unit in the 8th bit), plus float32 sums
             bound = exact.abs() * 2.0**-8 + 1e-5 * (x.double().abs() @ w.double().abs().T)
@@ -160,11 +173,11 @@ def test_bf16_matmul_kernel_is_the_exact_product_rounded(n: int, k: int, rows: i
     with pytest.raises(RuntimeError, match="out must be"):
         KERNEL.bf16_pack_weight(w, into[:, :1])
     x3 = wide[:, :k].reshape(1, rows, k)
-    assert torch.equal(KERNEL.bf16_linear(x3, packed, None, n), KERNEL.bf16_linear(x3[0], packed, None, n)[None])
+    assert torch.equal(linear(x3, packed, None, n), linear(x3[0], packed, None, n)[None])
     with pytest.raises(RuntimeError, match="bfloat16 input"):
-        KERNEL.bf16_linear(wide[:, :k].float(), packed, None, n)
+        linear(wide[:, :k].float(), packed, None, n)
     with pytest.raises(RuntimeError, match="does not fit"):
-        KERNEL.bf16_linear(wide, packed, None, n)
+        linear(wide, packed, None, n)
 
 
 @needs_kernels

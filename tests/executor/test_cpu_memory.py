@@ -64,7 +64,7 @@ def test_views_share_one_region_each_zeroed_aligned_and_apart() -> None:
 def test_cpu_engine_keeps_kv_cache_and_bf16_weights_in_huge_pages(tiny_model_path: Path) -> None:
     from fastserve import LLM
     from fastserve.executor.backends.cpu import CpuAttention
-    from fastserve.executor.cpu_linear import KERNEL_LAYOUT
+    from fastserve.executor.cpu_linear import AMX_LAYOUT, KERNEL_LAYOUT
 
     llm = LLM(model=str(tiny_model_path), dtype="bfloat16", kv_cache_gib=0.05, warmup=False,
               startup_profile=False)
@@ -74,5 +74,5 @@ def test_cpu_engine_keeps_kv_cache_and_bf16_weights_in_huge_pages(tiny_model_pat
     cache = runner.attn.kv_cache
     assert cache.data_ptr() % HUGE_PAGE == 0 and _huge_kib_at(cache.data_ptr()) > 0
     head = runner.model.lm_head.packed
-    if runner.info.get("weights") == KERNEL_LAYOUT:
+    if runner.info.get("weights") in (KERNEL_LAYOUT, AMX_LAYOUT):
         assert head is not None and _huge_kib_at(head.weight.data_ptr()) > 0

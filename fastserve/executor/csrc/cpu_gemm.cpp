@@ -6,8 +6,14 @@
 // Measured side by side on the small preset's 49 matmuls (2 cores, medians,
 // benchmarks/cpu_matmul.py): 1.8x oneDNN at 1-16 rows, 1.35x at 32, 1.07x at 256 (compute-bound
 // there, ~85% of the `vdpbf16ps` peak), 1.0x at 2048 and 0.91x at 4096 (the input no longer
-// stays in cache; cpu_linear.py sends such calls elsewhere). Where the CPU has AMX, oneDNN's
-// tiles are left to do it (cpu_linear.py).
+// stays in cache; cpu_linear.py sends such calls elsewhere).
+//
+// Where the CPU has AMX (bf16_linear_amx), the same packed weight is read by tiles: 16 k pairs of
+// a block are 16 rows of 256 bytes, and each 64 bytes of them is a B tile of 16 outputs in the
+// pair-interleaved order `tdpbf16ps` takes, loaded with a 256-byte stride. A decode batch is
+// bound by reading the weights there too: oneDNN's AMX matmul read them at 15-19 GB/s at 1-32
+// rows on a 2-core Sapphire Rapids, where this kernel's AVX-512 path streamed 28 GB/s at one row
+// but, at 1/32 the tiles' throughput, was compute-bound from 16 rows on.
 //
 // Layout: the weight [N, K] is packed once into blocks of 64 outputs, each [K/2][64][2]: one
 // 64-byte load is 16 outputs x 2 consecutive k, which `vdpbf16ps` multiplies by a broadcast
@@ -23,6 +29,11 @@
 
 #include <algorithm>
 #include <cstring>
+
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "vec.h"
 
@@ -135,35 +146,59 @@ torch::Tensor bf16_pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out
   return *out;
 }
 
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                          int64_t n) {
+namespace {
+
+// A call's operands checked and laid out for the kernels: x as rows of bfloat16 pairs (rows
+// padded with zeros to a multiple of `row_multiple`), y [m, n], the bias as float32.
+struct Call {
+  torch::Tensor x2, y, bias_f;
+  std::vector<int64_t> out_shape;
+  int64_t m, blocks;
+  Gemm g;
+};
+
+Call prepare(const char* fn, torch::Tensor x, torch::Tensor packed,
+             c10::optional<torch::Tensor> bias, int64_t n, int64_t row_multiple) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
-              "bf16_linear: bfloat16 input and weight expected, got ", x.scalar_type(), " and ",
+              fn, ": bfloat16 input and weight expected, got ", x.scalar_type(), " and ",
               packed.scalar_type());
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) == (k + 1) / 2 && packed.size(2) == kBlockN &&
                   n > 0 && n <= packed.size(0) * kBlockN,
-              "bf16_linear: weight packed as ", packed.sizes(), " does not fit input ", x.sizes(),
+              fn, ": weight packed as ", packed.sizes(), " does not fit input ", x.sizes(),
               " and ", n, " outputs");
-  const int64_t k2 = packed.size(1), blocks = packed.size(0);
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  torch::Tensor x2 = x.reshape({-1, k});
-  if (k % 2) x2 = at::constant_pad_nd(x2, {0, 1});  // a zero pair's second half
-  if (x2.stride(1) != 1 || x2.stride(0) % 2 || reinterpret_cast<uintptr_t>(x2.data_ptr()) % 4)
-    x2 = x2.contiguous();
-  const int64_t m = x2.size(0);
-  auto y = torch::empty({m, n}, x.options());
-  torch::Tensor bias_f;
+  Call c;
+  const int64_t k2 = packed.size(1);
+  c.blocks = packed.size(0);
+  c.out_shape = x.sizes().vec();
+  c.out_shape.back() = n;
+  c.x2 = x.reshape({-1, k});
+  c.m = c.x2.size(0);
+  const int64_t pad_rows = (row_multiple - c.m % row_multiple) % row_multiple;
+  if (k % 2 || pad_rows) c.x2 = at::constant_pad_nd(c.x2, {0, k % 2, 0, pad_rows});
+  if (c.x2.stride(1) != 1 || c.x2.stride(0) % 2 || reinterpret_cast<uintptr_t>(c.x2.data_ptr()) % 4)
+    c.x2 = c.x2.contiguous();
+  c.y = torch::empty({c.m, n}, x.options());
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "bf16_linear: bias of ", bias->numel(), " for ", n, " outputs");
-    bias_f = at::constant_pad_nd(bias->to(torch::kFloat32).reshape({n}), {0, blocks * kBlockN - n});
+    TORCH_CHECK(bias->numel() == n, fn, ": bias of ", bias->numel(), " for ", n, " outputs");
+    c.bias_f = at::constant_pad_nd(bias->to(torch::kFloat32).reshape({n}),
+                                   {0, c.blocks * kBlockN - n});
   }
-  if (m == 0) return y.view(out_shape);
-  const Gemm g{reinterpret_cast<const uint32_t*>(x2.data_ptr()), x2.stride(0) / 2,
-               reinterpret_cast<const uint16_t*>(packed.data_ptr()), k2,
-               bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-               reinterpret_cast<uint16_t*>(y.data_ptr()), n, n};
+  c.g = Gemm{reinterpret_cast<const uint32_t*>(c.x2.data_ptr()), c.x2.stride(0) / 2,
+             reinterpret_cast<const uint16_t*>(packed.data_ptr()), k2,
+             c.bias_f.defined() ? c.bias_f.data_ptr<float>() : nullptr,
+             reinterpret_cast<uint16_t*>(c.y.data_ptr()), n, n};
+  return c;
+}
+
+}  // namespace
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t n) {
+  const Call c = prepare("bf16_linear", x, packed, bias, n, 1);
+  const int64_t m = c.m, blocks = c.blocks;
+  if (m == 0) return c.y.view(c.out_shape);
+  const Gemm& g = c.g;
   const int64_t panels = (m + kPanelRows - 1) / kPanelRows;
   // Block-major: a thread runs every panel of a block before the next block, so the block is
   // read from memory once and from L2 for the other panels; the last panel prefetches the next.
@@ -174,6 +209,119 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
             p + 1 == panels && t + 1 < end && nb + 1 < blocks);
     }
   });
-  return y.view(out_shape);
+  return c.y.view(c.out_shape);
 }
+
+#ifdef FS_HAVE_AMX_BF16
+namespace {
+
+constexpr int kTileRows = 16;       // rows of x per A tile, and per C tile
+constexpr int64_t kStepPairs = 16;  // k pairs per tile product (32 k: an A tile row's 64 bytes)
+constexpr int64_t kStepBytes = kStepPairs * kBlockN * 2 * 2;  // a block's weight per product step
+constexpr int64_t kAmxPrefetchSteps = 2;  // how far ahead the first row tile prefetches (to L1)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: C, 16 rows x 16 float32 sums each (a 64-output block); 4: A, 16 rows x 32 bfloat16
+// of x; 5 and 6: B, 16 k pairs x 16 outputs x 2, taken in turns so that a load overlaps a product.
+void configure_tiles() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Block nb for the 16 rows from r0 (of the row-padded input; rows from m on are not written).
+// `prefetch`: the first row tile of the block reads it from memory, the others from L2.
+void amx_tile(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, float* c) {
+  const char* wb = reinterpret_cast<const char*>(g.w) + nb * g.block_bytes();
+  const char* xr = reinterpret_cast<const char*>(g.x + r0 * g.sx);
+  const int64_t x_stride = g.sx * 4;  // bytes per row of x
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kp = 0; kp < g.k2; kp += kStepPairs) {
+    const char* wk = wb + kp * kBlockN * 4;
+    if (prefetch) {
+      const char* ahead = wk + kAmxPrefetchSteps * kStepBytes;  // (past the block: the next one)
+      for (int64_t l = 0; l < kStepBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    }
+    _tile_loadd(4, xr + kp * 4, x_stride);
+    _tile_loadd(5, wk, kBlockN * 4);
+    _tile_loadd(6, wk + 64, kBlockN * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, wk + 128, kBlockN * 4);
+    _tile_loadd(6, wk + 192, kBlockN * 4);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  constexpr int64_t kTileFloats = kTileRows * 16;
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + kTileFloats, 64);
+  _tile_stored(2, c + 2 * kTileFloats, 64);
+  _tile_stored(3, c + 3 * kTileFloats, 64);
+  const int64_t valid = std::min(kBlockN, g.n - nb * kBlockN);
+  const int64_t rows = std::min<int64_t>(kTileRows, m - r0);
+  for (int64_t i = 0; i < rows; ++i) {
+    uint16_t* yr = g.y + (r0 + i) * g.sy + nb * kBlockN;
+    alignas(64) uint16_t buf[kBlockN];
+    uint16_t* dst = valid == kBlockN ? yr : buf;  // the last, partial block goes through buf
+    for (int j = 0; j < 4; ++j) {
+      __m512 v = _mm512_loadu_ps(c + j * kTileFloats + i * 16);
+      if (g.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(g.bias + nb * kBlockN + 16 * j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+    if (dst == buf) std::memcpy(yr, buf, valid * sizeof(uint16_t));
+  }
+}
+
+}  // namespace
+
+// Whether this process may use AMX tiles: Linux hands a process the tiles' state only when it
+// asks (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once.
+bool amx_ready() {
+#ifdef __linux__
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// bf16_linear on AMX tiles, for a weight whose K is a multiple of 32.
+torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
+                              c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(amx_ready(), "bf16_linear_amx: Linux refused this process the AMX tile state");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) % kStepPairs == 0,
+              "bf16_linear_amx: the weight's K must be a multiple of 32, packed as ", packed.sizes());
+  const Call c = prepare("bf16_linear_amx", x, packed, bias, n, kTileRows);
+  const int64_t m = c.m;
+  if (m == 0) return c.y.view(c.out_shape);
+  const Gemm& g = c.g;
+  const int64_t row_tiles = c.x2.size(0) / kTileRows;
+  // Block-major as bf16_linear: each block is read from memory by its first row tile.
+  at::parallel_for(0, c.blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();  // NOTE: per thread: the tile configuration is a thread's state
+    alignas(64) float sums[4 * kTileRows * 16];
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t t = 0; t < row_tiles; ++t) amx_tile(g, nb, t * kTileRows, m, t == 0, sums);
+    _tile_release();
+  });
+  return c.y.view(c.out_shape);
+}
+#endif  // FS_HAVE_AMX_BF16
 #endif  // FS_HAVE_AVX512_BF16

@@ -764,6 +764,11 @@ torch::Tensor bf16_pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t n);
 #endif
+#ifdef FS_HAVE_AMX_BF16
+bool amx_ready();
+torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
+                              c10::optional<torch::Tensor> bias, int64_t n);
+#endif
 
 // Which vector path this build took (it is compiled for the CPU it runs on: -march=native).
 std::string isa() {
@@ -787,6 +792,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack_weight", &bf16_pack_weight, "a [N, K] bfloat16 weight in bf16_linear's layout",
         py::arg("w"), py::arg("out") = py::none());
   m.def("bf16_linear", &bf16_linear, "x W^T (+ b) in bfloat16, W packed by bf16_pack_weight");
+#endif
+#ifdef FS_HAVE_AMX_BF16
+  m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (Linux grants them once asked)");
+  m.def("bf16_linear_amx", &bf16_linear_amx, "bf16_linear on AMX tiles (K a multiple of 32)");
 #endif
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU; float32 query, float32/bfloat16/float16 cache)");
   m.def("extend_attention", &extend_attention,

@@ -3,6 +3,7 @@
 //   FS_HAVE_AVX2         AVX2 + FMA: eight float32 lanes.
 //   FS_HAVE_AVX512_BF16  AVX-512 F + BF16: bfloat16 dot products and conversions, sixteen lanes
 //                        (FS_NO_AVX512_BF16 builds without it, for side-by-side timing).
+//   FS_HAVE_AMX_BF16     AMX tiles with bfloat16 dot products (with AVX-512 BF16 only).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -16,6 +17,12 @@
 #if defined(FS_HAVE_AVX2) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
     !defined(FS_NO_AVX512_BF16)
 #define FS_HAVE_AVX512_BF16 1
+#endif
+
+// AMX tiles (bfloat16 dot products 16 rows x 16 outputs x 32 k at a time): the matmul's decode
+// path on CPUs that have them (cpu_gemm.cpp); off with the AVX-512 BF16 paths.
+#if defined(FS_HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FS_HAVE_AMX_BF16 1
 #endif
 
 namespace {
