@@ -61,6 +61,7 @@ import httpx
 import numpy as np
 from http_bench import RunSummary, replay, start_server
 
+import fastserve
 from fastserve.bench.workloads import WorkItem, gamma_arrivals, trace_workload, zipf_workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +192,11 @@ def vllm_env(num_threads: int | None = None) -> dict[str, str]:
     # at batch 16 (or offline at batch 32: 8k).
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("PYTHONPATH", None)  # the peer must not see this repo's packages
+    # NOTE: importing fastserve here set its OpenMP defaults in this environment; the peer runs
+    # with its own (until this was dropped, vLLM inherited OMP_WAIT_POLICY=PASSIVE: 0.77-0.8x
+    # its offline throughput on a 2-core Sapphire Rapids).
+    for name in fastserve.OPENMP_DEFAULTS:
+        env.pop(name, None)
     return env
 
 

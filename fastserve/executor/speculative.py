@@ -35,7 +35,7 @@ from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, sampled_table, table_entry
-from fastserve.executor.sampler import Sampler, probabilities, race
+from fastserve.executor.sampler import Sampler, argmax_rows, probabilities, race
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.request import TokenLogprobs
 
@@ -130,7 +130,7 @@ def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
         masks.mask(logits, rows, list(range(len(rows))), errors)
     dev = logits.device
     draft_ids = to_device(drafts, torch.long, dev)  # [R]
-    tokens = logits.argmax(dim=-1)  # [R]: the greedy rows' next tokens
+    tokens = argmax_rows(logits)  # [R]: the greedy rows' next tokens
     accept = tokens == draft_ids  # [R]
     bad = ~torch.isfinite(logits.amax(dim=-1))  # [R]: every token barred
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
