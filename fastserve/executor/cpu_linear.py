@@ -13,11 +13,14 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
   oneDNN's and 0.94x `F.linear`'s, so larger calls take `F.linear` on the plain weights.
 - bfloat16 with AMX: the same packed layout, read by the kernel's AMX tiles
   (`bf16_linear_amx`), up to 768 rows (`AMX_MAX_ROWS`). On the small preset's 49 matmuls (a
-  2-core Sapphire Rapids, `benchmarks/cpu_matmul.py`, medians) it is 1.4-1.55x oneDNN's AMX
-  matmul at 1-32 rows (it streams the weights at 25-31 GB/s where oneDNN reached 17-21),
-  1.38x at 64, 1.18x at 128, 1.1-1.2x at 256-768, 0.99x at 1024 and 0.7x at 1536; larger
-  calls take `F.linear`. A weight whose input width is not a multiple of 32 (an A tile's
-  row) takes the AVX-512 path, which on that CPU is compute-bound past 16 rows.
+  2-core Xeon with AMX, `benchmarks/cpu_matmul.py`, medians of two runs' figures) it is
+  1.4-1.7x oneDNN's AMX matmul at 1 row, 1.55-1.8x at 16, 1.5-1.6x at 32 (it streams the
+  weights at 25-37 GB/s where oneDNN reached 17-21), 1.4x at 64, 1.1-1.2x at 128, 0.8-1.1x
+  at 256-512 (oneDNN's own figures move most there), 0.99x at 1024 and 0.7x at 1536; it
+  beats `F.linear`, what larger calls take, up to 512 rows at least. A weight whose input width is not a multiple of 32 (an A tile's
+  row) takes oneDNN's, every row count: the AVX-512 path is compute-bound there past 16
+  rows, and a row count at which two paths meet would make a row's result depend on its
+  batch (they round differently).
 - bfloat16 elsewhere oneDNN supports it (a build of the kernels without AVX-512 BF16, or AMX
   refused by the OS): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
   batches, a few percent for prefills). A CPU without bf16 instructions keeps the plain weights.
@@ -46,10 +49,8 @@ AMX_LAYOUT = "amx-bf16-kernel"  # the same layout, read by AMX tiles
 # Up to this many rows the kernel wins; larger calls (prefills of over 2048 tokens: the input
 # no longer stays in cache while each block is read) take the plain weights' F.linear.
 KERNEL_MAX_ROWS = 2048
-# With AMX: the tiles up to here (where oneDNN's and F.linear's blocking overtakes theirs);
-# the AVX-512 path (a weight the tiles cannot take) up to 16 rows, where F.linear catches up.
+# With AMX: the tiles up to here (where oneDNN's and F.linear's blocking overtakes theirs).
 AMX_MAX_ROWS = 768
-AVX512_ON_AMX_MAX_ROWS = 16
 
 # Up to this many rows a float32 packed weight wins (decode batches); prefills use the plain one.
 F32_PACKED_MAX_ROWS = 64
@@ -82,20 +83,31 @@ def _has_amx(kernel: ModuleType) -> bool:
 
 
 def _kernel_matmul(kernel: ModuleType, n: int, k: int
-                   ) -> tuple[Callable[[Tensor, Tensor, Tensor | None], Tensor], int]:
-    """The kernel's matmul for an [n, k] weight, and the most rows it takes."""
+                   ) -> tuple[Callable[[Tensor, Tensor, Tensor | None], Tensor], int] | None:
+    """The kernel's matmul for an [n, k] weight and the most rows it takes; None where the
+    kernel is not the one for it (with AMX, a k that is not a multiple of 32)."""
     if _has_amx(kernel):
-        if k % 32 == 0:
-            def amx(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-                return kernel.bf16_linear_amx(x, packed, bias, n)
-            return amx, AMX_MAX_ROWS
-        max_rows = AVX512_ON_AMX_MAX_ROWS
-    else:
-        max_rows = KERNEL_MAX_ROWS
+        if k % 32:
+            return None
+
+        def amx(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+            return kernel.bf16_linear_amx(x, packed, bias, n)
+        return amx, AMX_MAX_ROWS
 
     def matmul(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
         return kernel.bf16_linear(x, packed, bias, n)
-    return matmul, max_rows
+    return matmul, KERNEL_MAX_ROWS
+
+
+def _kernel_for(weight: Tensor) -> tuple[ModuleType, tuple[Callable[[Tensor, Tensor, Tensor | None],
+                                                                    Tensor], int]] | None:
+    """The kernel and its matmul for `weight`, where `packed_weight` packs it in the kernel's
+    layout; else None."""
+    if weight_layout(weight.dtype, weight.device) not in (KERNEL_LAYOUT, AMX_LAYOUT):
+        return None
+    kernel = _bf16_kernel()
+    found = None if kernel is None else _kernel_matmul(kernel, *weight.shape)
+    return None if kernel is None or found is None else (kernel, found)
 
 
 def weight_layout(dtype: torch.dtype, device: torch.device) -> str:
@@ -121,11 +133,10 @@ def packed_weight(weight: Tensor, max_rows: int | None = None,
     kernel's layout when given), used for calls of up to `max_rows` rows (default: per dtype);
     None where the plain weight is what runs."""
     layout = weight_layout(weight.dtype, weight.device)
-    if layout in (KERNEL_LAYOUT, AMX_LAYOUT):
-        kernel = _bf16_kernel()
-        assert kernel is not None
+    found = _kernel_for(weight)
+    if found is not None:
+        kernel, (matmul, kernel_rows) = found
         packed = kernel.bf16_pack_weight(weight.detach(), out)
-        matmul, kernel_rows = _kernel_matmul(kernel, *weight.shape)
         return PackedWeight(packed, matmul, min(max_rows or kernel_rows, kernel_rows))
     if layout == "plain":
         return None
@@ -150,8 +161,11 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
     layout = weight_layout(layers[0].weight.dtype, layers[0].weight.device)
     try:
         outs: list[Tensor | None] = [None] * len(layers)
-        if layout in (KERNEL_LAYOUT, AMX_LAYOUT):
-            outs = list(huge_page_views([packed_shape(m.weight) for m in layers], torch.bfloat16))
+        mine = [i for i, m in enumerate(layers) if _kernel_for(m.weight) is not None]
+        if mine:  # the kernel's weights, in one region of huge pages
+            views = huge_page_views([packed_shape(layers[i].weight) for i in mine], torch.bfloat16)
+            for i, view in zip(mine, views):
+                outs[i] = view
         for m, out in zip(layers, outs):
             m.packed = packed_weight(m.weight, max_rows, out)
     except (RuntimeError, AttributeError) as exc:  # an ATen built without the op: plain weights

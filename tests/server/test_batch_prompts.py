@@ -55,7 +55,11 @@ def test_lm_eval_loglikelihood_batch(server: ServerProcess) -> None:
         single = complete(server, prompt=text, max_tokens=0, echo=True, logprobs=1).json()["choices"][0]
         assert choice["text"] == text == single["text"]
         assert choice["logprobs"]["tokens"] == single["logprobs"]["tokens"]
-        assert choice["logprobs"]["token_logprobs"] == pytest.approx(single["logprobs"]["token_logprobs"])
+        got, want = choice["logprobs"]["token_logprobs"], single["logprobs"]["token_logprobs"]
+        assert got[0] is None and want[0] is None  # the first token has no context
+        # NOTE: up to float32 sums in another order: a batch's matmuls are of another shape
+        # (MKL's float32 GEMM on an AMX Xeon put them 1.2e-6 apart, relative).
+        assert got[1:] == pytest.approx(want[1:], rel=1e-5)
 
 
 def test_the_openai_client_sends_a_batch(client: openai.OpenAI) -> None:

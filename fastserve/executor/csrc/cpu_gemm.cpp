@@ -228,19 +228,49 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-3: C, 16 rows x 16 float32 sums each (a 64-output block); 4: A, 16 rows x 32 bfloat16
-// of x; 5 and 6: B, 16 k pairs x 16 outputs x 2, taken in turns so that a load overlaps a product.
+// Every tile 16 rows x 64 bytes: C, 16 rows x 16 float32 sums; A, 16 rows x 32 bfloat16 of x;
+// B, 16 k pairs x 16 outputs x 2. How `amx_tile` and `amx_pair` use the eight, see there.
 void configure_tiles() {
   TileConfig cfg{};
   cfg.palette_id = 1;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kTileRows;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
 }
 
-// Block nb for the 16 rows from r0 (of the row-padded input; rows from m on are not written).
+constexpr int64_t kTileFloats = kTileRows * 16;  // one C tile stored: [16 rows][16 outputs]
+
+// The 16 rows from r0 of `num` C tiles stored at c (tile j at c + j * kTileFloats, outputs
+// col0 + 16 j of block nb) into y, with the bias, as bfloat16; rows from m on are not written.
+void store_rows(const Gemm& g, int64_t nb, int64_t r0, int64_t m, const float* c, int64_t col0,
+                int num) {
+  const int64_t first = nb * kBlockN + col0;
+  const int64_t valid = std::min<int64_t>(16 * num, g.n - first);
+  if (valid <= 0) return;
+  const int64_t rows = std::min<int64_t>(kTileRows, m - r0);
+  for (int64_t i = 0; i < rows; ++i) {
+    uint16_t* yr = g.y + (r0 + i) * g.sy + first;
+    alignas(64) uint16_t buf[kBlockN];
+    uint16_t* dst = valid == 16 * num ? yr : buf;  // the last, partial block goes through buf
+    for (int j = 0; j < num; ++j) {
+      __m512 v = _mm512_loadu_ps(c + j * kTileFloats + i * 16);
+      if (g.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(g.bias + first + 16 * j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+    if (dst == buf) std::memcpy(yr, buf, valid * sizeof(uint16_t));
+  }
+}
+
+// Asks for the block's weight one product step ahead of `wk` (past the block: the next one's).
+inline void prefetch_step(const char* wk) {
+  const char* ahead = wk + kAmxPrefetchSteps * kStepBytes;
+  for (int64_t l = 0; l < kStepBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+}
+
+// Block nb for the 16 rows from r0 (of the row-padded input). Tiles 0-3: C for the block's
+// four 16-output slices; 4: A; 5 and 6: B, taken in turns so that a load overlaps a product.
 // `prefetch`: the first row tile of the block reads it from memory, the others from L2.
 void amx_tile(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, float* c) {
   const char* wb = reinterpret_cast<const char*>(g.w) + nb * g.block_bytes();
@@ -252,10 +282,7 @@ void amx_tile(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, f
   _tile_zero(3);
   for (int64_t kp = 0; kp < g.k2; kp += kStepPairs) {
     const char* wk = wb + kp * kBlockN * 4;
-    if (prefetch) {
-      const char* ahead = wk + kAmxPrefetchSteps * kStepBytes;  // (past the block: the next one)
-      for (int64_t l = 0; l < kStepBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-    }
+    if (prefetch) prefetch_step(wk);
     _tile_loadd(4, xr + kp * 4, x_stride);
     _tile_loadd(5, wk, kBlockN * 4);
     _tile_loadd(6, wk + 64, kBlockN * 4);
@@ -266,23 +293,44 @@ void amx_tile(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, f
     _tile_dpbf16ps(2, 4, 5);
     _tile_dpbf16ps(3, 4, 6);
   }
-  constexpr int64_t kTileFloats = kTileRows * 16;
   _tile_stored(0, c, 64);
   _tile_stored(1, c + kTileFloats, 64);
   _tile_stored(2, c + 2 * kTileFloats, 64);
   _tile_stored(3, c + 3 * kTileFloats, 64);
-  const int64_t valid = std::min(kBlockN, g.n - nb * kBlockN);
-  const int64_t rows = std::min<int64_t>(kTileRows, m - r0);
-  for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* yr = g.y + (r0 + i) * g.sy + nb * kBlockN;
-    alignas(64) uint16_t buf[kBlockN];
-    uint16_t* dst = valid == kBlockN ? yr : buf;  // the last, partial block goes through buf
-    for (int j = 0; j < 4; ++j) {
-      __m512 v = _mm512_loadu_ps(c + j * kTileFloats + i * 16);
-      if (g.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(g.bias + nb * kBlockN + 16 * j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+  store_rows(g, nb, r0, m, c, 0, 4);
+}
+
+// Block nb for the 32 rows from r0, in two passes of 32 outputs: each B tile loaded is used by
+// both row tiles (half the loads of two `amx_tile`s). Tiles 0-1: C of rows r0.. for the pass's
+// two 16-output slices, 2-3: of rows r0 + 16..; 4-5: A of each row tile; 6-7: B.
+void amx_pair(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, float* c) {
+  const char* wb = reinterpret_cast<const char*>(g.w) + nb * g.block_bytes();
+  const char* x0 = reinterpret_cast<const char*>(g.x + r0 * g.sx);
+  const char* x1 = reinterpret_cast<const char*>(g.x + (r0 + kTileRows) * g.sx);
+  const int64_t x_stride = g.sx * 4;
+  for (int64_t half = 0; half < 2; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kp = 0; kp < g.k2; kp += kStepPairs) {
+      const char* wk = wb + kp * kBlockN * 4;
+      if (prefetch && half == 0) prefetch_step(wk);  // (the second pass reads it from L2)
+      _tile_loadd(4, x0 + kp * 4, x_stride);
+      _tile_loadd(5, x1 + kp * 4, x_stride);
+      _tile_loadd(6, wk + half * 128, kBlockN * 4);
+      _tile_loadd(7, wk + half * 128 + 64, kBlockN * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    if (dst == buf) std::memcpy(yr, buf, valid * sizeof(uint16_t));
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + kTileFloats, 64);
+    _tile_stored(2, c + 2 * kTileFloats, 64);
+    _tile_stored(3, c + 3 * kTileFloats, 64);
+    store_rows(g, nb, r0, m, c, half * 32, 2);
+    store_rows(g, nb, r0 + kTileRows, m, c + 2 * kTileFloats, half * 32, 2);
   }
 }
 
@@ -317,8 +365,11 @@ torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
   at::parallel_for(0, c.blocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // NOTE: per thread: the tile configuration is a thread's state
     alignas(64) float sums[4 * kTileRows * 16];
-    for (int64_t nb = begin; nb < end; ++nb)
-      for (int64_t t = 0; t < row_tiles; ++t) amx_tile(g, nb, t * kTileRows, m, t == 0, sums);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      int64_t t = 0;
+      for (; t + 2 <= row_tiles; t += 2) amx_pair(g, nb, t * kTileRows, m, t == 0, sums);
+      if (t < row_tiles) amx_tile(g, nb, t * kTileRows, m, t == 0, sums);
+    }
     _tile_release();
   });
   return c.y.view(c.out_shape);
