@@ -263,6 +263,21 @@ void store_rows(const Gemm& g, int64_t nb, int64_t r0, int64_t m, const float* c
   }
 }
 
+// C tiles 0-3: zeroed, and stored to c (tile j at c + j * kTileFloats).
+inline void zero_sums() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+inline void store_sums(float* c) {
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + kTileFloats, 64);
+  _tile_stored(2, c + 2 * kTileFloats, 64);
+  _tile_stored(3, c + 3 * kTileFloats, 64);
+}
+
 // Asks for the block's weight one product step ahead of `wk` (past the block: the next one's).
 inline void prefetch_step(const char* wk) {
   const char* ahead = wk + kAmxPrefetchSteps * kStepBytes;
@@ -276,10 +291,7 @@ void amx_tile(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, f
   const char* wb = reinterpret_cast<const char*>(g.w) + nb * g.block_bytes();
   const char* xr = reinterpret_cast<const char*>(g.x + r0 * g.sx);
   const int64_t x_stride = g.sx * 4;  // bytes per row of x
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_sums();
   for (int64_t kp = 0; kp < g.k2; kp += kStepPairs) {
     const char* wk = wb + kp * kBlockN * 4;
     if (prefetch) prefetch_step(wk);
@@ -293,10 +305,7 @@ void amx_tile(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, f
     _tile_dpbf16ps(2, 4, 5);
     _tile_dpbf16ps(3, 4, 6);
   }
-  _tile_stored(0, c, 64);
-  _tile_stored(1, c + kTileFloats, 64);
-  _tile_stored(2, c + 2 * kTileFloats, 64);
-  _tile_stored(3, c + 3 * kTileFloats, 64);
+  store_sums(c);
   store_rows(g, nb, r0, m, c, 0, 4);
 }
 
@@ -309,10 +318,7 @@ void amx_pair(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, f
   const char* x1 = reinterpret_cast<const char*>(g.x + (r0 + kTileRows) * g.sx);
   const int64_t x_stride = g.sx * 4;
   for (int64_t half = 0; half < 2; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     for (int64_t kp = 0; kp < g.k2; kp += kStepPairs) {
       const char* wk = wb + kp * kBlockN * 4;
       if (prefetch && half == 0) prefetch_step(wk);  // (the second pass reads it from L2)
@@ -325,10 +331,7 @@ void amx_pair(const Gemm& g, int64_t nb, int64_t r0, int64_t m, bool prefetch, f
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c, 64);
-    _tile_stored(1, c + kTileFloats, 64);
-    _tile_stored(2, c + 2 * kTileFloats, 64);
-    _tile_stored(3, c + 3 * kTileFloats, 64);
+    store_sums(c);
     store_rows(g, nb, r0, m, c, half * 32, 2);
     store_rows(g, nb, r0 + kTileRows, m, c + 2 * kTileFloats, half * 32, 2);
   }
