@@ -17,10 +17,10 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
   1.4-1.7x oneDNN's AMX matmul at 1 row, 1.55-1.8x at 16, 1.5-1.6x at 32 (it streams the
   weights at 25-37 GB/s where oneDNN reached 17-21), 1.4x at 64, 1.1-1.2x at 128, 0.8-1.1x
   at 256-512 (oneDNN's own figures move most there), 0.99x at 1024 and 0.7x at 1536; it
-  beats `F.linear`, what larger calls take, up to 512 rows at least. A weight whose input width is not a multiple of 32 (an A tile's
-  row) takes oneDNN's, every row count: the AVX-512 path is compute-bound there past 16
-  rows, and a row count at which two paths meet would make a row's result depend on its
-  batch (they round differently).
+  beats `F.linear`, what larger calls take, up to 512 rows at least. A weight whose input
+  width is not a multiple of 32 (an A tile's row) takes oneDNN's, every row count: the
+  AVX-512 path is compute-bound there past 16 rows, and a row count at which two paths meet
+  would make a row's result depend on its batch (they round differently).
 - bfloat16 elsewhere oneDNN supports it (a build of the kernels without AVX-512 BF16, or AMX
   refused by the OS): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
   batches, a few percent for prefills). A CPU without bf16 instructions keeps the plain weights.
@@ -106,8 +106,10 @@ def _kernel_for(weight: Tensor) -> tuple[ModuleType, tuple[Callable[[Tensor, Ten
     if weight_layout(weight.dtype, weight.device) not in (KERNEL_LAYOUT, AMX_LAYOUT):
         return None
     kernel = _bf16_kernel()
-    found = None if kernel is None else _kernel_matmul(kernel, *weight.shape)
-    return None if kernel is None or found is None else (kernel, found)
+    if kernel is None:
+        return None
+    found = _kernel_matmul(kernel, *weight.shape)
+    return None if found is None else (kernel, found)
 
 
 def weight_layout(dtype: torch.dtype, device: torch.device) -> str:
