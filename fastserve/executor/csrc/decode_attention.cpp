@@ -13,6 +13,7 @@
 // prefetcher has ramped up, so decode read scattered blocks at a third of the speed it read
 // adjacent ones (10-12 against 28-30 GB/s on 2 Zen 4 cores); the task therefore asks for its
 // blocks into L2 ahead of use (`BlockPrefetch`): 1.7-1.9x on scattered blocks, 20-23 GB/s.
+// It asks for the head of each block only, and leaves the rest to the L2's streamer.
 // With AVX2 + FMA and head_dim 64 or 128 the dot products run four K rows at a time in
 // registers (independent FMA chains instead of one latency-bound chain per row) and the output
 // accumulates in registers across a block.
@@ -112,8 +113,17 @@ inline void prefetch_l2(const char* p) {
 // Software prefetch of a task's K and V blocks into L2: the first kAheadBytes of each up
 // front (short contexts are then all in flight at once), then one block per block consumed,
 // staying kAheadBytes ahead. Tried on scattered blocks: one task ahead, or all of a task's
-// blocks at once, lost to this at long contexts (they push unread blocks out of L2).
+// blocks at once, lost to this at long contexts (they push unread blocks out of L2), and so
+// did one stream of blocks running ahead across a thread's tasks.
 constexpr int64_t kAheadBytes = 32 << 10;
+// Of each block, only the first kHeadBytes are asked for: their misses start the L2's own
+// streaming prefetcher on the rest of the block, and a software prefetch holds one of the
+// core's few line-fill buffers until its line arrives, so asking for every line left fewer
+// misses in flight. On 2 Sapphire Rapids cores, 12 layers of decode attention at batch 16
+// over scattered 16-token blocks (bfloat16 / float32 cache, head_dim 64): 1.15x / 1.25x
+// faster at context 64, 1.2x / 1.3x at 512, 1.25x / 1.4x at 1024 than prefetching whole blocks
+// (512 bytes lost at 160-256 tokens, 2 KiB at every length).
+constexpr int64_t kHeadBytes = 1024;
 
 template <typename CacheT>
 struct BlockPrefetch {
@@ -130,8 +140,8 @@ struct BlockPrefetch {
     // adjacent blocks at full speed; asking again cost 15% on adjacent blocks.
     if (b >= num_blocks || (b > 0 && table[b] == table[b - 1] + 1)) return;
     const char* p = reinterpret_cast<const char*>(base + int64_t(table[b]) * block_elems);
-    for (int64_t o = 0; o < block_elems * int64_t(sizeof(CacheT)); o += 64)
-      prefetch_l2(p + o);
+    const int64_t bytes = std::min<int64_t>(kHeadBytes, block_elems * int64_t(sizeof(CacheT)));
+    for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
   }
   void start() const {
     for (int64_t b = 0; b < ahead; ++b) fetch(b);
