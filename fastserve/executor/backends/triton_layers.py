@@ -9,6 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
+# Multiply-adds in the kernels that round as the tensor ops do only where a launch says
+# otherwise (rotary, float32). Named at every launch: Triton 3.9 warns that its default (on)
+# turns off in 3.10, which would change the kernels' roundings and speed with the version.
+FP_FUSION = True
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -43,6 +48,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, res_out, x.stride(0), res.stride(0), hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+        enable_fp_fusion=FP_FUSION,
     )
     return out if residual is None else (out, res_out)
 
@@ -68,8 +74,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     assert x.stride(1) == 1
     out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter,
-                                                                 BLOCK=block)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x, out, x.stride(0), inter, BLOCK=block, enable_fp_fusion=FP_FUSION)
     return out
 
 

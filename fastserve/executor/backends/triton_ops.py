@@ -27,7 +27,7 @@ import triton.language as tl
 
 from fastserve.executor.attention import FP8_MAX, compute_dtype, is_fp8
 from fastserve.executor.backends.triton_configs import DecodeConfig, decode_config
-from fastserve.executor.backends.triton_layers import rotate_half
+from fastserve.executor.backends.triton_layers import FP_FUSION, rotate_half
 
 # Whether these kernels run under Triton's interpreter (read when triton decorates them): then
 # they take CPU tensors, which is how the tests run them without a GPU.
@@ -184,7 +184,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
         num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        FP8_MAX=_fp8_max(k_cache),
+        FP8_MAX=_fp8_max(k_cache), enable_fp_fusion=FP_FUSION,
     )
 
 
@@ -405,7 +405,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         STORE_NEW=new_kv is not None, FP8_MAX=_fp8_max(k_cache),
         ROTARY=rotary is not None,
         # float32: a multiply-add would skip a rounding of the rotation (see rotate_half).
-        enable_fp_fusion=not (rotary is not None and q.dtype == torch.float32),
+        enable_fp_fusion=FP_FUSION and not (rotary is not None and q.dtype == torch.float32),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
     )
@@ -413,6 +413,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _decode_merge_kernel[(num_decodes, num_heads)](
             o_part, lse_part, q_rows, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            enable_fp_fusion=FP_FUSION,
         )
 
 
@@ -501,4 +502,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(1), block_table.stride(0), scale * LOG2E,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32,
         PRECISION=_precision(k_cache, q), DOT_DT=dot_dt, FP8_ASM=_fp8_asm(k_cache, dot_dt),
+        enable_fp_fusion=FP_FUSION,
     )
