@@ -202,19 +202,21 @@ def run_offline(scheduler: str, args: argparse.Namespace, items: list[WorkItem],
     """Output tokens per second of `LLM.generate` over all jobs at once (no arrival times)."""
     from fastserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, policy=scheduler, max_batch_size=args.max_batch_size,
-              device=args.device, load_format=args.load_format)
     params = [SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True) for w in items]
     result: list[float] = []
 
     def generate() -> None:
+        llm = LLM(model=args.model, dtype=args.dtype, policy=scheduler,
+                  max_batch_size=args.max_batch_size, device=args.device,
+                  load_format=args.load_format)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         result.append(sum(len(o.token_ids) for o in outs) / elapsed)
 
-    # NOTE: the server steps its engine in a background thread (AsyncLLM); so does this run,
-    # because torch's intra-op threading can behave very differently off the main thread.
+    # NOTE: the server builds and steps its engine on a background thread (AsyncLLM); so does
+    # this run. An engine stepped off the thread that built it runs slower on CPU (a second
+    # team of OpenMP workers: fastserve/executor/openmp.py), so both happen on the worker.
     if args.offline_main_thread:
         generate()
     else:

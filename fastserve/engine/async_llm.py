@@ -25,6 +25,8 @@ from typing import Any
 from fastserve.config import EngineConfig
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.engine.loras import ServedAdapter
+from fastserve.executor.openmp import release_thread_team
+from fastserve.model.lora import Adapter
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,10 +78,10 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        """Builds the engine on the engine thread (see `_start`); raises what building it
+        raised."""
         self.config = config
-        self.engine = engine or LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -87,12 +89,19 @@ class AsyncLLM:
         self._stopping = False
         self._closed = False  # set by the engine thread once it takes no more commands
         self.dead_reason: str | None = None
-        self._stats: dict[str, Any] = self.engine.stats()
+        self._stats: dict[str, Any] = {}
         self._stats_s = time.monotonic()
         # Callbacks run on the engine thread for every finished output (metrics).
         self.on_finish: list[Callable[[RequestOutput], None]] = []
-        self._thread = threading.Thread(target=self._run, name="fastserve-engine", daemon=True)
+        # The caller's OpenMP workers, if it ran parallel ops (a model made or loaded), would
+        # slow every op of the engine thread's (fastserve/executor/openmp.py).
+        release_thread_team()
+        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._start, args=(built,), name="fastserve-engine",
+                                        daemon=True)
         self._thread.start()
+        self.engine = built.result()
+        self.tokenizer = self.engine.tokenizer
 
     # -- public API -------------------------------------------------------------------------
 
@@ -187,7 +196,13 @@ class AsyncLLM:
     async def load_lora(self, name: str, path: str, replace: bool = False) -> ServedAdapter:
         """Serve the PEFT adapter at `path` as `name` from now on (read off the engine thread,
         put in place between iterations). Raises LoRAError naming what is wrong."""
-        adapter = await asyncio.to_thread(self.engine.loras.read, name, path)
+        def read() -> Adapter:
+            try:
+                return self.engine.loras.read(name, path)
+            finally:  # the worker thread lives on: its OpenMP workers would slow the engine's
+                release_thread_team()
+
+        adapter = await asyncio.to_thread(read)
         return await self._call(lambda: self.engine.add_lora(adapter, path, replace=replace))
 
     async def unload_lora(self, name: str) -> ServedAdapter:
@@ -273,6 +288,25 @@ class AsyncLLM:
         for _, fut in left:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(error)
+
+    def _start(self, built: concurrent.futures.Future[LLMEngine]) -> None:
+        """Build the engine, then run it, on this one thread.
+
+        NOTE: every forward pass (the warm-up and the start-up profile too) runs on the thread
+        that built the engine: a second thread running torch's parallel ops keeps a second
+        team of OpenMP workers alive, which slowed every op of the decode step 1.5x
+        (fastserve/executor/openmp.py).
+        """
+        try:
+            engine = LLMEngine(self.config)
+            self.engine = engine
+            self._stats = engine.stats()
+        except BaseException as exc:
+            built.set_exception(exc)
+            self._close()
+            return
+        built.set_result(engine)
+        self._run()
 
     def _run(self) -> None:
         try:

@@ -325,3 +325,35 @@ def test_priority_orders_requests_over_the_policy() -> None:
 
     asyncio.run(main())
     assert finished == ["urgent", "long", "later"]
+
+
+def test_the_engine_is_built_and_stepped_on_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every forward pass runs on the thread that built the engine: a second thread's OpenMP
+    workers would slow each of its ops (fastserve/executor/openmp.py)."""
+    import fastserve.engine.async_llm as async_llm
+
+    threads: dict[str, set[str]] = {"built": set(), "stepped": set()}
+
+    class Spied(async_llm.LLMEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            threads["built"].add(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+        def step(self) -> list[RequestOutput]:
+            threads["stepped"].add(threading.current_thread().name)
+            return super().step()
+
+    monkeypatch.setattr(async_llm, "LLMEngine", Spied)
+    llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, max_batch_size=2, warmup=False))
+    try:
+        out = asyncio.run(_collect(llm, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert out[-1].finished and len(out[-1].token_ids) == 3
+    finally:
+        asyncio.run(llm.shutdown(grace_s=0))
+    assert threads == {"built": {"fastserve-engine"}, "stepped": {"fastserve-engine"}}
+
+
+def test_an_engine_that_fails_to_build_raises_from_the_constructor(tmp_path: Any) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(Exception, match="no-such-model"):
+        AsyncLLM(engine_config(model=str(missing), dtype=TEST_DTYPE, warmup=False))
