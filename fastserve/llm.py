@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +15,8 @@ from tqdm import tqdm
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -27,6 +31,8 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._is_shut_down = False
+        self._built_on = threading.current_thread()
+        self._is_thread_warned = False
 
     def __enter__(self) -> LLM:
         return self
@@ -86,6 +92,7 @@ class LLM:
         loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompt_list):
             raise ValueError(f"got {len(loras)} LoRA adapter names for {len(prompt_list)} prompts")
+        self._warn_off_thread()
         ids = []
         for prompt, p, adapter in zip(prompt_list, param_list, loras, strict=True):
             # Only the final outputs are returned: none is built per token.
@@ -100,6 +107,22 @@ class LLM:
                     if out.ends_request:
                         bar.update(1)
         return [_with_outputs(results[i]) for i in ids]
+
+    def _warn_off_thread(self) -> None:
+        """Once, on CPU: generating on another thread than the one that built this LLM, while
+        that one lives, makes every op of the forward pass wait for sleeping OpenMP workers
+        (fastserve/executor/openmp.py)."""
+        here = threading.current_thread()
+        if (self._is_thread_warned or here is self._built_on or not self._built_on.is_alive()
+                or self.config.model.device != "cpu"):
+            return
+        self._is_thread_warned = True
+        logger.warning(
+            "LLM.generate runs on thread %r, not on %r, which built this LLM and still runs: "
+            "its OpenMP workers slow every op here (a decode step 1.5x on 2 cores). Build the "
+            "LLM on the thread that generates, or call "
+            "fastserve.executor.openmp.release_thread_team() on %r once it is built.",
+            here.name, self._built_on.name, self._built_on.name)
 
 
 def _with_outputs(finals: list[RequestOutput]) -> RequestOutput:

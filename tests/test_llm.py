@@ -96,3 +96,27 @@ def test_text_prompt_and_timings(llm: LLM) -> None:
     assert out.prompt == "Hello, world"
     assert len(out.token_ids) <= 8 and out.text == llm.tokenizer.decode(out.token_ids)
     assert out.arrival_s <= out.first_token_s <= out.finish_s
+
+
+def test_generating_off_the_building_thread_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    """On CPU the thread that built an LLM keeps OpenMP workers that slow another thread's
+    forward pass (fastserve/executor/openmp.py): the user is told, once, and still served."""
+    import threading
+
+    llm = LLM(dtype=TEST_DTYPE, max_batch_size=2, warmup=False, policy="fcfs")
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    try:
+        with caplog.at_level("WARNING", logger="fastserve.llm"):
+            llm.generate([5, 6, 7], params, use_tqdm=False)  # the building thread: no warning
+            assert not caplog.records
+            outs: list[list[int]] = []
+            for _ in range(2):
+                worker = threading.Thread(target=lambda: outs.append(
+                    llm.generate([5, 6, 7], params, use_tqdm=False)[0].token_ids))
+                worker.start()
+                worker.join()
+        assert len(outs) == 2 and all(len(o) == 2 for o in outs)
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1 and "release_thread_team" in warned[0]
+    finally:
+        llm.shutdown()
