@@ -96,11 +96,11 @@ class AsyncLLM:
         # The caller's OpenMP workers, if it ran parallel ops (a model made or loaded), would
         # slow every op of the engine thread's (fastserve/executor/openmp.py).
         release_thread_team()
-        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._start, args=(built,), name="fastserve-engine",
                                         daemon=True)
         self._thread.start()
-        self.engine = built.result()
+        built.result()  # raises what building the engine raised
         self.tokenizer = self.engine.tokenizer
 
     # -- public API -------------------------------------------------------------------------
@@ -289,7 +289,7 @@ class AsyncLLM:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(error)
 
-    def _start(self, built: concurrent.futures.Future[LLMEngine]) -> None:
+    def _start(self, built: concurrent.futures.Future[None]) -> None:
         """Build the engine, then run it, on this one thread.
 
         NOTE: every forward pass (the warm-up and the start-up profile too) runs on the thread
@@ -298,14 +298,13 @@ class AsyncLLM:
         (fastserve/executor/openmp.py).
         """
         try:
-            engine = LLMEngine(self.config)
-            self.engine = engine
-            self._stats = engine.stats()
+            self.engine = LLMEngine(self.config)
+            self._stats = self.engine.stats()
         except BaseException as exc:
             built.set_exception(exc)
             self._close()
             return
-        built.set_result(engine)
+        built.set_result(None)
         self._run()
 
     def _run(self) -> None:

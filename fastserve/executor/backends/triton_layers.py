@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Multiply-adds in the kernels that round as the tensor ops do only where a launch says
-# otherwise (rotary, float32). Named at every launch: Triton 3.9 warns that its default (on)
-# turns off in 3.10, which would change the kernels' roundings and speed with the version.
+# Fused multiply-adds in the kernels: Triton's default until 3.10 turns it off. Every launch
+# names it, so the kernels keep the roundings and speed they were checked with whatever the
+# Triton version; rotary in float32 turns it off (see rotate_half).
 FP_FUSION = True
 
 
