@@ -537,6 +537,11 @@ class Request:
     # The LoRA adapter it runs with (its slot, 1 and up; 0: the base model). NOTE: its
     # cache_salt names the adapter too, so no cached block is shared across adapters.
     lora_id: int = 0
+    # Beam search's steps (`fastserve.engine.beam_search`): a step's KV stays on the device
+    # once it finishes (`KVCacheManager.park`), and the next step of a beam it grew forks it,
+    # computing its one new token instead of its partial last block.
+    keep_kv: bool = False
+    fork_of: str | None = None  # the parked request whose tokens begin this one's
 
     @property
     def num_prompt_tokens(self) -> int:

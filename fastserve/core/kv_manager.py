@@ -7,12 +7,18 @@ and its block table follows it from one pool to the other.
 With prefix caching (`fastserve.core.prefix_cache`) a request's device table may begin with
 blocks it shares with others: leaving the device (free, offload) drops its references, and a
 cached block nobody references stays on the device until an allocation needs the room.
+
+A finished request's device KV may be parked (`park`) for requests that continue its tokens
+(beam search's next steps): such a request forks it (`allocate(..., fork_of=...)`), sharing its
+full blocks and getting a copy of its partial last block (a device copy in the plan), so it
+computes only its new tokens, with prefix caching on or off.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from fastserve.core.block_pool import BlockPool
 from fastserve.core.prefix_cache import CachingBlockPool, HostPrefixCache
@@ -20,6 +26,14 @@ from fastserve.core.prefix_cache import CachingBlockPool, HostPrefixCache
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+class Parked(NamedTuple):
+    """A finished request's device KV, kept for requests that fork from it."""
+
+    block_ids: list[int]
+    token_ids: list[int]  # whose KV its blocks hold, from position 0
+    cache_salt: str | None  # forks must share it (it names the LoRA adapter too)
 
 
 class KVLocation(enum.Enum):
@@ -61,6 +75,8 @@ class KVCacheManager:
         self._host_tables: dict[str, list[int]] = {}
         self._host_releasing: list[int] = []  # read by this iteration's uploads
         self._device_releasing: list[int] = []  # being copied out by this iteration's offloads
+        self._parked: dict[str, Parked] = {}  # finished requests' KV kept for forks
+        self._fork_copies: list[tuple[int, int]] = []  # this iteration's (parent, fork) blocks
         self.peak_used_blocks = 0  # most device blocks in use at once
         self.num_swap_out_blocks = 0  # blocks copied device -> host, all time
         self.num_swap_in_blocks = 0  # blocks copied host -> device, all time
@@ -135,11 +151,12 @@ class KVCacheManager:
 
     # -- device allocation ------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int,
-                 prefix_hashes: Sequence[int] = ()) -> list[int] | None:
+    def allocate(self, request_id: str, num_tokens: int, prefix_hashes: Sequence[int] = (),
+                 fork_of: str | None = None) -> list[int] | None:
         """Grow the request's device table to hold `num_tokens` tokens; None (nothing taken)
         if short. A request holding no blocks starts with the cached blocks of
-        `prefix_hashes` (all cached: `num_cached_prefix`), shared, not copied.
+        `prefix_hashes` (all cached: `num_cached_prefix`), shared, not copied; or, given
+        `fork_of`, with the KV of that parked request (`fork_tokens` says how many tokens).
         NOTE: a swapped request must be uploaded first."""
         if request_id in self._host_tables:
             raise ValueError(f"request {request_id!r} is swapped out; upload it before allocating")
@@ -148,8 +165,10 @@ class KVCacheManager:
             if len(table) * self.block_size >= num_tokens:
                 return []  # the common decode step: nothing taken (end_iteration notes the peak)
             prefix_hashes = ()
-        elif self.shortfall(request_id, num_tokens, prefix_hashes) > 0:
+        elif self.shortfall(request_id, num_tokens, prefix_hashes, fork_of) > 0:
             return None
+        elif fork_of is not None:
+            self._tables[request_id] = self._fork(self._parked[fork_of])
         elif prefix_hashes:
             self._tables[request_id] = self._start_from_cache(prefix_hashes)
             self._num_registered[request_id] = len(prefix_hashes)
@@ -177,6 +196,74 @@ class KVCacheManager:
         host = self._host_tables.pop(request_id, [])
         self.host.free(host)
         return len(host)
+
+    # -- parked KV, for forks ---------------------------------------------------------------
+
+    @property
+    def num_parked(self) -> int:
+        """Finished requests whose KV is parked."""
+        return len(self._parked)
+
+    def park(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> bool:
+        """The request is done: keep the device blocks holding the KV of `token_ids` (its
+        first tokens) for requests that fork from it, until `unpark`; the rest are freed.
+        A request with no device KV frees what it has; returns whether anything was parked."""
+        table = self._tables.get(request_id)
+        keep = num_blocks_for(len(token_ids), self.block_size)
+        if table is None or not token_ids or keep > len(table):
+            self.free(request_id)
+            return False
+        del self._tables[request_id]
+        self._num_registered.pop(request_id, None)
+        self.device.free(table[keep:])
+        self._parked[request_id] = Parked(table[:keep], list(token_ids), cache_salt)
+        return True
+
+    def fork_tokens(self, parent_id: str, token_ids: Sequence[int], cache_salt: str | None
+                    ) -> int:
+        """How many of `token_ids` a request starting now would find computed by forking
+        parked `parent_id`: all of the parent's tokens when they begin `token_ids` and leave
+        at least one to compute (its logits give the next token); else 0. Changes nothing."""
+        parked = self._parked.get(parent_id)
+        if parked is None or parked.cache_salt != cache_salt:
+            return 0
+        n = len(parked.token_ids)
+        if n >= len(token_ids) or list(token_ids[:n]) != parked.token_ids:
+            return 0
+        return n
+
+    def unpark(self, request_ids: Iterable[str]) -> None:
+        """Drop these parked requests' KV (those no longer parked are skipped): forks made
+        from it keep what they share."""
+        for rid in request_ids:
+            parked = self._parked.pop(rid, None)
+            if parked is not None:
+                self.device.free(parked.block_ids)
+
+    def drop_parked(self, keep: str | None = None) -> bool:
+        """Under memory pressure: unpark every parked request but `keep` (its forks will
+        compute what they would have copied); returns whether any was dropped."""
+        dropped = [rid for rid in self._parked if rid != keep]
+        self.unpark(dropped)
+        return bool(dropped)
+
+    def take_fork_copies(self) -> list[tuple[int, int]]:
+        """This iteration's (parent block, fork block) device copies, for its plan."""
+        copies, self._fork_copies = self._fork_copies, []
+        return copies
+
+    def _fork(self, parent: Parked) -> list[int]:
+        """A new table sharing the parent's full blocks and holding a copy of its partial
+        last block (`shortfall` counted that one)."""
+        num_full, partial = divmod(len(parent.token_ids), self.block_size)
+        table = parent.block_ids[:num_full]
+        self.device.ref(table)
+        if partial:
+            new = self.device.allocate(1, after=table[-1] if table else None)
+            assert new is not None  # `shortfall` counted it
+            self._fork_copies.append((parent.block_ids[num_full], new[0]))
+            table = [*table, *new]
+        return table
 
     # -- moves between pools ----------------------------------------------------------------
 
@@ -360,12 +447,18 @@ class KVCacheManager:
             self._cache_copies_out.append((block, host))
             self.num_demoted_blocks += 1
 
-    def shortfall(self, request_id: str, num_tokens: int,
-                  prefix_hashes: Sequence[int] = ()) -> int:
-        """Device blocks missing for `allocate(request_id, num_tokens, prefix_hashes)`: the
-        shared prefix needs none of its own, but those of its blocks nobody references
-        stop being free (evictable) once it holds them."""
-        if request_id in self._tables or not prefix_hashes:
+    def shortfall(self, request_id: str, num_tokens: int, prefix_hashes: Sequence[int] = (),
+                  fork_of: str | None = None) -> int:
+        """Device blocks missing for `allocate(request_id, num_tokens, prefix_hashes,
+        fork_of)`: the shared prefix needs none of its own, but those of its blocks nobody
+        references stop being free (evictable) once it holds them; a fork shares its
+        parent's full blocks (referenced: not free)."""
+        if request_id in self._tables:
+            return self.num_new_blocks(request_id, num_tokens) - self.num_free_blocks
+        if fork_of is not None:
+            num_shared = len(self._parked[fork_of].token_ids) // self.block_size
+            return num_blocks_for(num_tokens, self.block_size) - num_shared - self.num_free_blocks
+        if not prefix_hashes:
             return self.num_new_blocks(request_id, num_tokens) - self.num_free_blocks
         on_device = prefix_hashes[: self.device.lookup(prefix_hashes, len(prefix_hashes))]
         need = num_blocks_for(num_tokens, self.block_size) - len(on_device)

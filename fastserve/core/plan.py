@@ -114,6 +114,10 @@ class SchedulerOutput:
     # (device_block, host_block) pairs.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # (device_block, device_block) copies: a forked request's partial last block, copied from
+    # the parked request it continues (`KVCacheManager.park`); after the swaps, before the
+    # forward pass that writes its next position.
+    copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests taken out of the batch this iteration (for metrics and tests).
     preempted_ids: list[str] = field(default_factory=list)
 

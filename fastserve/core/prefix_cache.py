@@ -242,6 +242,13 @@ class CachingBlockPool:
             out.append(b)
         return out
 
+    def ref(self, block_ids: Sequence[int]) -> None:
+        """One more reference to each of these referenced blocks (a fork shares them)."""
+        for b in block_ids:
+            if self._refs[b] <= 0:
+                raise ValueError(f"ref() of block {b}, which nobody references")
+            self._refs[b] += 1
+
     def register(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
         """Name computed full blocks by their hashes, so later requests can share them. A
         hash already cached keeps its block (this one stays private to its request)."""

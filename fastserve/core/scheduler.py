@@ -120,7 +120,12 @@ class Scheduler(ABC):
         if req.request_id in self._placeholders:  # its last token never came back
             self._placeholders.discard(req.request_id)
             req.output_token_ids.pop()
-        self.kv.free(req.request_id)
+        if req.keep_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            # NOTE: its last token was never fed (and may be a placeholder's)
+            n = min(req.num_computed_tokens, req.num_tokens - 1)
+            self.kv.park(req.request_id, req.all_token_ids()[:n], req.cache_salt)
+        else:
+            self.kv.free(req.request_id)
         if self.drafter is not None:
             self.drafter.drop(req.request_id)
         del self.requests[req.request_id]
@@ -236,16 +241,19 @@ class Scheduler(ABC):
                 continue
             if not started and req.request_id in self._placeholders:
                 continue  # dropped for recompute while its token is on the device: not yet
-            # A job starting (or restarting) with no KV shares the longest cached prefix.
-            prefix = () if started else self._cached_prefix(req)
-            done = req.num_computed_tokens + len(prefix) * self.kv.block_size
+            # A job starting (or restarting) with no KV forks the parked KV it continues, or
+            # else shares the longest cached prefix.
+            forked = 0 if started else self._fork_tokens(req)
+            prefix = () if started or forked else self._cached_prefix(req)
+            done = req.num_computed_tokens + forked + len(prefix) * self.kv.block_size
             num_new = req.num_tokens - done
             if num_new > 1:  # a prefill: what is left of the budget (a decode always fits)
                 num_new = min(num_new, self.cost.prefill_chunk(budget - num_tokens, done))
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
-            if not self._allocate(req, done + num_new, i + 1, in_batch, now, prefix):
+            if not self._allocate(req, done + num_new, i + 1, in_batch, now, prefix,
+                                  req.fork_of if forked else None):
                 if not started:
                     admitting = False
                 continue
@@ -526,11 +534,12 @@ class Scheduler(ABC):
         return self._enst.get(req.request_id, float("inf"))
 
     def _allocate(self, req: Request, target: int, start: int, in_batch: set[str], now: float,
-                  prefix: Sequence[int] = ()) -> bool:
+                  prefix: Sequence[int] = (), fork_of: str | None = None) -> bool:
         """Find KV blocks for the request to hold `target` tokens after this iteration,
-        making room if it must from the jobs at place `start` on in the order; a job holding no
-        KV starts with the cached blocks of `prefix` (their tokens count as computed). A
-        swapped request is uploaded first. Returns False when it cannot run now."""
+        making room if it must (parked KV goes first, then the jobs at place `start` on in the
+        order give way); a job holding no KV starts with the cached blocks of `prefix`, or the
+        parked KV of `fork_of` (their tokens count as computed). A swapped request is
+        uploaded first. Returns False when it cannot run now."""
         rid = req.request_id
         if self.kv_policy.is_landing(self, req, len(in_batch), start):
             return False
@@ -542,14 +551,17 @@ class Scheduler(ABC):
             self.moves.upload(req, target)
         started = self.kv.has_blocks(rid)
         num_tokens = target if started else max(target, self._admit_tokens(req))
-        if self.kv.allocate(rid, num_tokens, prefix) is not None:
-            return self._started(req, started, prefix)
+        if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
+            return self._started(req, started, prefix, fork_of)
+        if self.kv.num_parked and self.kv.drop_parked(keep=fork_of) \
+                and self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
+            return self._started(req, started, prefix, fork_of)
         if self._defer_turn(req, len(in_batch), start):
             return False
-        shortfall = self.kv.shortfall(rid, num_tokens, prefix)
+        shortfall = self.kv.shortfall(rid, num_tokens, prefix, fork_of)
         if self._make_room(req, shortfall, start, now) \
-                and self.kv.allocate(rid, num_tokens, prefix) is not None:
-            return self._started(req, started, prefix)
+                and self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
+            return self._started(req, started, prefix, fork_of)
         if started:  # nothing below it gives way: it gives up its own blocks
             self.kv_policy.give_up(self, req)
         return False
@@ -557,9 +569,17 @@ class Scheduler(ABC):
     # -- prefix cache -------------------------------------------------------------------
 
     def cached_prefix_tokens(self, req: Request) -> int:
-        """Tokens of the request's longest prefix cached on the device (changes nothing but
-        the request's block hashes): what it would not compute if it started now."""
-        return len(self._cached_prefix(req)) * self.kv.block_size
+        """Tokens of the request's longest prefix cached on the device, or of the parked KV
+        it forks (changes nothing but the request's block hashes): what it would not compute
+        if it started now."""
+        return self._fork_tokens(req) or len(self._cached_prefix(req)) * self.kv.block_size
+
+    def _fork_tokens(self, req: Request) -> int:
+        """Tokens the request would not compute by forking the parked KV it continues."""
+        if req.fork_of is None or req.params.prompt_logprobs is not None:
+            return 0
+        tokens = req.all_token_ids() if req.output_token_ids else req.prompt_token_ids
+        return self.kv.fork_tokens(req.fork_of, tokens, req.cache_salt)
 
     def _cached_prefix(self, req: Request) -> Sequence[int]:
         """Hashes of the request's longest cached run of leading blocks, leaving at least one
@@ -570,11 +590,15 @@ class Scheduler(ABC):
         n = self.kv.num_cached_prefix(hashes, (req.num_tokens - 1) // self.kv.block_size)
         return hashes[:n]
 
-    def _started(self, req: Request, was_started: bool, prefix: Sequence[int]) -> bool:
+    def _started(self, req: Request, was_started: bool, prefix: Sequence[int],
+                 fork_of: str | None = None) -> bool:
         """A job got its blocks; one that was not started counts as a prefix-cache query
-        (with caching off too: then nothing hits, and the queries are what prefills compute)."""
+        (with caching off too: then nothing hits, and the queries are what prefills compute;
+        a fork's parked tokens count as hits)."""
         if not was_started:
             cached = len(prefix) * self.kv.block_size
+            if fork_of is not None:
+                cached = self._fork_tokens(req)
             req.num_computed_tokens = cached
             self.num_prefix_query_tokens += req.num_tokens
             self.num_prefix_hit_tokens += cached
@@ -661,12 +685,14 @@ class Scheduler(ABC):
         swap_out, swap_in = self.moves.take()
         # The prefix cache's host tier: evicted blocks copied out, host hits copied in.
         demoted, from_host = self.kv.take_cache_copies()
+        copies = self.kv.take_fork_copies()
         self.kv.end_iteration()
         return SchedulerOutput(
             scheduled=scheduled,
             finished_ids=finished,
             swap_out=swap_out + demoted,
             swap_in=swap_in + from_host,
+            copies=copies,
             preempted_ids=preempted,
         )
 

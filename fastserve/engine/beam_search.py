@@ -9,10 +9,15 @@ outputs (`index` 0 the best). A beam's score is its summed log-probability divid
 length ** `length_penalty`, its length counting the prompt and not a final stop token (as
 vLLM's `get_beam_search_score`).
 
-Each step's requests are new to the scheduler, so the prefix cache finds the prompt's and the
-beams' full blocks (each step computes only the partial last block of each beam), and the
-policy places them as any request with that prefill. The steps' outputs are the engine's
-business: the caller sees the request's final outputs only, under its own id.
+Each step's requests are new to the scheduler, and the policy places them as any request with
+their prefill. A step's KV stays parked on the device once it finishes (`Request.keep_kv`), and
+each next step of a beam it grew forks it (`Request.fork_of`): it shares the parent's full
+blocks, gets a copy of its partial last block, and computes its one new token, as a decode
+would. The parents are released once their children are back (or at once, when none of their
+continuations made the cut). Parked KV is the first thing the scheduler drops when blocks run
+short; a step whose parent was dropped starts from the prefix cache, computing its partial
+last block. The steps' outputs are the engine's business: the caller sees the request's final
+outputs only, under its own id.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from dataclasses import dataclass, field
 from fastserve.request import FinishReason, Request, RequestOutput, SamplingParams
 
 # Adds one step of a beam: (its scheduler id, its prompt: the request's prompt and the beam's
-# tokens, its params, the request it is a step of: its arrival, priority, adapter, ...).
-AddStep = Callable[[str, list[int], SamplingParams, Request], None]
+# tokens, its params, the request it is a step of: its arrival, priority, adapter, ...; the
+# parked step it forks, if any).
+AddStep = Callable[[str, list[int], SamplingParams, Request, str | None], None]
+# Drops the parked KV of these steps (`KVCacheManager.unpark`).
+Release = Callable[[list[str]], None]
 # A beam's tokens as text, as the request asked (`skip_special_tokens`).
 Decode = Callable[[list[int], bool], str]
 
@@ -35,6 +43,7 @@ class Beam:
     token_ids: list[int]
     logprob: float  # summed over its tokens
     ended: bool = False  # by a stop token, its last
+    parent: str | None = None  # the step whose parked KV holds its tokens but the last
 
 
 @dataclass
@@ -47,6 +56,7 @@ class BeamRequest:
     ended: list[Beam] = field(default_factory=list)
     steps: dict[str, Beam] = field(default_factory=dict)  # this step's requests, by id
     outs: dict[str, RequestOutput] = field(default_factory=dict)  # their final outputs
+    parents: list[str] = field(default_factory=list)  # earlier steps this step's forked
     num_steps: int = 0
     first_token_s: float | None = None
     num_cached_tokens: int = 0
@@ -71,9 +81,10 @@ class BeamRequest:
 class BeamSearches:
     """The engine's beam-search requests: their steps' requests in, their outputs out."""
 
-    def __init__(self, add_step: AddStep, decode: Decode) -> None:
+    def __init__(self, add_step: AddStep, decode: Decode, release: Release) -> None:
         self._add_step = add_step
         self._decode = decode
+        self._release = release
         self._requests: dict[str, BeamRequest] = {}
         self._step_of: dict[str, BeamRequest] = {}  # a step's request id -> its request
 
@@ -126,7 +137,8 @@ class BeamSearches:
             sid = f"{req.request_id}~{req.num_steps}.{j}"
             req.steps[sid] = beam
             self._step_of[sid] = req
-            self._add_step(sid, req.prompt_token_ids + beam.token_ids, step_params, req.request)
+            self._add_step(sid, req.prompt_token_ids + beam.token_ids, step_params, req.request,
+                           beam.parent)
         req.num_steps += 1
 
     def _advance(self, req: BeamRequest, now: float) -> list[RequestOutput]:
@@ -148,11 +160,17 @@ class BeamSearches:
             logprobs = req.outs[sid].logprobs
             assert logprobs is not None  # a step asks for its one token's alternatives
             for tok, lp in logprobs[0].top:
-                grown.append(Beam([*beam.token_ids, tok], beam.logprob + lp, tok in req.stop_ids))
+                grown.append(Beam([*beam.token_ids, tok], beam.logprob + lp, tok in req.stop_ids,
+                                  sid))
         req.ended += [b for b in grown if b.ended]
         req.live = sorted((b for b in grown if not b.ended), key=req.score,
                           reverse=True)[: req.params.n]
         if req.live and req.num_steps < req.max_len:
+            # This round's children are back: their parents go, and so do this round's
+            # steps that no next beam continues.
+            parents = list(dict.fromkeys(b.parent for b in req.live if b.parent is not None))
+            self._release([*req.parents, *(s for s in req.steps if s not in parents)])
+            req.parents = parents
             self._next_step(req)
             return []
         self._forget(req)
@@ -178,3 +196,5 @@ class BeamSearches:
         self._requests.pop(req.request_id, None)
         for sid in req.steps:
             self._step_of.pop(sid, None)
+        self._release([*req.parents, *req.steps])
+        req.parents = []

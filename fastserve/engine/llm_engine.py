@@ -153,7 +153,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self.groups = RequestGroups(self.kv, self._add_sequence)  # requests with n, best_of > 1
-        self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode)  # use_beam_search
+        self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode,  # use_beam_search
+                                  self.kv.unpark)
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
         # each also scored against the cost model (`cost_check`, shown in /metrics), which
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
@@ -246,13 +247,14 @@ class LLMEngine:
         return req
 
     def _add_beam_step(self, step_id: str, token_ids: list[int], params: SamplingParams,
-                       first: Request) -> None:
+                       first: Request, fork_of: str | None) -> None:
         """One step of a beam of `first`, a beam-search request (`BeamSearches`): a request of
-        its own, with the request's arrival, priority and adapter."""
+        its own, with the request's arrival, priority and adapter, that parks its KV and
+        forks its parent's."""
         self._queue(Request(request_id=step_id, prompt_token_ids=token_ids, params=params,
                             arrival_s=first.arrival_s, max_model_len=first.max_model_len,
                             priority=first.priority, lora_id=first.lora_id,
-                            cache_salt=first.cache_salt), None)
+                            cache_salt=first.cache_salt, keep_kv=True, fork_of=fork_of), None)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, first: Request,
                       prompt: str | None) -> Request:

@@ -161,6 +161,14 @@ class PagedAttention(ABC):
 
     # -- swaps (block copies between this cache and a host cache of the same layout) --------
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks within this cache, every layer's K and V in one indexed op:
+        (source, destination) pairs (a forked request's partial last block, `plan.copies`)."""
+        src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device)
+                    for ids in zip(*pairs, strict=True))
+        kv = as_bytes(self.kv_cache)  # [layers, 2, heads, blocks, block_size, dim]
+        kv.index_copy_(3, dst, kv.index_select(3, src))
+
     def block_slots(self, block_ids: list[int]) -> torch.Tensor:
         """The cache slots of these blocks, in order: [len(block_ids) * block_size] long."""
         bs = self.block_size

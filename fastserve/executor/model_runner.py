@@ -209,6 +209,8 @@ class ModelRunner:
         batch = None if graph_size is not None else self._prepare(plan.scheduled, flat)
         # Only the copies into or out of this batch's blocks hold it up; the rest overlap.
         swap_wait_s = self.swapper.wait_for(s.block_ids for s in plan.scheduled)
+        if plan.copies:  # NOTE: once the copies out of their destinations are done
+            self.attn.copy_blocks(plan.copies)
         prompt_lps: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         fed = None  # [num_reqs]: each row's last input, where sampling reads a pending one
         if batch is None:

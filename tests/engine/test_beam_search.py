@@ -1,6 +1,7 @@
 """Beam search (`use_beam_search`): the n beams the engine returns are those a search over
-Hugging Face's own log-probabilities finds, scored the same way; each step's requests reuse
-the cached prefix, and an abort or a bad field fails the request alone."""
+Hugging Face's own log-probabilities finds, scored the same way; each step's requests fork the
+KV of the step they continue (or reuse the cached prefix), and an abort or a bad field fails
+the request alone."""
 
 from __future__ import annotations
 
@@ -85,6 +86,27 @@ def test_steps_reuse_the_cached_prefix_and_free_their_blocks(llm: LLM) -> None:
     assert kv.num_requests == 0 and kv.num_free_blocks == kv.num_total_blocks
 
 
+def test_each_step_after_the_first_computes_one_token_per_beam(llm: LLM) -> None:
+    """A step forks the parked KV of the step it continues (its partial last block copied),
+    with prefix caching on or off: the same beams, the blocks all freed at the end."""
+    params = SamplingParams(use_beam_search=True, n=3, max_tokens=6, ignore_eos=True)
+    with LLM(dtype="float32", max_batch_size=16, block_size=4, warmup=False,
+             startup_profile=False, enable_prefix_caching=False) as uncached:
+        beams = []
+        for engine in (llm.engine, uncached.engine):
+            engine.add_request(PROMPT + [7], params)  # 21 tokens: a partial last block
+            fed, outs = [], []
+            while engine.has_unfinished:
+                outs += engine.step()
+                plan = engine.core.last_plan
+                fed.append(sum(len(s.token_ids) for s in plan.scheduled) if plan else 0)
+            assert fed[1:] == [3] * 5  # after the prompt: one token for each of 3 beams
+            assert engine.kv.num_parked == 0
+            assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+            beams.append([o.token_ids for o in outs])
+        assert beams[0] == beams[1] and len(beams[0]) == 3
+
+
 def test_an_aborted_search_stops_and_others_go_on(llm: LLM) -> None:
     engine = llm.engine
     search = engine.add_request(PROMPT, SamplingParams(use_beam_search=True, n=3,
@@ -102,7 +124,8 @@ def test_an_aborted_search_stops_and_others_go_on(llm: LLM) -> None:
     (aborted,) = finals[search.request_id]
     assert aborted.finish_reason == "abort" and aborted.ends_request
     assert finals[plain.request_id][-1].finish_reason == "length"
-    assert engine.kv.num_requests == 0 and engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.kv.num_requests == 0 and engine.kv.num_parked == 0
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [

@@ -71,6 +71,30 @@ def test_decode_reads_through_block_table(cls: type[PagedAttention], blocks: lis
     torch.testing.assert_close(out, _reference(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cls", CPU_BACKENDS, ids=lambda c: c.__name__)
+def test_a_fork_decodes_through_its_copy_of_the_partial_block(cls: type[PagedAttention]) -> None:
+    """Beam search: a fork shares its parent's full blocks and gets a copy of its partial
+    last block (`copy_blocks`, every layer at once); its next token attends to all of it,
+    and the parent's block is left as it was."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs, ctx = 8, 4, 16, 4, 10
+    attn = cls(2, kv_heads, dim, num_blocks=12, block_size=bs, dtype=torch.float32,
+               device=torch.device("cpu"))
+    k, v = torch.randn(ctx, kv_heads, dim), torch.randn(ctx, kv_heads, dim)
+    parent, fork = [4, 5, 6], [4, 5, 9]
+    for layer in range(2):  # the parent's first ctx - 1 tokens, in both layers
+        slots = torch.tensor(flatten([_req("p", ctx - 1, 0, parent)], bs).slots)
+        attn.store_kv(layer, k[:-1] + layer, v[:-1] + layer, slots)
+    before = attn.kv_cache[:, :, :, 6].clone()
+    attn.copy_blocks([(6, 9)])
+    assert torch.equal(attn.kv_cache[:, :, :, 9], before)
+    assert torch.equal(attn.kv_cache[:, :, :, 6], before)
+    q = torch.randn(1, heads, dim)
+    out = _run(attn, [_req("f", 1, ctx - 1, fork)], q, k[-1:], v[-1:])
+    torch.testing.assert_close(out, _reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert torch.equal(attn.kv_cache[:, :, :, 6], before)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_backend_decode_on_each_device(device: str) -> None:
     """The portable backend (what CUDA falls back to without triton) on every device here."""
