@@ -49,7 +49,7 @@ step tests 150 python3 -m pytest -q -n 4 --timeout 120 -p no:cacheprovider \
 # The Triton kernels against torch, natively (CI runs them under Triton's interpreter).
 step kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider \
   tests/executor/interpreted/test_triton_kernels.py
-# Temperature sampling: one multinomial launch per row against the batched draw.
+# Temperature sampling: the inverse transform against the exponential race (the GPU default).
 step sampling 60 python3 benchmarks/sampling_overhead.py --draw-ab --device cuda
 # Offline against HF, fastserve with and without async scheduling (one engine at a time).
 step thr32 150 python3 benchmarks/engine_throughput.py "${model[@]}" --batch 32 --reps 1 \

@@ -11,8 +11,9 @@ machine shared with other jobs disturbs far less than wall-clock time.
     PYTHONPATH=. .venv/bin/python benchmarks/sampling_overhead.py [--reps 5] [--features]
         [--against ../main/fastserve/executor/sampler.py]
 
-3. `--draw-ab`: temperature sampling of unseeded rows drawn one multinomial per row against
-   drawn together (`Sampler.batched_draw`, the default on a GPU), interleaved, wall-clock with
+3. `--draw-ab`: temperature sampling of unseeded rows drawn by inverse transform (one uniform
+   per row, `invert_cdf`, the default on a CPU) against drawn together in an exponential race
+   (`Sampler.batched_draw`, the default on a GPU), interleaved, wall-clock with
    the device synchronised, at batch 32/128/256 over a 32,000 vocabulary (`--device cuda`).
 """
 
@@ -94,8 +95,8 @@ def sampler_ab_us(other: Any, batch: int, vocab: int, temperature: float,
 
 
 def draw_ab_ms(device: torch.device, batch: int, vocab: int, reps: int) -> tuple[float, float]:
-    """Median wall milliseconds of Sampler.sample at temperature 1 (unseeded rows): one
-    multinomial per row against the batched draw, interleaved, device synchronised."""
+    """Median wall milliseconds of Sampler.sample at temperature 1 (unseeded rows): the
+    inverse transform against the exponential race, interleaved, device synchronised."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(batch, vocab, generator=g).to(device)
     params = SamplingParams(max_tokens=256, temperature=1.0)
@@ -144,8 +145,8 @@ def main() -> None:
     if args.draw_ab:
         for batch in (32, 128, 256):
             per_row, batched = draw_ab_ms(torch.device(args.device), batch, 32000, args.reps)
-            print(f"temperature 1, batch {batch}, vocab 32000 on {args.device}: one draw per row "
-                  f"{per_row:.2f} ms, batched {batched:.2f} ms ({per_row / batched:.2f}x)")
+            print(f"temperature 1, batch {batch}, vocab 32000 on {args.device}: inverse transform "
+                  f"{per_row:.2f} ms, race {batched:.2f} ms ({per_row / batched:.2f}x)")
         return
     if args.against:
         other = _load_sampler(args.against)

@@ -22,7 +22,8 @@ Workloads (`--workloads`, comma-separated, each its own table):
   d        light-tailed: `--num-d` (100) requests, Poisson arrivals, outputs uniform in
            [64, 128], inputs uniform in [16, 256], at `--load-d` (0.8) of vLLM's capacity.
   offline  `LLM.generate` against vLLM's `LLM.generate`, batch 32, 128 in / 128 out (each
-           engine in its own process, `benchmarks/vs_vllm_offline.py`, taking turns).
+           engine in its own process, `benchmarks/vs_vllm_offline.py`, taking turns),
+           greedy unless `--offline-temperature`.
 
 vLLM's capacity on a workload is its output tok/s on the workload's own jobs sent at once
 (measured once per invocation, before the timed runs; `--capacity b=TOK_S,...` reuses a
@@ -375,7 +376,8 @@ class OfflineWorker:
                "--engine", "vllm" if name == VLLM else "fastserve", "--model", args.model,
                "--dtype", args.dtype, "--batch", str(args.offline_batch),
                "--input-len", str(args.offline_input_len),
-               "--output-len", str(args.offline_output_len), "--seed", str(args.seed)]
+               "--output-len", str(args.offline_output_len), "--seed", str(args.seed),
+               "--temperature", str(args.offline_temperature)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self._expect("ready")
@@ -422,7 +424,8 @@ def run_offline(args: argparse.Namespace) -> None:
     fs, vl = results["fastserve"], results[VLLM]
     ratio = statistics.median(a / b for a, b in zip(fs, vl, strict=True))
     print(f"\n(offline) LLM.generate, batch {args.offline_batch}, {args.offline_input_len} in / "
-          f"{args.offline_output_len} out, {args.dtype}")
+          f"{args.offline_output_len} out, {args.dtype}, "
+          f"{'greedy' if args.offline_temperature == 0 else f'temperature {args.offline_temperature}'}")
     print(f"{'engine':<26} {'out tok/s':>9}")
     print(f"{'vllm':<26} {statistics.median(vl):9.1f}")
     print(f"{'fastserve':<26} {statistics.median(fs):9.1f}   vs vLLM {ratio:.2f}x (median of per-rep ratios)")
@@ -457,6 +460,8 @@ def main() -> None:
     ap.add_argument("--offline-batch", type=int, default=32)
     ap.add_argument("--offline-input-len", type=int, default=128)
     ap.add_argument("--offline-output-len", type=int, default=128)
+    ap.add_argument("--offline-temperature", type=float, default=0.0,
+                    help="offline requests sample at this temperature (0: greedy)")
     ap.add_argument("--vllm-args", default="", help="extra arguments for vLLM's server")
     ap.add_argument("--vllm-url", default=None,
                     help="use this running vLLM server (same model, dtype, --max-num-seqs and "

@@ -167,3 +167,38 @@ def test_the_batched_draw_follows_the_distribution_and_leaves_seeded_rows_alone(
     b = [fresh.sample(flat.clone(), mixed).token_ids for _ in range(5)]
     assert [t[0] for t in a] == [t[0] for t in b] and [t[2] for t in a] == [t[2] for t in b]
     assert len({t[0] for t in a}) > 1  # (the seeded rows do draw)
+
+
+def test_the_inverse_transform_draw_follows_the_distribution_and_its_edges() -> None:
+    """A CPU's rows draw by inverse transform in two levels (blocks of CDF_BLOCK tokens,
+    then the block's tokens): over 20,000 draws its frequencies are the distribution's, a
+    token of weight zero never comes out (not at u's ends either), and a row that is not
+    finite still gets a token in the vocabulary (the engine fails it)."""
+    import torch
+
+    from fastserve.executor.sampler import CDF_BLOCK, invert_cdf
+
+    vocab = 3 * CDF_BLOCK + 17  # the last block is padded
+    weights = torch.zeros(vocab)
+    picks = {5: 0.3, CDF_BLOCK: 0.25, CDF_BLOCK + 1: 0.05, 2 * CDF_BLOCK + 9: 0.15, vocab - 1: 0.25}
+    for token, p in picks.items():
+        weights[token] = p * 7.0  # unnormalised
+    n = 20000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    tokens = invert_cdf(weights.expand(n, -1), u)
+    freq = torch.bincount(tokens, minlength=vocab).float() / n
+    assert set(torch.nonzero(freq).flatten().tolist()) == set(picks)
+    for token, p in picks.items():
+        assert abs(freq[token].item() - p) < 0.015, (token, freq[token].item(), p)  # ~4.5 sd
+
+    # u at its ends: the first and the last token with weight, however the sums round.
+    ends = invert_cdf(weights.expand(2, -1), torch.tensor([0.0, 1.0 - 2.0**-24]))
+    assert ends.tolist() == [5, vocab - 1]
+    tail = torch.zeros(2, vocab)
+    tail[:, :CDF_BLOCK] = 1e-3  # a heavy first block, the last token with weight in it
+    assert invert_cdf(tail, torch.tensor([0.0, 1.0 - 2.0**-24])).tolist() == [0, CDF_BLOCK - 1]
+
+    broken = torch.stack([torch.full((vocab,), float("nan")), torch.zeros(vocab),
+                          torch.full((vocab,), float("inf"))])
+    got = invert_cdf(broken, torch.tensor([0.5, 0.5, 0.99]))
+    assert ((got >= 0) & (got < vocab)).all()
