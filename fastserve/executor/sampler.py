@@ -12,6 +12,7 @@ from fastserve.core.plan import NO_TOKEN, ScheduledRequest
 from fastserve.executor.grammar import GrammarMasks, StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, read_sampled, sampled_table
+from fastserve.executor.nucleus import filter_top_k_top_p
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.executor.token_feed import drawn_tokens
 from fastserve.request import TokenLogprobs
@@ -80,6 +81,9 @@ class Sampler:
         # CPU the race's exponentials cost 0.5 ms a 32,000-token row (torch.multinomial
         # 0.7 ms), the inverse transform 0.02 ms.
         self.batched_draw = device.type == "cuda" if batched_draw is None else batched_draw
+        # Top-k / top-p: a GPU sorts whole rows; elsewhere a sort costs more than the model's
+        # step, and selections do instead (`fastserve.executor.nucleus`).
+        self.filters_by_selection = device.type != "cuda"
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -196,7 +200,7 @@ class Sampler:
         if all(greedy):
             return tokens, barred_bad, barred
         rows = [i for i, g in enumerate(greedy) if not g]
-        probs = probabilities(logits, reqs, rows)
+        probs = probabilities(logits, reqs, rows, self.filters_by_selection)
         # NOTE: no host sync here: a row whose probabilities are not finite still draws a
         # token in the vocabulary (both draws keep to it), and is failed once the tokens
         # are read (`read`). Its sum is finite exactly when all of it is (probabilities are
@@ -210,13 +214,13 @@ class Sampler:
                          race(take_rows(probs, free), self._default))
                 alone = [j for j, i in enumerate(rows) if reqs[i].params.seed is not None]
         if alone:  # device ops: nothing is read back yet
-            u = self._uniforms([reqs[rows[j]] for j in alone])
+            u = self.uniforms([reqs[rows[j]] for j in alone])
             put_rows(tokens, [rows[j] for j in alone], invert_cdf(take_rows(probs, alone), u))
         if barred_bad is not None:
             return tokens, torch.cat([bad, barred_bad]), rows + barred
         return tokens, bad, rows
 
-    def _uniforms(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    def uniforms(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """[len(reqs)] uniform in [0, 1): a seeded request's from its own generator (so its
         tokens do not depend on the batch), the others' from the shared one."""
         if all(r.params.seed is None for r in reqs):
@@ -236,15 +240,17 @@ class Sampler:
         return gen
 
 
-def probabilities(logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int]
-                  ) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
+                  by_selection: bool) -> torch.Tensor:
     """[len(rows), vocab]: the distribution those rows draw from (temperature, then top-k /
-    top-p, then min_p), from their processed logits."""
+    top-p, then min_p), from their processed logits. `by_selection`: how top-k / top-p find
+    their tokens (`fastserve.executor.nucleus`)."""
     sub = take_rows(logits, rows)  # [n, vocab]
     temperatures = [reqs[i].params.temperature for i in rows]
     if any(t != 1.0 for t in temperatures):  # (OpenAI's default is 1)
         sub = sub / to_device(temperatures, torch.float32, sub.device).unsqueeze(1)
-    filtered = _filter_top_k_top_p(sub, reqs, rows)
+    filtered = filter_top_k_top_p(sub, [reqs[i].params.top_k for i in rows],
+                                  [reqs[i].params.top_p for i in rows], by_selection)
     # min_p after top-k/top-p, as Hugging Face's warpers run.
     filtered = apply_min_p(filtered, [reqs[i].params.min_p for i in rows])
     return torch.softmax(filtered, dim=-1)
@@ -302,28 +308,3 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     the largest), as `argmax` gives it. NOTE: `max` over the last dim: on a CPU torch's
     argmax reduces a row one element at a time, 3x slower at 32 x 32,000 (640 against 220 us)."""
     return x.max(dim=-1).indices
-
-
-def _filter_top_k_top_p(
-    logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int]
-) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p nucleus to -inf."""
-    top_k = [reqs[i].params.top_k for i in rows]
-    top_p = [reqs[i].params.top_p for i in rows]
-    if not any(top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    vocab = logits.shape[-1]
-    # NOTE: stable, so that tied logits (common in bfloat16) rank as argmax breaks the tie (the
-    # lowest id first): top_k=1 and a tiny top_p then pick the greedy token.
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)  # [n, vocab]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = to_device([kk if kk > 0 else vocab for kk in top_k], torch.long, logits.device)
-    remove = ranks >= k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-    cum_before = probs.cumsum(dim=-1) - probs
-    p = to_device(top_p, probs.dtype, logits.device).unsqueeze(1)
-    remove |= cum_before >= p
-    remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)

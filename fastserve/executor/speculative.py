@@ -35,7 +35,7 @@ from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, sampled_table, table_entry
-from fastserve.executor.sampler import Sampler, argmax_rows, probabilities, race
+from fastserve.executor.sampler import Sampler, argmax_rows, invert_cdf, probabilities
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.request import TokenLogprobs
 
@@ -161,21 +161,18 @@ def _judge_sampled(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledR
     """The sampled rows' verdicts and tokens, in place: keep the draft with probability
     p(draft); otherwise (and on a request's last row, where `draft_ids` holds no draft) a
     token drawn from p without the draft."""
-    probs = probabilities(logits, rows, sampled)  # [n, vocab]
-    put_rows(bad, sampled, ~torch.isfinite(probs).all(dim=-1))
+    probs = probabilities(logits, rows, sampled, sampler.filters_by_selection)  # [n, vocab]
+    put_rows(bad, sampled, ~torch.isfinite(probs.sum(dim=-1)))  # (finite exactly when all is)
     probs = torch.nan_to_num(probs, nan=1.0)
     is_last = to_device([i + 1 == len(rows) or rows[i + 1].request_id != rows[i].request_id
                          for i in sampled], torch.bool, probs.device)  # [n]
     drafted = take_rows(draft_ids, sampled).unsqueeze(1)  # [n, 1]
     p_draft = probs.gather(1, drafted).squeeze(1)  # [n]
     # NOTE: one uniform per row, from the request's own generator when it has a seed.
-    u = torch.cat([torch.rand(1, generator=sampler.generator(rows[i]), device=probs.device)
-                   for i in sampled])
+    u = sampler.uniforms([rows[i] for i in sampled])
     put_rows(accept, sampled, (u < p_draft) & ~is_last)
     residual = probs.scatter(1, drafted, 0.0)
     residual = torch.where(is_last.unsqueeze(1), probs, residual)
     # A draft that held all the mass and still lost (rounding) leaves nothing: draw from p.
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
-    drawn = torch.cat([race(residual[j : j + 1], sampler.generator(rows[i]))
-                       for j, i in enumerate(sampled)])
-    put_rows(tokens, sampled, drawn)
+    put_rows(tokens, sampled, invert_cdf(residual, sampler.uniforms([rows[i] for i in sampled])))
