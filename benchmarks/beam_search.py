@@ -1,7 +1,7 @@
 """What beam search costs: fastserve's `use_beam_search` (each step a one-token request per
-beam, the prefix cache holding the beams' blocks) against HF `generate(num_beams=...)` on the
-same checkpoint, and against fastserve sampling the same number of sequences (`n`), side by
-side in one process, repetitions interleaved.
+beam, forking the parked KV of the step it continues) against HF `generate(num_beams=...)`
+on the same checkpoint, and against fastserve sampling the same number of sequences (`n`),
+side by side in one process, repetitions interleaved.
 
     .venv/bin/python benchmarks/beam_search.py [--preset small] [--dtype float32] \\
         [--batch 4] [--width 4] [--input-len 128] [--output-len 32] [--reps 3]

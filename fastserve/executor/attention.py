@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.staging import to_device
 
 # The largest float8 E4M3 value: K/V beyond it are clamped as stored (a plain cast overflows
 # to NaN), as vLLM's fp8 cache saturates.
@@ -164,8 +165,7 @@ class PagedAttention(ABC):
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks within this cache, every layer's K and V in one indexed op:
         (source, destination) pairs (a forked request's partial last block, `plan.copies`)."""
-        src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device)
-                    for ids in zip(*pairs, strict=True))
+        src, dst = (to_device(ids, torch.long, self.device) for ids in zip(*pairs, strict=True))
         kv = as_bytes(self.kv_cache)  # [layers, 2, heads, blocks, block_size, dim]
         kv.index_copy_(3, dst, kv.index_select(3, src))
 
