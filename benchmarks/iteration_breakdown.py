@@ -103,7 +103,9 @@ class PhaseClock:
             self._close(start)
             outs = step()
             plan = engine.core.last_plan
-            if plan is not None and not plan.is_empty:
+            # NOTE: a step that leaves nothing to run is followed by the loop's idle wait for
+            # the next request: its cycle would count that wait.
+            if plan is not None and not plan.is_empty and engine.has_unfinished:
                 self._open = Row(plan.shape.num_prefill_tokens, plan.shape.num_decodes,
                                  step_s=time.perf_counter() - start)
                 self._step_start = start
