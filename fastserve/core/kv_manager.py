@@ -76,6 +76,7 @@ class KVCacheManager:
         self._host_releasing: list[int] = []  # read by this iteration's uploads
         self._device_releasing: list[int] = []  # being copied out by this iteration's offloads
         self._parked: dict[str, Parked] = {}  # finished requests' KV kept for forks
+        self.num_dropped_parked = 0  # parked requests' KV dropped for room, all time
         self._fork_copies: list[tuple[int, int]] = []  # this iteration's (parent, fork) blocks
         self.peak_used_blocks = 0  # most device blocks in use at once
         self.num_swap_out_blocks = 0  # blocks copied device -> host, all time
@@ -245,6 +246,7 @@ class KVCacheManager:
         compute what they would have copied); returns whether any was dropped."""
         dropped = [rid for rid in self._parked if rid != keep]
         self.unpark(dropped)
+        self.num_dropped_parked += len(dropped)
         return bool(dropped)
 
     def take_fork_copies(self) -> list[tuple[int, int]]:

@@ -107,6 +107,23 @@ def test_each_step_after_the_first_computes_one_token_per_beam(llm: LLM) -> None
         assert beams[0] == beams[1] and len(beams[0]) == 3
 
 
+def test_searches_short_of_blocks_find_the_beams_they_find_alone(llm: LLM) -> None:
+    """Three searches at once in a cache too small for their parked KV: it makes way (those
+    steps compute their partial blocks again), and each search finds the beams it finds
+    alone with blocks to spare; nothing is left parked."""
+    params = SamplingParams(use_beam_search=True, n=3, max_tokens=10, ignore_eos=True)
+    prompts = [PROMPT, [*PROMPT[::-1], 7], [9, 8, 7] * 5]
+    alone = [[o.token_ids for o in llm.generate([p], params, use_tqdm=False)[0].outputs]
+             for p in prompts]
+    with LLM(dtype="float32", max_batch_size=16, block_size=4, warmup=False,
+             startup_profile=False, num_device_blocks=20) as tight:
+        outs = tight.generate(prompts, params, use_tqdm=False)
+        kv = tight.engine.kv
+        assert kv.num_dropped_parked > 0
+        assert kv.num_parked == 0 and kv.num_free_blocks == kv.num_total_blocks
+    assert [[o.token_ids for o in out.outputs] for out in outs] == alone
+
+
 def test_an_aborted_search_stops_and_others_go_on(llm: LLM) -> None:
     engine = llm.engine
     search = engine.add_request(PROMPT, SamplingParams(use_beam_search=True, n=3,
