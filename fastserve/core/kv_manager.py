@@ -49,7 +49,9 @@ class KVCacheManager:
     not be given a host block that a swap-in has yet to read. Likewise an offload may keep its
     device blocks out of the pool until `end_iteration()` (`release_now=False`), so that no
     computation of this iteration writes a block that is still being copied out: until then
-    only uploads (whose copies run after the swap-outs) may take them.
+    only uploads (whose copies run after the swap-outs) may take them. A fork's copy runs after
+    the uploads, so the block it reads stays referenced until `end_iteration()` even if its
+    parent is unparked meanwhile.
     """
 
     def __init__(self, num_device_blocks: int, block_size: int, num_host_blocks: int = 0,
@@ -78,6 +80,10 @@ class KVCacheManager:
         self._parked: dict[str, Parked] = {}  # finished requests' KV kept for forks
         self.num_dropped_parked = 0  # parked requests' KV dropped for room, all time
         self._fork_copies: list[tuple[int, int]] = []  # this iteration's (parent, fork) blocks
+        # The blocks those copies read, referenced until `end_iteration`: a parent unparked
+        # in the same iteration must not hand its partial block to this plan's uploads,
+        # which run before the copies.
+        self._fork_sources: list[int] = []
         self.peak_used_blocks = 0  # most device blocks in use at once
         self.num_swap_out_blocks = 0  # blocks copied device -> host, all time
         self.num_swap_in_blocks = 0  # blocks copied host -> device, all time
@@ -242,12 +248,14 @@ class KVCacheManager:
                 self.device.free(parked.block_ids)
 
     def drop_parked(self, keep: str | None = None) -> bool:
-        """Under memory pressure: unpark every parked request but `keep` (its forks will
-        compute what they would have copied); returns whether any was dropped."""
-        dropped = [rid for rid in self._parked if rid != keep]
-        self.unpark(dropped)
-        self.num_dropped_parked += len(dropped)
-        return bool(dropped)
+        """Under memory pressure: unpark the longest parked request but `keep` (its forks
+        will compute what they would have copied); returns whether one was dropped."""
+        oldest = next((rid for rid in self._parked if rid != keep), None)
+        if oldest is None:
+            return False
+        self.unpark([oldest])
+        self.num_dropped_parked += 1
+        return True
 
     def take_fork_copies(self) -> list[tuple[int, int]]:
         """This iteration's (parent block, fork block) device copies, for its plan."""
@@ -263,7 +271,10 @@ class KVCacheManager:
         if partial:
             new = self.device.allocate(1, after=table[-1] if table else None)
             assert new is not None  # `shortfall` counted it
-            self._fork_copies.append((parent.block_ids[num_full], new[0]))
+            source = parent.block_ids[num_full]
+            self.device.ref([source])
+            self._fork_sources.append(source)
+            self._fork_copies.append((source, new[0]))
             table = [*table, *new]
         return table
 
@@ -342,8 +353,12 @@ class KVCacheManager:
         return list(zip(host, device, strict=True))
 
     def end_iteration(self) -> None:
-        """The plan is complete: host blocks read by its uploads may be reused from now on."""
+        """The plan is complete: host blocks read by its uploads, and device blocks its fork
+        copies read, may be reused from now on."""
         self._note_peak()  # NOTE: also what sharing cached blocks took, noted nowhere else
+        assert not self._fork_copies, "the plan takes its fork copies before it is complete"
+        self.device.free(self._fork_sources)
+        self._fork_sources = []
         if self._host_releasing:
             self.host.free(self._host_releasing)
             self._host_releasing = []

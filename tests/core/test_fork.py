@@ -40,7 +40,24 @@ def test_a_fork_shares_the_full_blocks_and_copies_the_partial_one() -> None:
     kv.free("c")
     assert kv.num_free_blocks == 5  # the parent still holds what it shared
     kv.unpark(["p", "never parked"])
+    kv.end_iteration()  # (the plan that copied the block is complete)
     assert kv.num_parked == 0 and kv.num_free_blocks == 8
+
+
+def test_the_block_a_fork_copies_outlives_its_parent_until_the_plan_is_complete() -> None:
+    """The plan's uploads run before its fork copies: a parent dropped in the same iteration
+    must not hand the block a copy reads to an upload (or anything else) of that plan."""
+    kv = KVCacheManager(num_device_blocks=4, block_size=4)
+    assert kv.allocate("p", 11) is not None
+    source = kv.block_table("p")[2]
+    assert kv.park("p", TOKENS, None)
+    assert kv.allocate("c", 11, fork_of="p") is not None  # the last free block: the copy
+    kv.unpark(["p"])  # dropped for room, in the same iteration
+    assert kv.num_free_blocks == 0  # the source is still being read
+    assert kv.allocate("other", 1) is None
+    assert kv.take_fork_copies() == [(source, kv.block_table("c")[2])]
+    kv.end_iteration()
+    assert kv.num_free_blocks == 1 and kv.allocate("other", 1) == [source]
 
 
 def test_a_fork_at_a_block_boundary_copies_nothing() -> None:
