@@ -142,6 +142,14 @@ class KVPolicy(ABC):
         """After the batch is chosen: move KV ahead of need. Default: nothing."""
 
 
+
+def _reclaim_parked(kv: KVCacheManager, goal: int) -> None:
+    """Drop parked KV (beam search's finished steps, `KVCacheManager.park`), the longest
+    parked first, until `goal` blocks are free soon or none is left: it goes before any job's
+    KV moves, since losing it costs a fork only its partial block's computation."""
+    while kv.num_free_soon < goal and kv.drop_parked():
+        pass
+
 def latest(sched: SchedulerView, victims: Sequence[Request]) -> Request | None:
     """The victim expected to run last: largest ENST, the later in the order on a tie."""
     if not victims:
@@ -299,6 +307,7 @@ class ProactivePolicy(ReactivePolicy):
         if not budget.fits(1):
             return True  # no more room is made this iteration: it waits
         need = _need(sched, req)
+        _reclaim_parked(kv, need)
         if kv.num_free_soon < need:
             # A started job takes its room from beyond the jobs that fill this batch's other
             # slots: evicting a job about to run for another started one would only churn.
@@ -453,7 +462,8 @@ class ProactivePolicy(ReactivePolicy):
                    if r.request_id not in in_batch and sched.moves.can_offload(r)]
         victims.sort(key=sched.next_run_s, reverse=True)
         v = 0
-        # 1. Keep the reserve.
+        # 1. Keep the reserve: parked KV goes first, then the latest jobs.
+        _reclaim_parked(kv, max(self.reserve_blocks, burst.total))
         while kv.num_free_soon < max(self.reserve_blocks, burst.total) and v < len(victims):
             if kv.num_free_soon >= self.reserve_blocks \
                     and sched.next_run_s(victims[v]) <= burst.earliest_s:

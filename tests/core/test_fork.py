@@ -9,7 +9,7 @@ import pytest
 
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.request import Request, SamplingParams
-from tests.core.factories import UNIT_COST, make_scheduler, serve
+from tests.core.factories import UNIT_COST, kv_scheduler, make_requests, make_scheduler, serve
 
 TOKENS = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial one
 
@@ -125,3 +125,16 @@ def test_parked_kv_makes_way_for_a_job_that_needs_its_blocks() -> None:
     assert big.num_output_tokens == 3 and big.num_preemptions == 0
     assert sched.kv.num_parked == 0 and not any(p.preempted_ids for p in run.plans)
     assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+
+
+def test_the_proactive_reserve_takes_parked_kv_before_moving_a_job() -> None:
+    """Parked KV short of the proactive policy's reserve is dropped (a fork would lose a
+    partial block's computation) before any job's KV is offloaded (a copy out and back)."""
+    sched = kv_scheduler("skip-join-mlfq", "proactive", num_blocks=16, reserve=6,
+                         max_batch_size=1)
+    serve(sched, [_req("p", TOKENS, keep_kv=True)])  # 3 blocks parked
+    jobs = make_requests([14, 14], [6, 6])  # 5 blocks each, taking turns: one waits resident
+    run = serve(sched, jobs)
+    assert all(j.num_output_tokens == 6 for j in jobs)
+    assert sched.kv.num_dropped_parked == 1 and sched.moves.num_offloads == 0
+    assert not any(p.swap_out for p in run.plans)
