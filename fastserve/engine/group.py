@@ -12,9 +12,9 @@ started: nothing can evict them, even if sequence 0 finishes or is offloaded mea
 
 NOTE: why not fork sequence 0's block table: its first token is sampled from the prompt's
 logits, and the others would have to be sampled from the same row in the same iteration (the
-sampler draws one token per row) and copy the partial block on write (the executor has no
-device-to-device block copy). Recomputing up to `block_size - 1` tokens per sequence costs
-less than those changes. With prefix caching off every sequence is added at once and
+sampler draws one token per row), and a fork copies a partial block only from a finished
+request's parked KV (`KVCacheManager.park`, beam search's), while sequence 0 runs on, writing
+its own. Recomputing up to `block_size - 1` tokens per sequence costs less than those changes. With prefix caching off every sequence is added at once and
 prefills its prompt.
 
 Every sequence samples with its own seed: `seed + i` for sequence i when the request has a
