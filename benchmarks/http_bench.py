@@ -98,7 +98,12 @@ def make_jobs(args: argparse.Namespace, vocab_size: int) -> tuple[list[WorkItem]
 # -- HTTP replay ----------------------------------------------------------------------------
 
 
-async def _one(url: str, model: str, item: WorkItem, prompt: list[int], start_s: float) -> JobResult:
+# What every benchmark request sends to choose its tokens unless told otherwise: greedy.
+GREEDY = {"temperature": 0}
+
+
+async def _one(url: str, model: str, item: WorkItem, prompt: list[int], start_s: float,
+               sampling: dict) -> JobResult:
     """One streamed request over a raw HTTP/1.1 connection.
 
     NOTE: not httpx: on a small machine the client's CPU is the server's CPU, and a client
@@ -107,7 +112,7 @@ async def _one(url: str, model: str, item: WorkItem, prompt: list[int], start_s:
     """
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": item.output_len,
-                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       **sampling, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -133,9 +138,14 @@ async def _one(url: str, model: str, item: WorkItem, prompt: list[int], start_s:
     return JobResult(sent, first or done, done, final["usage"]["completion_tokens"])
 
 
-async def replay(url: str, model: str, items: list[WorkItem], prompts: list[list[int]]) -> list[JobResult]:
+async def replay(url: str, model: str, items: list[WorkItem], prompts: list[list[int]],
+                 sampling: dict | None = None) -> list[JobResult]:
+    """Send every item at its arrival time; `sampling`: the fields that choose the tokens
+    (`GREEDY` when None), the same for every request."""
     start = time.monotonic() + 0.2
-    return await asyncio.gather(*(_one(url, model, w, p, start) for w, p in zip(items, prompts, strict=True)))
+    fields = GREEDY if sampling is None else sampling
+    return await asyncio.gather(*(_one(url, model, w, p, start, fields)
+                                  for w, p in zip(items, prompts, strict=True)))
 
 
 @dataclass

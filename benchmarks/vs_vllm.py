@@ -22,8 +22,9 @@ Workloads (`--workloads`, comma-separated, each its own table):
   d        light-tailed: `--num-d` (100) requests, Poisson arrivals, outputs uniform in
            [64, 128], inputs uniform in [16, 256], at `--load-d` (0.8) of vLLM's capacity.
   offline  `LLM.generate` against vLLM's `LLM.generate`, batch 32, 128 in / 128 out (each
-           engine in its own process, `benchmarks/vs_vllm_offline.py`, taking turns),
-           greedy unless `--offline-temperature`.
+           engine in its own process, `benchmarks/vs_vllm_offline.py`, taking turns).
+
+Every request is greedy unless `--sampling` gives other fields (temperature, top_p, ...).
 
 vLLM's capacity on a workload is its output tok/s on the workload's own jobs sent at once
 (measured once per invocation, before the timed runs; `--capacity b=TOK_S,...` reuses a
@@ -60,7 +61,7 @@ from typing import Protocol
 
 import httpx
 import numpy as np
-from http_bench import RunSummary, replay, start_server
+from http_bench import GREEDY, RunSummary, replay, start_server
 
 import fastserve
 from fastserve.bench.workloads import WorkItem, gamma_arrivals, trace_workload, zipf_workload
@@ -238,17 +239,19 @@ def start_fastserve(policy: str, args: argparse.Namespace, log_dir: Path) -> Fas
     return FastserveServer(f"fastserve {policy}", server.url, server.stop)
 
 
-def warm(server: Endpoint, vocab_size: int, max_input_len: int) -> None:
+def warm(server: Endpoint, vocab_size: int, max_input_len: int, sampling: dict | None = None
+         ) -> None:
     """Requests of many prompt lengths and batch sizes, so no timed request meets a new shape."""
     lengths = sorted({int(x) for x in np.geomspace(1, max_input_len, 12)})
     items = [WorkItem(0.0, n, 8) for n in lengths]
     items += [WorkItem(0.0, 1 + (7 * i) % 64, 24) for i in range(32)]  # full decode batches
-    run(server, items, make_prompts(items, vocab_size, seed=12345))
+    run(server, items, make_prompts(items, vocab_size, seed=12345), sampling)
 
 
-def run(server: Endpoint, items: list[WorkItem], prompts: list[list[int]]) -> RunSummary:
+def run(server: Endpoint, items: list[WorkItem], prompts: list[list[int]],
+        sampling: dict | None = None) -> RunSummary:
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-    results = asyncio.run(replay(server.url, model, items, prompts))
+    results = asyncio.run(replay(server.url, model, items, prompts, sampling))
     makespan = max(r.done_s for r in results) - min(r.sent_s for r in results)
     return RunSummary(server.name, results, makespan)
 
@@ -315,14 +318,14 @@ def run_served(args: argparse.Namespace, workloads: list[Workload], vocab_size: 
             max_in = max(w.input_len for wl in workloads for w in wl.items)
             for server in servers:
                 t = time.monotonic()
-                warm(server, vocab_size, max_in)
+                warm(server, vocab_size, max_in, args.sampling)
                 print(f"warmed {server.name} in {time.monotonic() - t:.1f} s", flush=True)
             for wl in workloads:
                 items = wl.items
                 prompts = make_prompts(items, vocab_size, args.seed)
                 if wl.load is not None:
                     if wl.name not in capacities:
-                        cap_run = run(servers[0], burst(items), prompts)
+                        cap_run = run(servers[0], burst(items), prompts, args.sampling)
                         capacities[wl.name] = cap_run.output_tok_per_s
                         print(f"({wl.name}) vLLM capacity: {capacities[wl.name]:.1f} output tok/s "
                               f"(all {len(items)} at once; reuse: --capacity "
@@ -333,7 +336,7 @@ def run_served(args: argparse.Namespace, workloads: list[Workload], vocab_size: 
                 for rep in range(args.reps):
                     order = servers[rep % len(servers):] + servers[:rep % len(servers)]
                     for server in order:
-                        summary = run(server, items, prompts)
+                        summary = run(server, items, prompts, args.sampling)
                         runs[server.name].append(Stats.of(summary))
                         s = runs[server.name][-1]
                         print(f"  rep {rep}: {server.name:<26} {summary.makespan_s:6.1f} s, "
@@ -377,7 +380,7 @@ class OfflineWorker:
                "--dtype", args.dtype, "--batch", str(args.offline_batch),
                "--input-len", str(args.offline_input_len),
                "--output-len", str(args.offline_output_len), "--seed", str(args.seed),
-               "--temperature", str(args.offline_temperature)]
+               "--sampling", json.dumps(args.sampling)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self._expect("ready")
@@ -424,8 +427,7 @@ def run_offline(args: argparse.Namespace) -> None:
     fs, vl = results["fastserve"], results[VLLM]
     ratio = statistics.median(a / b for a, b in zip(fs, vl, strict=True))
     print(f"\n(offline) LLM.generate, batch {args.offline_batch}, {args.offline_input_len} in / "
-          f"{args.offline_output_len} out, {args.dtype}, "
-          f"{'greedy' if args.offline_temperature == 0 else f'temperature {args.offline_temperature}'}")
+          f"{args.offline_output_len} out, {args.dtype}, sampling {json.dumps(args.sampling)}")
     print(f"{'engine':<26} {'out tok/s':>9}")
     print(f"{'vllm':<26} {statistics.median(vl):9.1f}")
     print(f"{'fastserve':<26} {statistics.median(fs):9.1f}   vs vLLM {ratio:.2f}x (median of per-rep ratios)")
@@ -460,8 +462,9 @@ def main() -> None:
     ap.add_argument("--offline-batch", type=int, default=32)
     ap.add_argument("--offline-input-len", type=int, default=128)
     ap.add_argument("--offline-output-len", type=int, default=128)
-    ap.add_argument("--offline-temperature", type=float, default=0.0,
-                    help="offline requests sample at this temperature (0: greedy)")
+    ap.add_argument("--sampling", type=json.loads, default=GREEDY,
+                    help="JSON of the sampling fields every request sends, served and offline "
+                    "(default greedy: %(default)s), e.g. '{\"temperature\": 1, \"top_p\": 0.95}'")
     ap.add_argument("--vllm-args", default="", help="extra arguments for vLLM's server")
     ap.add_argument("--vllm-url", default=None,
                     help="use this running vLLM server (same model, dtype, --max-num-seqs and "

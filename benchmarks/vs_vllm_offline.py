@@ -2,8 +2,8 @@
 
 Run by either engine's python (fastserve's venv or vLLM's), so it imports only that engine.
 It loads the engine, warms it up, prints `ready`, then for every `run` line on stdin generates
-`--batch` prompts of `--input-len` random token ids, `--output-len` tokens each (greedy, or
-sampled at `--temperature`; `ignore_eos`), and prints `tok_per_s=X` (output tokens over the wall time of `generate`).
+`--batch` prompts of `--input-len` random token ids, `--output-len` tokens each (`ignore_eos`,
+the sampling fields of `--sampling`: greedy by default), and prints `tok_per_s=X` (output tokens over the wall time of `generate`).
 Both engines get the same prompts (numpy, `--seed`) and the same maximum batch.
 
 NOTE: vLLM spawns its engine core; the work must sit under `if __name__ == "__main__":`.
@@ -33,8 +33,7 @@ def fastserve_runner(args: argparse.Namespace) -> Any:
 
     # NOTE: the default 1 GiB KV pool (as vLLM's here, see vs_vllm.vllm_env) holds the batch.
     llm = LLM(model=args.model, dtype=args.dtype, max_batch_size=args.batch, policy="fcfs")
-    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **args.sampling)
 
     def generate(prompts: list[list[int]], p: Any = params) -> int:
         outs = llm.generate(prompts, p, use_tqdm=False)
@@ -49,8 +48,7 @@ def vllm_runner(args: argparse.Namespace) -> Any:
     # Profiling: the worker in this process ("uni"), where the profiler sees its ops.
     extra = {"distributed_executor_backend": "uni"} if args.torch_profile else {}
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.batch, seed=args.seed, **extra)
-    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **args.sampling)
 
     def generate(prompts: list[list[int]], p: Any = params) -> int:
         outs = llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
@@ -86,7 +84,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--sampling", type=json.loads, default={"temperature": 0.0},
+                    help="JSON of SamplingParams fields (both engines take the same names)")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
                     help="profile one generate with torch.profiler, print its top N ops by self "
                     "CPU time, and exit")
