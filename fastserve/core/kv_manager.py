@@ -211,6 +211,12 @@ class KVCacheManager:
         """Finished requests whose KV is parked."""
         return len(self._parked)
 
+    @property
+    def num_parked_blocks(self) -> int:
+        """Blocks in parked tables, counted once per table: an upper bound on what unparking
+        them all would free (tables share blocks, and forks share theirs)."""
+        return sum(len(p.block_ids) for p in self._parked.values())
+
     def park(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> bool:
         """The request is done: keep the device blocks holding the KV of `token_ids` (its
         first tokens) for requests that fork from it, until `unpark`; the rest are freed.

@@ -553,9 +553,11 @@ class Scheduler(ABC):
         num_tokens = target if started else max(target, self._admit_tokens(req))
         if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
             return self._started(req, started, prefix, fork_of)
-        while self.kv.drop_parked(keep=fork_of):  # parked KV first, the longest parked first
-            if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-                return self._started(req, started, prefix, fork_of)
+        # Parked KV goes first, the longest parked first; not for a shortfall it cannot cover.
+        if self.kv.shortfall(rid, num_tokens, prefix, fork_of) <= self.kv.num_parked_blocks:
+            while self.kv.drop_parked(keep=fork_of):
+                if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
+                    return self._started(req, started, prefix, fork_of)
         if self._defer_turn(req, len(in_batch), start):
             return False
         shortfall = self.kv.shortfall(rid, num_tokens, prefix, fork_of)

@@ -138,3 +138,17 @@ def test_the_proactive_reserve_takes_parked_kv_before_moving_a_job() -> None:
     assert all(j.num_output_tokens == 6 for j in jobs)
     assert sched.kv.num_dropped_parked == 1 and sched.moves.num_offloads == 0
     assert not any(p.swap_out for p in run.plans)
+
+
+def test_parked_kv_stays_when_dropping_it_could_not_make_the_room() -> None:
+    sched = make_scheduler("fcfs", cost=UNIT_COST, block_size=4, num_blocks=8)
+    serve(sched, [_req("p", TOKENS, keep_kv=True)])  # 3 blocks parked, 5 free
+    first = Request("first", list(range(1, 17)), SamplingParams(max_tokens=1, ignore_eos=True), 0.0)
+    # 5 blocks, short by 4 while the first holds its 4: more than the parked 3 could give.
+    # It waits for the first to finish instead, and fits then.
+    second = Request("second", list(range(20, 37)), SamplingParams(max_tokens=3, ignore_eos=True),
+                     0.0)
+    run = serve(sched, [first, second])
+    assert [s.request_id for s in run.plans[0].scheduled] == ["first"]
+    assert first.num_output_tokens == 1 and second.num_output_tokens == 3
+    assert sched.kv.num_dropped_parked == 0 and sched.kv.num_parked == 1
