@@ -107,7 +107,9 @@ def test_each_step_after_the_first_computes_one_token_per_beam(llm: LLM) -> None
         assert beams[0] == beams[1] and len(beams[0]) == 3
 
 
-def test_searches_short_of_blocks_find_the_beams_they_find_alone(llm: LLM) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_searches_short_of_blocks_find_the_beams_they_find_alone(llm: LLM,
+                                                                  async_scheduling: bool) -> None:
     """Three searches at once in a cache too small for their parked KV: it makes way (those
     steps compute their partial blocks again; a dropped parent's block that a fork copies in
     that iteration is not handed to the same plan's upload of a host-cached block, which
@@ -118,7 +120,8 @@ def test_searches_short_of_blocks_find_the_beams_they_find_alone(llm: LLM) -> No
     alone = [[o.token_ids for o in llm.generate([p], params, use_tqdm=False)[0].outputs]
              for p in prompts]
     with LLM(dtype="float32", max_batch_size=16, block_size=4, warmup=False,
-             startup_profile=False, num_device_blocks=16) as tight:
+             startup_profile=False, num_device_blocks=16,
+             async_scheduling=async_scheduling) as tight:
         outs = tight.generate(prompts, params, use_tqdm=False)
         kv = tight.engine.kv
         assert kv.num_dropped_parked > 0
