@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
+from fastserve.executor.openmp import has_released
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class LLM:
         (fastserve/executor/openmp.py)."""
         here = threading.current_thread()
         if (self._is_thread_warned or here is self._built_on or not self._built_on.is_alive()
-                or self.config.model.device != "cpu"):
+                or self.config.model.device != "cpu" or has_released(self._built_on)):
             return
         self._is_thread_warned = True
         logger.warning(

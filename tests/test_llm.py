@@ -120,3 +120,37 @@ def test_generating_off_the_building_thread_warns_once(caplog: pytest.LogCapture
         assert len(warned) == 1 and "release_thread_team" in warned[0]
     finally:
         llm.shutdown()
+
+
+def test_no_warning_once_the_building_thread_hands_its_workers_back(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What the warning advises: the thread that built the LLM, still running, calls
+    release_thread_team(); another thread then generates without being warned."""
+    import threading
+
+    from fastserve.executor.openmp import has_released, release_thread_team
+
+    built: list[LLM] = []
+    ready, done = threading.Event(), threading.Event()
+
+    def build_then_stay() -> None:
+        built.append(LLM(dtype=TEST_DTYPE, max_batch_size=2, warmup=False, policy="fcfs"))
+        release_thread_team()
+        ready.set()
+        done.wait(60)
+
+    builder = threading.Thread(target=build_then_stay)
+    builder.start()
+    try:
+        assert ready.wait(60)
+        if not has_released(builder):
+            pytest.skip("this OpenMP runtime does not hand workers back (not libgomp)")
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        with caplog.at_level("WARNING", logger="fastserve.llm"):
+            assert len(built[0].generate([5, 6, 7], params, use_tqdm=False)[0].token_ids) == 2
+        assert not caplog.records
+    finally:
+        done.set()
+        builder.join()
+        if built:
+            built[0].shutdown()

@@ -17,12 +17,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
+import weakref
 
 import torch  # noqa: F401  (loads the OpenMP runtime torch was built with, before we look for it)
 
 logger = logging.getLogger(__name__)
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep nothing
+
+# Threads whose team `release_thread_team` ended (`has_released`). NOTE: a thread that runs
+# parallel ops again starts a new team and stays listed: the answer is a hint for warnings.
+_released: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 @functools.cache
@@ -46,6 +52,13 @@ def release_thread_team() -> bool:
     if lib is None:
         return False
     ok = lib.omp_pause_resource(_OMP_PAUSE_SOFT, lib.omp_get_initial_device()) == 0
-    if not ok:
+    if ok:
+        _released.add(threading.current_thread())
+    else:
         logger.info("OpenMP kept this thread's workers (omp_pause_resource refused)")
     return ok
+
+
+def has_released(thread: threading.Thread) -> bool:
+    """Whether `thread` has handed its OpenMP workers back (`release_thread_team`)."""
+    return thread in _released
