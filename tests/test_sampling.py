@@ -169,7 +169,9 @@ def test_the_batched_draw_follows_the_distribution_and_leaves_seeded_rows_alone(
     assert len({t[0] for t in a}) > 1  # (the seeded rows do draw)
 
 
-def test_the_inverse_transform_draw_follows_the_distribution_and_its_edges() -> None:
+@pytest.mark.parametrize("vocab_kind", ["padded", "halved"])
+def test_the_inverse_transform_draw_follows_the_distribution_and_its_edges(vocab_kind: str
+                                                                          ) -> None:
     """A CPU's rows draw by inverse transform in two levels (blocks of CDF_BLOCK tokens,
     then the block's tokens): over 20,000 draws its frequencies are the distribution's, a
     token of weight zero never comes out (not at u's ends either), and a row that is not
@@ -178,7 +180,8 @@ def test_the_inverse_transform_draw_follows_the_distribution_and_its_edges() -> 
 
     from fastserve.executor.sampler import CDF_BLOCK, invert_cdf
 
-    vocab = 3 * CDF_BLOCK + 17  # the last block is padded
+    # 17 past whole blocks: the last is padded; 5.5 blocks: half-size blocks, unpadded.
+    vocab = 3 * CDF_BLOCK + 17 if vocab_kind == "padded" else 11 * CDF_BLOCK // 2
     weights = torch.zeros(vocab)
     picks = {5: 0.3, CDF_BLOCK: 0.25, CDF_BLOCK + 1: 0.05, 2 * CDF_BLOCK + 9: 0.15, vocab - 1: 0.25}
     for token, p in picks.items():

@@ -19,7 +19,9 @@ from fastserve.request import TokenLogprobs
 
 # The token of a row whose sampling failed: the engine fails that request alone.
 FAILED_TOKEN = -2  # NOTE: not NO_TOKEN (-1), a prefill chunk's
-# Tokens per block of `invert_cdf`'s first level (a vocabulary of 32,000: 125 blocks).
+# Tokens per block of `invert_cdf`'s first level (a vocabulary of 32,000: 125 blocks), or
+# the largest power of two below it that divides the vocabulary (151,936: 128), sparing a
+# padded copy of the batch; a vocabulary none of them divides is padded.
 CDF_BLOCK = 256
 
 
@@ -272,9 +274,11 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     tokens find the token. NOTE: float32 throughout, as torch.multinomial keeps them on a
     CPU."""
     n, vocab = probs.shape
-    pad = -vocab % CDF_BLOCK
+    size = next((b for b in (CDF_BLOCK, CDF_BLOCK // 2, CDF_BLOCK // 4) if vocab % b == 0),
+                CDF_BLOCK)
+    pad = -vocab % size
     weights = F.pad(probs.float(), (0, pad)) if pad else probs.float()
-    weights = weights.view(n, -1, CDF_BLOCK)  # [n, num_blocks, CDF_BLOCK]
+    weights = weights.view(n, -1, size)  # [n, num_blocks, size]
     block_cdf = weights.sum(dim=-1).cumsum(dim=-1)  # [n, num_blocks], non-decreasing
     total = block_cdf[:, -1:]  # [n, 1]
     # NOTE: u * total may round up to the total, past which no token is: at most just below.
@@ -282,14 +286,14 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     block = torch.searchsorted(block_cdf, target, right=True)  # [n, 1]
     block.clamp_(max=block_cdf.shape[1] - 1)  # (a row that is not finite)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), 0.0)
-    rows = weights.gather(1, block.unsqueeze(2).expand(n, 1, CDF_BLOCK)).squeeze(1)  # [n, B]
-    cdf = rows.cumsum(dim=-1)  # [n, CDF_BLOCK]
+    rows = weights.gather(1, block.unsqueeze(2).expand(n, 1, size)).squeeze(1)  # [n, size]
+    cdf = rows.cumsum(dim=-1)  # [n, size]
     # The block's share of the target: at least 0 (its blocks before do not exceed it), and
     # below the block's own total however its sums rounded (the block has weight).
     local = torch.minimum((target - before).clamp_(min=0.0),
                           torch.nextafter(cdf[:, -1:], torch.zeros_like(total)))
-    within = torch.searchsorted(cdf, local, right=True).clamp_(max=CDF_BLOCK - 1)
-    return (block * CDF_BLOCK + within).squeeze(1).clamp_(max=vocab - 1)  # [n]
+    within = torch.searchsorted(cdf, local, right=True).clamp_(max=size - 1)
+    return (block * size + within).squeeze(1).clamp_(max=vocab - 1)  # [n]
 
 
 def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
