@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
-from fastserve.executor.openmp import has_released
+from fastserve.executor.openmp import has_released, note_parallel_ops
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._is_shut_down = False
         self._built_on = threading.current_thread()
+        note_parallel_ops()  # (its team is this LLM's now, whatever it released before)
         self._is_thread_warned = False
 
     def __enter__(self) -> LLM:

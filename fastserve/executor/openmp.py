@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep nothing
 
 # Threads whose team `release_thread_team` ended (`has_released`). NOTE: a thread that runs
-# parallel ops again starts a new team and stays listed: the answer is a hint for warnings.
+# parallel ops again starts a new team and stays listed unless it says so
+# (`note_parallel_ops`): the answer is a hint for warnings.
 _released: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
@@ -60,5 +61,12 @@ def release_thread_team() -> bool:
 
 
 def has_released(thread: threading.Thread) -> bool:
-    """Whether `thread` has handed its OpenMP workers back (`release_thread_team`)."""
+    """Whether `thread` has handed its OpenMP workers back (`release_thread_team`) since it
+    last said it ran parallel ops (`note_parallel_ops`)."""
     return thread in _released
+
+
+def note_parallel_ops() -> None:
+    """The calling thread has run torch's parallel ops (building an engine does): it holds
+    a team again, whatever it released before."""
+    _released.discard(threading.current_thread())
