@@ -252,8 +252,7 @@ class Scheduler(ABC):
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
-            if not self._allocate(req, done + num_new, i + 1, in_batch, now, prefix,
-                                  req.fork_of if forked else None):
+            if not self._allocate(req, done + num_new, i + 1, in_batch, now, prefix, forked):
                 if not started:
                     admitting = False
                 continue
@@ -534,13 +533,15 @@ class Scheduler(ABC):
         return self._enst.get(req.request_id, float("inf"))
 
     def _allocate(self, req: Request, target: int, start: int, in_batch: set[str], now: float,
-                  prefix: Sequence[int] = (), fork_of: str | None = None) -> bool:
+                  prefix: Sequence[int] = (), forked: int = 0) -> bool:
         """Find KV blocks for the request to hold `target` tokens after this iteration,
         making room if it must (parked KV goes first, then the jobs at place `start` on in the
-        order give way); a job holding no KV starts with the cached blocks of `prefix`, or the
-        parked KV of `fork_of` (their tokens count as computed). A swapped request is
-        uploaded first. Returns False when it cannot run now."""
+        order give way); a job holding no KV starts with the cached blocks of `prefix`, or
+        with the `forked` tokens of the parked KV it forks (`Request.fork_of`): their tokens
+        count as computed. A swapped request is uploaded first. Returns False when it cannot
+        run now."""
         rid = req.request_id
+        fork_of = req.fork_of if forked else None
         if self.kv_policy.is_landing(self, req, len(in_batch), start):
             return False
         if self.kv.is_swapped(rid):
@@ -552,18 +553,18 @@ class Scheduler(ABC):
         started = self.kv.has_blocks(rid)
         num_tokens = target if started else max(target, self._admit_tokens(req))
         if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-            return self._started(req, started, prefix, fork_of)
+            return self._started(req, started, prefix, forked)
         # Parked KV goes first, the longest parked first; not for a shortfall it cannot cover.
         if self.kv.shortfall(rid, num_tokens, prefix, fork_of) <= self.kv.num_parked_blocks:
             while self.kv.drop_parked(keep=fork_of):
                 if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-                    return self._started(req, started, prefix, fork_of)
+                    return self._started(req, started, prefix, forked)
         if self._defer_turn(req, len(in_batch), start):
             return False
         shortfall = self.kv.shortfall(rid, num_tokens, prefix, fork_of)
         if self._make_room(req, shortfall, start, now) \
                 and self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-            return self._started(req, started, prefix, fork_of)
+            return self._started(req, started, prefix, forked)
         if started:  # nothing below it gives way: it gives up its own blocks
             self.kv_policy.give_up(self, req)
         return False
@@ -593,14 +594,12 @@ class Scheduler(ABC):
         return hashes[:n]
 
     def _started(self, req: Request, was_started: bool, prefix: Sequence[int],
-                 fork_of: str | None = None) -> bool:
+                 forked: int = 0) -> bool:
         """A job got its blocks; one that was not started counts as a prefix-cache query
         (with caching off too: then nothing hits, and the queries are what prefills compute;
-        a fork's parked tokens count as hits)."""
+        a fork's `forked` tokens count as hits)."""
         if not was_started:
-            cached = len(prefix) * self.kv.block_size
-            if fork_of is not None:
-                cached = self._fork_tokens(req)
+            cached = forked or len(prefix) * self.kv.block_size
             req.num_computed_tokens = cached
             self.num_prefix_query_tokens += req.num_tokens
             self.num_prefix_hit_tokens += cached
