@@ -81,7 +81,7 @@ class Sampler:
         # own generator when it has a seed), a cumsum and a binary search for the batch. On a
         # GPU the rows without a seed race instead (`race`), as measured there before; on a
         # CPU the race's exponentials cost 0.5 ms a 32,000-token row (torch.multinomial
-        # 0.7 ms), the inverse transform 0.02 ms.
+        # 0.7 ms), the inverse transform 0.06 ms (sampling_overhead.py --draw-ab).
         self.batched_draw = device.type == "cuda" if batched_draw is None else batched_draw
         # Top-k / top-p: a GPU sorts whole rows; elsewhere a sort costs more than the model's
         # step, and selections do instead (`fastserve.executor.nucleus`).
