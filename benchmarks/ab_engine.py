@@ -7,9 +7,11 @@ ratios.
 
     .venv/bin/python benchmarks/ab_engine.py --old /tmp/base --new . [--new-env K=V ...]
         [--reps 3] [--batch 32] [--input-len 128] [--output-len 128] [--dtype float32]
+        [--sampling '{"temperature": 1.0, "top_p": 0.95}']
 
 A worker (`--worker`) measures one variant: `LLM.generate` of `batch` prompts (output tok/s),
-then one decode iteration of `batch` requests at context 128 and 512 (median ms).
+then one decode iteration of `batch` requests at context 128 and 512 (median ms). The
+generate samples with `--sampling`'s fields (greedy by default; the decode steps stay greedy).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.arch.vocab_size
     prompts = torch.randint(3, vocab, (args.batch, args.input_len), generator=g).tolist()
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    fields = {"temperature": 0.0, **json.loads(args.sampling)}
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **fields)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     tok_s = args.batch * args.output_len / (time.perf_counter() - t)
@@ -74,12 +77,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--sampling", default="{}", help="JSON of SamplingParams fields for generate")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
     argv = [f"--preset={args.preset}", f"--dtype={args.dtype}", f"--threads={args.threads}",
-            f"--batch={args.batch}", f"--input-len={args.input_len}", f"--output-len={args.output_len}"]
+            f"--batch={args.batch}", f"--input-len={args.input_len}", f"--output-len={args.output_len}",
+            f"--sampling={args.sampling}"]
     variants = {"old": (args.old, dict(kv.split("=", 1) for kv in args.old_env)),
                 "new": (args.new, dict(kv.split("=", 1) for kv in args.new_env))}
     res: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
@@ -90,7 +95,7 @@ def main() -> None:
             print(f"rep {rep} {name}: {r['tok_s']:.1f} tok/s, decode ctx128 {r['d128']:.1f} ms, "
                   f"ctx512 {r['d512']:.1f} ms, first tokens {r['first_tokens']}", flush=True)
     print(f"\n{args.preset} {args.dtype} threads={args.threads} batch={args.batch} "
-          f"in={args.input_len} out={args.output_len}, medians of {args.reps} interleaved reps")
+          f"in={args.input_len} out={args.output_len} sampling {args.sampling}, medians of {args.reps} interleaved reps")
     med = {n: {k: statistics.median(r[k] for r in rs) for k in ("tok_s", "d128", "d512")}
            for n, rs in res.items()}
     for n, m in med.items():

@@ -5,7 +5,8 @@ machine shared with other jobs disturbs far less than wall-clock time.
 
 1. `Sampler.sample` alone: a batch of random logits over a Llama-sized vocabulary. With
    `--against OTHER/fastserve/executor/sampler.py`, that checkout's Sampler runs interleaved
-   with this one's on the same inputs (no request using the fields): the before/after ratio.
+   with this one's on the same inputs (no request using the fields; greedy, temperature 1,
+   and top_p on flat and on peaked rows): the before/after ratio.
 2. `LLM.generate` on the tiny preset (the model is cheap, so the sampler's share is large).
 
     PYTHONPATH=. .venv/bin/python benchmarks/sampling_overhead.py [--reps 5] [--features]
@@ -76,11 +77,12 @@ def _load_sampler(path: str) -> Any:
 
 
 def sampler_ab_us(other: Any, batch: int, vocab: int, temperature: float,
-                  reps: int) -> tuple[float, float]:
-    """Median CPU microseconds of (other's, this) Sampler.sample, interleaved, no fields."""
+                  reps: int, top_p: float = 1.0, spread: float = 1.0) -> tuple[float, float]:
+    """Median CPU microseconds of (other's, this) Sampler.sample, interleaved, no fields
+    but top_p; logits N(0, spread^2) (1: a flat row, thousands of tokens in a nucleus)."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(batch, vocab, generator=g)
-    params = SamplingParams(max_tokens=256, temperature=temperature)
+    logits = torch.randn(batch, vocab, generator=g) * spread
+    params = SamplingParams(max_tokens=256, temperature=temperature, top_p=top_p)
     reqs = [ScheduledRequest(f"r{i}", [1], 640, [0], params, 128) for i in range(batch)]
     samplers = [other([2], 0, torch.device("cpu")), Sampler([2], 0, torch.device("cpu"))]
     times: list[list[float]] = [[], []]
@@ -151,10 +153,12 @@ def main() -> None:
     if args.against:
         other = _load_sampler(args.against)
         for batch, vocab in ((args.batch, args.vocab), (8, 4096)):
-            for temp in (0.0, 1.0):
-                b, a = sampler_ab_us(other, batch, vocab, temp, args.reps)
-                print(f"Sampler.sample batch {batch} vocab {vocab} temperature {temp}: other "
-                      f"{b:.0f} CPU us, this {a:.0f} CPU us, this/other {a / b:.3f}")
+            for temp, top_p, spread in ((0.0, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 0.95, 1.0),
+                                        (1.0, 0.9, 4.0)):
+                b, a = sampler_ab_us(other, batch, vocab, temp, args.reps, top_p, spread)
+                print(f"Sampler.sample batch {batch} vocab {vocab} temperature {temp} top_p "
+                      f"{top_p} (logits N(0, {spread:g}^2)): other {b:.0f} CPU us, this "
+                      f"{a:.0f} CPU us, this/other {a / b:.3f}")
         return
     label = "with the fields" if args.features else "no request uses the fields"
     print(f"{label}; batch {args.batch}, threads {args.threads}")

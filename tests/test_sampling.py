@@ -205,3 +205,41 @@ def test_the_inverse_transform_draw_follows_the_distribution_and_its_edges(vocab
                           torch.full((vocab,), float("inf"))])
     got = invert_cdf(broken, torch.tensor([0.5, 0.5, 0.99]))
     assert ((got >= 0) & (got < vocab)).all()
+
+
+def test_top_p_drawn_by_rejection_keeps_temperature_top_k_min_p_and_seeds() -> None:
+    """A CPU's sampler leaves top-p to the draw (rejection, no sort): with temperature, top-k
+    and min_p beside it, its frequencies over 20,000 rows are those of the distribution the
+    filters give (top-k, then top-p, then min_p, as Hugging Face's warpers run), and a seeded
+    row draws the same tokens alone and among other rows."""
+    import torch
+
+    from fastserve.core.plan import ScheduledRequest
+    from fastserve.executor.sampler import Sampler, probabilities
+
+    vocab, n = 64, 20_000
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(vocab, generator=g) * 2.0
+    logits = row.expand(n, -1).contiguous()
+    mixes = [dict(top_p=0.8), dict(top_p=0.9, top_k=12), dict(top_p=0.95, min_p=0.2)]
+    for i, fields in enumerate(mixes):
+        params = SamplingParams(temperature=0.8, **fields)  # type: ignore[arg-type]
+        reqs = [ScheduledRequest(f"r{j}", [7], 0, [0], params, 0) for j in range(n)]
+        sampler = Sampler([2], seed=i, device=torch.device("cpu"))
+        assert sampler.nucleus_in_draw
+        tokens = torch.tensor(sampler.sample(logits.clone(), reqs).token_ids)
+        freq = torch.bincount(tokens, minlength=vocab).float() / n
+        want = probabilities(logits[:1], reqs[:1], [0], by_selection=False)[0]
+        assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(want).flatten().tolist())
+        assert (freq - want).abs().max() < 0.015, (fields, freq, want)  # ~4 standard deviations
+
+    seeded = SamplingParams(temperature=1.0, top_p=0.5, seed=3)
+    flat = torch.zeros(4, 50)  # every token as likely: the nucleus is half of them, by id
+    others = [ScheduledRequest(f"o{j}", [7], 0, [0], SamplingParams(temperature=1.0, top_p=0.3), 0)
+              for j in range(3)]
+    alone_sampler, batch_sampler = (Sampler([2], seed=s, device=torch.device("cpu")) for s in (1, 2))
+    alone = [alone_sampler.sample(flat[:1].clone(), [ScheduledRequest("s", [7], 0, [0], seeded, 0)])
+             .token_ids[0] for _ in range(8)]
+    among = [batch_sampler.sample(flat.clone(), [*others, ScheduledRequest("s", [7], 0, [0], seeded, 0)])
+             .token_ids[3] for _ in range(8)]
+    assert alone == among and len(set(alone)) > 1 and max(alone) < 25

@@ -24,10 +24,11 @@ from fastserve.model.make_model import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# One extension: the paged attention kernels (and its Python bindings), the small layers and
-# the bfloat16 matmul.
+# One extension: the paged attention kernels (and its Python bindings), the small layers, the
+# bfloat16 matmul and the sampler's top-p test.
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("decode_attention.cpp", "cpu_layers.cpp", "cpu_gemm.cpp")]
+_SOURCES = [_CSRC / name for name in ("decode_attention.cpp", "cpu_layers.cpp", "cpu_gemm.cpp",
+                                       "cpu_sampling.cpp")]
 _HEADERS = [_CSRC / "vec.h"]
 
 # "0" switches off every CPU-specific fast path: the compiled attention kernels (built with
@@ -62,7 +63,7 @@ def cpu_isa() -> str:
 
 def decode_attention_kernel() -> ModuleType | None:
     """The compiled CPU kernels (paged attention, KV store, the small layers, the bfloat16
-    matmul), or None
+    matmul, the sampler's top-p test), or None
     (switched off, or no compiler)."""
     return _build_kernel() if cpu_kernels_enabled() else None
 

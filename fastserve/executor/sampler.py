@@ -3,16 +3,18 @@ changes before it (`logits_processing`) and the log-probabilities (`logprobs`)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from fastserve.core.plan import NO_TOKEN, ScheduledRequest
+from fastserve.executor.cpu_kernels import decode_attention_kernel
 from fastserve.executor.grammar import GrammarMasks, StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, read_sampled, sampled_table
-from fastserve.executor.nucleus import filter_top_k_top_p
+from fastserve.executor.nucleus import by_sort, filter_top_k_top_p
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.executor.token_feed import drawn_tokens
 from fastserve.request import TokenLogprobs
@@ -23,6 +25,8 @@ FAILED_TOKEN = -2  # NOTE: not NO_TOKEN (-1), a prefill chunk's
 # the largest power of two below it that divides the vocabulary (151,936: 128), sparing a
 # padded copy of the batch; a vocabulary none of them divides is padded.
 CDF_BLOCK = 256
+# Rounds of `draw_in_nucleus` before a row still drawing outside its nucleus is sorted.
+NUCLEUS_DRAW_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,9 @@ class Sampler:
         # Top-k / top-p: a GPU sorts whole rows; elsewhere a sort costs more than the model's
         # step, and selections do instead (`fastserve.executor.nucleus`).
         self.filters_by_selection = device.type != "cuda"
+        # Top-p on a CPU, for the rows drawn one by one: drawn inside the nucleus by rejection
+        # (`draw_in_nucleus`), no row filtered first; each round reads its answer on the host.
+        self.nucleus_in_draw = self.filters_by_selection and not self.batched_draw
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -202,7 +209,8 @@ class Sampler:
         if all(greedy):
             return tokens, barred_bad, barred
         rows = [i for i, g in enumerate(greedy) if not g]
-        probs = probabilities(logits, reqs, rows, self.filters_by_selection)
+        top_p_in_draw = self.nucleus_in_draw and any(reqs[i].params.top_p < 1.0 for i in rows)
+        probs = probabilities(logits, reqs, rows, self.filters_by_selection, top_p_in_draw)
         # NOTE: no host sync here: a row whose probabilities are not finite still draws a
         # token in the vocabulary (both draws keep to it), and is failed once the tokens
         # are read (`read`). Its sum is finite exactly when all of it is (probabilities are
@@ -215,9 +223,15 @@ class Sampler:
                 put_rows(tokens, [rows[j] for j in free],
                          race(take_rows(probs, free), self._default))
                 alone = [j for j, i in enumerate(rows) if reqs[i].params.seed is not None]
-        if alone:  # device ops: nothing is read back yet
-            u = self.uniforms([reqs[rows[j]] for j in alone])
-            put_rows(tokens, [rows[j] for j in alone], invert_cdf(take_rows(probs, alone), u))
+        nucleus = [j for j in alone if reqs[rows[j]].params.top_p < 1.0] if top_p_in_draw else []
+        plain = [j for j in alone if reqs[rows[j]].params.top_p >= 1.0] if nucleus else alone
+        if plain:  # device ops: nothing is read back yet
+            u = self.uniforms([reqs[rows[j]] for j in plain])
+            put_rows(tokens, [rows[j] for j in plain], invert_cdf(take_rows(probs, plain), u))
+        if nucleus:
+            put_rows(tokens, [rows[j] for j in nucleus], draw_in_nucleus(
+                take_rows(probs, nucleus), [reqs[rows[j]].params.top_p for j in nucleus],
+                lambda pending: self.uniforms([reqs[rows[nucleus[m]]] for m in pending])))
         if barred_bad is not None:
             return tokens, torch.cat([bad, barred_bad]), rows + barred
         return tokens, bad, rows
@@ -243,19 +257,27 @@ class Sampler:
 
 
 def probabilities(logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
-                  by_selection: bool) -> torch.Tensor:
+                  by_selection: bool, top_p_in_draw: bool = False) -> torch.Tensor:
     """[len(rows), vocab]: the distribution those rows draw from (temperature, then top-k /
     top-p, then min_p), from their processed logits. `by_selection`: how top-k / top-p find
-    their tokens (`fastserve.executor.nucleus`)."""
+    their tokens (`fastserve.executor.nucleus`).
+
+    `top_p_in_draw`: top-p is left to the draw (`draw_in_nucleus`), and the rows come back as
+    weights: each row's distribution after top-k, with the tokens min_p drops set to 0 and
+    not renormalised, so that the draw's sums over a row's most likely tokens are the ones
+    top-p compares (every token more likely than a token min_p keeps, min_p keeps too)."""
     sub = take_rows(logits, rows)  # [n, vocab]
     temperatures = [reqs[i].params.temperature for i in rows]
     if any(t != 1.0 for t in temperatures):  # (OpenAI's default is 1)
         sub = sub / to_device(temperatures, torch.float32, sub.device).unsqueeze(1)
-    filtered = filter_top_k_top_p(sub, [reqs[i].params.top_k for i in rows],
-                                  [reqs[i].params.top_p for i in rows], by_selection)
+    top_p = [1.0 if top_p_in_draw else reqs[i].params.top_p for i in rows]
+    filtered = filter_top_k_top_p(sub, [reqs[i].params.top_k for i in rows], top_p, by_selection)
     # min_p after top-k/top-p, as Hugging Face's warpers run.
-    filtered = apply_min_p(filtered, [reqs[i].params.min_p for i in rows])
-    return torch.softmax(filtered, dim=-1)
+    min_p = [reqs[i].params.min_p for i in rows]
+    if top_p_in_draw and any(min_p):
+        return torch.softmax(filtered, dim=-1).masked_fill_(
+            ~torch.isfinite(apply_min_p(filtered, min_p)), 0.0)
+    return torch.softmax(apply_min_p(filtered, min_p), dim=-1)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
@@ -294,6 +316,63 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
                           torch.nextafter(cdf[:, -1:], torch.zeros_like(total)))
     within = torch.searchsorted(cdf, local, right=True).clamp_(max=size - 1)
     return (block * size + within).squeeze(1).clamp_(max=vocab - 1)  # [n]
+
+
+def draw_in_nucleus(probs: torch.Tensor, top_p: list[float],
+                    uniforms: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+    """One token per row of `probs` [n, vocab] (a distribution, some tokens perhaps set to 0),
+    drawn from the row's top-p nucleus (the most likely tokens, in the stable order of
+    `nucleus.by_sort`, until their probability reaches top_p; the first always kept) with
+    the probabilities renormalised, and no row sorted: by rejection, as FlashInfer samples.
+
+    A round draws a token from each pending row (`invert_cdf`, the uniforms of
+    `uniforms(places in the batch)`) and sums the probability of the tokens ranked before
+    it. Below top_p, the token is in the nucleus and kept: a draw from the row conditioned on
+    the nucleus, as the nucleus lies among the tokens drawn from. Otherwise neither it nor any
+    token ranked after it is, and the row draws again from those ranked before. A round
+    keeps at least top_p of what is left (peaked rows: more), so most rows end in the first;
+    a row left after NUCLEUS_DRAW_ROUNDS is filtered by a sort and drawn once."""
+    n, vocab = probs.shape
+    tokens = torch.empty(n, dtype=torch.long, device=probs.device)
+    pending = list(range(n))
+    weights, p = probs, to_device(top_p, torch.float32, probs.device)
+    for _ in range(NUCLEUS_DRAW_ROUNDS):
+        drawn = invert_cdf(weights, uniforms(pending)).unsqueeze(1)  # [m, 1]
+        mass = mass_before(weights, drawn)  # [m]; every token ranked before it is still there
+        # NOTE: explicit for the first token (mass 0), as a top_p below float32's range is 0;
+        # a row that is not finite keeps its token (the engine fails it).
+        kept = (~(mass >= p) | (mass == 0)).tolist()  # NOTE: the host waits here
+        done = [m for m, k in enumerate(kept) if k]
+        put_rows(tokens, [pending[m] for m in done], take_rows(drawn.squeeze(1), done))
+        left = [m for m, k in enumerate(kept) if not k]
+        if not left:
+            return tokens
+        pending = [pending[m] for m in left]
+        weights, drawn = take_rows(weights, left), take_rows(drawn, left)
+        weights = weights * _ranked_before(weights, drawn)
+        p = take_rows(p, left)
+    # NOTE: rare: by_sort on log-probabilities ranks as the rounds did, up to float32 rounding.
+    filtered = by_sort(torch.log(take_rows(probs, pending)), [vocab] * len(pending), p.tolist())
+    put_rows(tokens, pending, invert_cdf(torch.softmax(filtered, dim=-1), uniforms(pending)))
+    return tokens
+
+
+def mass_before(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """[n]: per row of `probs` [n, vocab], the probability of the tokens ranked before its
+    `drawn` [n, 1] token (top-p's test). One pass of a compiled kernel on a CPU that has them
+    (`cpu_kernels`, each row summed in one order whatever the batch), else tensor ops."""
+    kernel = decode_attention_kernel() if probs.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel.nucleus_mass(probs.float().contiguous(), drawn.squeeze(1))
+    return (probs * _ranked_before(probs, drawn)).sum(dim=-1)
+
+
+def _ranked_before(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] bool: the tokens ranked before each row's `drawn` [n, 1] token. NOTE: ties
+    ranked by id, the lowest first, as the stable sort and argmax rank them."""
+    at = probs.gather(1, drawn)  # [n, 1]
+    ids = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)  # [1, vocab]
+    return (probs > at) | ((probs == at) & (ids < drawn))
 
 
 def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -60,3 +60,62 @@ def test_rows_asking_for_neither_come_back_untouched() -> None:
     mixed = filter_top_k_top_p(logits, [0, 0, 10, 0], [1.0, 0.5, 1.0, 1.0], by_selection=True)
     assert torch.equal(mixed[[0, 3]], logits[[0, 3]])
     assert torch.equal(mixed, by_sort(logits, [VOCAB, VOCAB, 10, VOCAB], [1.0, 0.5, 1.0, 1.0]))
+
+
+def _nucleus_freqs(probs: torch.Tensor, top_p: float, n: int, seed: int) -> torch.Tensor:
+    """Frequencies of n draws of `draw_in_nucleus` from one row."""
+    from fastserve.executor.sampler import draw_in_nucleus
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = draw_in_nucleus(probs.expand(n, -1).contiguous(), [top_p] * n,
+                             lambda pending: torch.rand(len(pending), generator=g))
+    return torch.bincount(tokens, minlength=probs.shape[-1]).float() / n
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.97])
+def test_the_draw_by_rejection_follows_the_sorted_nucleus(top_p: float) -> None:
+    """A CPU's sampler draws top-p rows by rejection, no row sorted: over 30,000 draws each
+    token comes out as often as in the distribution the stable sort's nucleus keeps, and a
+    token outside that nucleus never does (ties at the cut, from bfloat16, kept by id)."""
+    vocab = 60
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(vocab, generator=g) * 1.5).bfloat16().float()
+    logits[10:14] = logits[20]  # a run of ties, somewhere in the middle
+    want = torch.softmax(by_sort(logits.unsqueeze(0), [vocab], [top_p]), dim=-1)[0]
+    freq = _nucleus_freqs(torch.softmax(logits, dim=-1), top_p, 30_000, seed=int(top_p * 100))
+    assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(want).flatten().tolist())
+    assert (freq - want).abs().max() < 0.012, (freq, want)  # ~4 standard deviations
+    assert (want > 0).sum() > 1
+
+
+def test_rows_the_rounds_leave_are_sorted_and_drawn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no rounds left (a row that keeps drawing outside its nucleus), the row is
+    filtered by the sort and drawn from the result: the same distribution."""
+    import fastserve.executor.sampler as sampler
+
+    monkeypatch.setattr(sampler, "NUCLEUS_DRAW_ROUNDS", 0)
+    logits = torch.linspace(3.0, -3.0, 40)
+    want = torch.softmax(by_sort(logits.unsqueeze(0), [40], [0.7]), dim=-1)[0]
+    freq = _nucleus_freqs(torch.softmax(logits, dim=-1), 0.7, 20_000, seed=1)
+    assert (freq - want).abs().max() < 0.015, (freq, want)
+
+
+def test_the_mass_before_a_token_is_the_same_in_the_kernel_and_in_tensor_ops() -> None:
+    """The compiled top-p test (one pass per row) sums what the tensor ops sum: the tokens more
+    likely than the drawn one and its ties of lower id; a NaN row sums to 0."""
+    from fastserve.executor.cpu_kernels import decode_attention_kernel
+    from fastserve.executor.sampler import _ranked_before
+
+    kernel = decode_attention_kernel()
+    if kernel is None:
+        pytest.skip("no compiled kernels (no C++ compiler, or FASTSERVE_CPU_KERNELS=0)")
+    probs = torch.softmax(_rows(4, 6), dim=-1)
+    probs[2, 100:200] = probs[2, 150]  # ties on both sides of the drawn token
+    drawn = torch.tensor([[0], [VOCAB - 1], [150], [7], [int(probs[4].argmax())], [9]])
+    probs[5] = float("nan")
+    got = kernel.nucleus_mass(probs, drawn.squeeze(1))
+    want = (probs * _ranked_before(probs, drawn)).sum(dim=-1)
+    assert torch.allclose(got[:5], want[:5], rtol=1e-5, atol=1e-7)
+    assert got[4].item() == 0.0 and got[5].item() == 0.0
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        kernel.nucleus_mass(probs, torch.full((6,), VOCAB))

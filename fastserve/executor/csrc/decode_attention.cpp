@@ -781,6 +781,9 @@ torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
                               c10::optional<torch::Tensor> bias, int64_t n);
 #endif
 
+// cpu_sampling.cpp
+torch::Tensor nucleus_mass(torch::Tensor probs, torch::Tensor drawn);
+
 // Which vector path this build took (it is compiled for the CPU it runs on: -march=native).
 std::string isa() {
 #if defined(FS_HAVE_AVX512_BF16)
@@ -808,6 +811,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (Linux grants them once asked)");
   m.def("bf16_linear_amx", &bf16_linear_amx, "bf16_linear on AMX tiles (K a multiple of 32)");
 #endif
+  m.def("nucleus_mass", &nucleus_mass,
+        "per row, the probability of the tokens ranked before its drawn token (top-p's test)");
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU; float32 query, float32/bfloat16/float16 cache)");
   m.def("extend_attention", &extend_attention,
         "paged attention of a prefill chunk after cached tokens (CPU; float32 query)");
