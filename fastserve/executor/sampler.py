@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,8 @@ class Sampler:
         # Top-p on a CPU, for the rows drawn one by one: drawn inside the nucleus by rejection
         # (`draw_in_nucleus`), no row filtered first; each round reads its answer on the host.
         self.nucleus_in_draw = self.filters_by_selection and not self.batched_draw
+        # Its test in one pass of a compiled kernel, where the CPU kernels are built.
+        self._kernels = decode_attention_kernel() if self.nucleus_in_draw else None
         self._default = torch.Generator(device=device)
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -231,7 +234,8 @@ class Sampler:
         if nucleus:
             put_rows(tokens, [rows[j] for j in nucleus], draw_in_nucleus(
                 take_rows(probs, nucleus), [reqs[rows[j]].params.top_p for j in nucleus],
-                lambda pending: self.uniforms([reqs[rows[nucleus[m]]] for m in pending])))
+                lambda pending: self.uniforms([reqs[rows[nucleus[m]]] for m in pending]),
+                self._kernels))
         if barred_bad is not None:
             return tokens, torch.cat([bad, barred_bad]), rows + barred
         return tokens, bad, rows
@@ -319,7 +323,8 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def draw_in_nucleus(probs: torch.Tensor, top_p: list[float],
-                    uniforms: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+                    uniforms: Callable[[list[int]], torch.Tensor],
+                    kernels: ModuleType | None = None) -> torch.Tensor:
     """One token per row of `probs` [n, vocab] (a distribution, some tokens perhaps set to 0),
     drawn from the row's top-p nucleus (the most likely tokens, in the stable order of
     `nucleus.by_sort`, until their probability reaches top_p; the first always kept) with
@@ -331,14 +336,15 @@ def draw_in_nucleus(probs: torch.Tensor, top_p: list[float],
     the nucleus, as the nucleus lies among the tokens drawn from. Otherwise neither it nor any
     token ranked after it is, and the row draws again from those ranked before. A round
     keeps at least top_p of what is left (peaked rows: more), so most rows end in the first;
-    a row left after NUCLEUS_DRAW_ROUNDS is filtered by a sort and drawn once."""
+    a row left after NUCLEUS_DRAW_ROUNDS is filtered by a sort and drawn once. `kernels`: the
+    CPU kernels (`cpu_kernels`), whose `nucleus_mass` sums in one pass."""
     n, vocab = probs.shape
     tokens = torch.empty(n, dtype=torch.long, device=probs.device)
     pending = list(range(n))
     weights, p = probs, to_device(top_p, torch.float32, probs.device)
     for _ in range(NUCLEUS_DRAW_ROUNDS):
         drawn = invert_cdf(weights, uniforms(pending)).unsqueeze(1)  # [m, 1]
-        mass = mass_before(weights, drawn)  # [m]; every token ranked before it is still there
+        mass = mass_before(weights, drawn, kernels)  # [m]; those ranked before it are all there
         # NOTE: explicit for the first token (mass 0), as a top_p below float32's range is 0;
         # a row that is not finite keeps its token (the engine fails it).
         kept = (~(mass >= p) | (mass == 0)).tolist()  # NOTE: the host waits here
@@ -357,13 +363,13 @@ def draw_in_nucleus(probs: torch.Tensor, top_p: list[float],
     return tokens
 
 
-def mass_before(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+def mass_before(probs: torch.Tensor, drawn: torch.Tensor, kernels: ModuleType | None
+                ) -> torch.Tensor:
     """[n]: per row of `probs` [n, vocab], the probability of the tokens ranked before its
-    `drawn` [n, 1] token (top-p's test). One pass of a compiled kernel on a CPU that has them
-    (`cpu_kernels`, each row summed in one order whatever the batch), else tensor ops."""
-    kernel = decode_attention_kernel() if probs.device.type == "cpu" else None
-    if kernel is not None:
-        return kernel.nucleus_mass(probs.float().contiguous(), drawn.squeeze(1))
+    `drawn` [n, 1] token (top-p's test). One pass of the CPU kernels' `nucleus_mass` when
+    given (each row summed in one order whatever the batch), else tensor ops."""
+    if kernels is not None:
+        return kernels.nucleus_mass(probs.float().contiguous(), drawn.squeeze(1))
     return (probs * _ranked_before(probs, drawn)).sum(dim=-1)
 
 

@@ -64,11 +64,13 @@ def test_rows_asking_for_neither_come_back_untouched() -> None:
 
 def _nucleus_freqs(probs: torch.Tensor, top_p: float, n: int, seed: int) -> torch.Tensor:
     """Frequencies of n draws of `draw_in_nucleus` from one row."""
+    from fastserve.executor.cpu_kernels import decode_attention_kernel
     from fastserve.executor.sampler import draw_in_nucleus
 
     g = torch.Generator().manual_seed(seed)
     tokens = draw_in_nucleus(probs.expand(n, -1).contiguous(), [top_p] * n,
-                             lambda pending: torch.rand(len(pending), generator=g))
+                             lambda pending: torch.rand(len(pending), generator=g),
+                             decode_attention_kernel())
     return torch.bincount(tokens, minlength=probs.shape[-1]).float() / n
 
 
