@@ -6,7 +6,7 @@ machine shared with other jobs disturbs far less than wall-clock time.
 1. `Sampler.sample` alone: a batch of random logits over a Llama-sized vocabulary. With
    `--against OTHER/fastserve/executor/sampler.py`, that checkout's Sampler runs interleaved
    with this one's on the same inputs (no request using the fields; greedy, temperature 1,
-   and top_p on flat and on peaked rows): the before/after ratio.
+   top_p on flat and on peaked rows, top_k alone and with top_p): the before/after ratio.
 2. `LLM.generate` on the tiny preset (the model is cheap, so the sampler's share is large).
 
     PYTHONPATH=. .venv/bin/python benchmarks/sampling_overhead.py [--reps 5] [--features]
@@ -77,12 +77,14 @@ def _load_sampler(path: str) -> Any:
 
 
 def sampler_ab_us(other: Any, batch: int, vocab: int, temperature: float,
-                  reps: int, top_p: float = 1.0, spread: float = 1.0) -> tuple[float, float]:
+                  reps: int, top_p: float = 1.0, spread: float = 1.0, top_k: int = 0
+                  ) -> tuple[float, float]:
     """Median CPU microseconds of (other's, this) Sampler.sample, interleaved, no fields
-    but top_p; logits N(0, spread^2) (1: a flat row, thousands of tokens in a nucleus)."""
+    but top_p and top_k; logits N(0, spread^2) (1: a flat row, thousands of tokens in a
+    nucleus)."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(batch, vocab, generator=g) * spread
-    params = SamplingParams(max_tokens=256, temperature=temperature, top_p=top_p)
+    params = SamplingParams(max_tokens=256, temperature=temperature, top_p=top_p, top_k=top_k)
     reqs = [ScheduledRequest(f"r{i}", [1], 640, [0], params, 128) for i in range(batch)]
     samplers = [other([2], 0, torch.device("cpu")), Sampler([2], 0, torch.device("cpu"))]
     times: list[list[float]] = [[], []]
@@ -153,12 +155,13 @@ def main() -> None:
     if args.against:
         other = _load_sampler(args.against)
         for batch, vocab in ((args.batch, args.vocab), (8, 4096)):
-            for temp, top_p, spread in ((0.0, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 0.95, 1.0),
-                                        (1.0, 0.9, 4.0)):
-                b, a = sampler_ab_us(other, batch, vocab, temp, args.reps, top_p, spread)
+            for temp, top_p, spread, top_k in ((0.0, 1.0, 1.0, 0), (1.0, 1.0, 1.0, 0),
+                                               (1.0, 0.95, 1.0, 0), (1.0, 0.9, 4.0, 0),
+                                               (1.0, 1.0, 1.0, 50), (1.0, 0.95, 1.0, 50)):
+                b, a = sampler_ab_us(other, batch, vocab, temp, args.reps, top_p, spread, top_k)
                 print(f"Sampler.sample batch {batch} vocab {vocab} temperature {temp} top_p "
-                      f"{top_p} (logits N(0, {spread:g}^2)): other {b:.0f} CPU us, this "
-                      f"{a:.0f} CPU us, this/other {a / b:.3f}")
+                      f"{top_p} top_k {top_k} (logits N(0, {spread:g}^2)): other {b:.0f} CPU us, "
+                      f"this {a:.0f} CPU us, this/other {a / b:.3f}")
         return
     label = "with the fields" if args.features else "no request uses the fields"
     print(f"{label}; batch {args.batch}, threads {args.threads}")

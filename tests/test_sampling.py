@@ -243,3 +243,52 @@ def test_top_p_drawn_by_rejection_keeps_temperature_top_k_min_p_and_seeds() -> N
     among = [batch_sampler.sample(flat.clone(), [*others, ScheduledRequest("s", [7], 0, [0], seeded, 0)])
              .token_ids[3] for _ in range(8)]
     assert alone == among and len(set(alone)) > 1 and max(alone) < 25
+
+
+def test_top_k_rows_draw_among_their_candidates_and_ties_at_the_cut_keep_the_lowest_ids() -> None:
+    """A CPU's top-k rows draw among their k most likely tokens alone (one `topk`, no pass
+    over the row): the candidates come in the stable order (ties by the lowest id), a row
+    whose tokens tied with its k-th may reach past them is left to the whole-row path, and
+    either way a row keeps the k tokens a stable sort keeps, drawn as often as their
+    probabilities say."""
+    import math
+
+    import torch
+
+    from fastserve.core.plan import ScheduledRequest
+    from fastserve.executor.sampler import Sampler, top_k_candidates
+
+    logits = torch.full((3, 64), -5.0)  # past k + TOP_K_TIE_MARGIN: a window, not the row
+    logits[:, 7] = 2.0
+    logits[:, 1:4] = 1.0  # three tied tokens after token 7
+    logits[0, 3] = 1.5  # row 0: 7, then 3, then the tie of 1 and 2 inside its k = 4
+    logits[2, 4:] = float("-inf")  # row 2: fewer tokens than its k
+    values, ids, clean = top_k_candidates(logits, [4, 2, 6])
+    assert ids[0].tolist()[:4] == [7, 3, 1, 2] and ids[1].tolist()[:2] == [7, 1]
+    assert clean == [True, True, False]  # row 1: the tie lies among the candidates
+    assert math.isinf(values[0, 5].item()) and math.isinf(values[1, 3].item())
+
+    n = 4000
+    rows = logits[1:2].expand(n, -1).contiguous()  # k = 2 cuts the tie: 7 and then 1
+    wide = torch.zeros(1, 64)  # 64 tied tokens: the window (k + 32) holds no lower logit
+    assert top_k_candidates(wide, [2])[2] == [False]
+    wide_params = SamplingParams(temperature=1.0, top_k=2)
+    drawn = Sampler([2], seed=1, device=torch.device("cpu")).sample(
+        wide.expand(400, -1).contiguous(), [ScheduledRequest(f"w{j}", [7], 0, [0], wide_params, 0)
+                                            for j in range(400)]).token_ids
+    assert set(drawn) == {0, 1}
+    params = SamplingParams(temperature=1.0, top_k=2)
+    sampler = Sampler([2], seed=0, device=torch.device("cpu"))
+    tokens = torch.tensor(sampler.sample(rows.clone(), [ScheduledRequest(f"r{j}", [7], 0, [0], params, 0)
+                                                        for j in range(n)]).token_ids)
+    assert set(tokens.tolist()) == {7, 1}
+    assert abs((tokens == 7).float().mean().item() - math.e / (math.e + 1)) < 0.03
+    clean_rows = logits[0:1].expand(n, -1).contiguous()  # drawn among the candidates
+    four = SamplingParams(temperature=0.5, top_k=4, top_p=0.85)  # drops 2, the later tie
+    tokens = torch.tensor(sampler.sample(clean_rows.clone(), [ScheduledRequest(f"c{j}", [7], 0, [0], four, 0)
+                                                              for j in range(n)]).token_ids)
+    want = torch.softmax(torch.tensor([2.0, 1.5, 1.0, 1.0]) / 0.5, dim=-1)
+    keep = (want.cumsum(0) - want) < 0.85
+    want = want * keep / (want * keep).sum()
+    freq = torch.tensor([(tokens == t).float().mean().item() for t in (7, 3, 1, 2)])
+    assert set(tokens.tolist()) == {7, 3, 1} and (freq - want).abs().max() < 0.03, (freq, want)

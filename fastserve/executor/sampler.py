@@ -28,6 +28,12 @@ FAILED_TOKEN = -2  # NOTE: not NO_TOKEN (-1), a prefill chunk's
 CDF_BLOCK = 256
 # Rounds of `draw_in_nucleus` before a row still drawing outside its nucleus is sorted.
 NUCLEUS_DRAW_ROUNDS = 8
+# On a CPU a row with a top_k up to this draws among its k most likely tokens alone: one
+# `topk` of the row, no pass over it to mask the others (`top_k_candidates`).
+TOP_K_DRAW_MAX = 1024
+# Tokens past a row's k that `top_k_candidates` also takes, so that the tokens tied with its
+# k-th (common in bfloat16) are among them.
+TOP_K_TIE_MARGIN = 32
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,16 @@ class Sampler:
         if all(greedy):
             return tokens, barred_bad, barred
         rows = [i for i, g in enumerate(greedy) if not g]
+        among: list[int] = []  # rows drawn among their top-k candidates alone
+        among_bad: torch.Tensor | None = None
+        if self.nucleus_in_draw:
+            among, among_tokens, among_bad = self._draw_among_top_k(logits, reqs, rows)
+            if among:
+                put_rows(tokens, among, among_tokens)
+                taken = set(among)
+                rows = [i for i in rows if i not in taken]
+        if not rows:
+            return tokens, *_checked(among_bad, among, barred_bad, barred)
         top_p_in_draw = self.nucleus_in_draw and any(reqs[i].params.top_p < 1.0 for i in rows)
         probs = probabilities(logits, reqs, rows, self.filters_by_selection, top_p_in_draw)
         # NOTE: no host sync here: a row whose probabilities are not finite still draws a
@@ -236,9 +252,33 @@ class Sampler:
                 take_rows(probs, nucleus), [reqs[rows[j]].params.top_p for j in nucleus],
                 lambda pending: self.uniforms([reqs[rows[nucleus[m]]] for m in pending]),
                 self._kernels))
-        if barred_bad is not None:
-            return tokens, torch.cat([bad, barred_bad]), rows + barred
-        return tokens, bad, rows
+        if among_bad is not None and among:
+            bad, rows = torch.cat([bad, among_bad]), rows + among
+        return tokens, *_checked(bad, rows, barred_bad, barred)
+
+    def _draw_among_top_k(self, logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int]
+                          ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The rows of `rows` with a top_k of at most TOP_K_DRAW_MAX drawn among their k most
+        likely tokens alone (`top_k_candidates`, `draw_among`): the rows taken, their tokens
+        and [len] bool where their probabilities were not finite. A row whose tokens tied at
+        its cut reach past the candidates is left to the whole-row path."""
+        vocab = logits.shape[-1]
+        wanted = [i for i in rows if 0 < reqs[i].params.top_k <= min(TOP_K_DRAW_MAX, vocab - 1)]
+        empty = torch.empty(0, dtype=torch.long, device=logits.device)
+        if not wanted:
+            return [], empty, empty.bool()
+        values, ids, clean = top_k_candidates(take_rows(logits, wanted),
+                                              [reqs[i].params.top_k for i in wanted])
+        taken = [m for m, c in enumerate(clean) if c]
+        if not taken:
+            return [], empty, empty.bool()
+        params = [reqs[wanted[m]].params for m in taken]
+        temperatures = to_device([p.temperature for p in params], torch.float32, logits.device)
+        tokens, bad = draw_among(take_rows(values, taken) / temperatures.unsqueeze(1),
+                                 take_rows(ids, taken), [p.top_p for p in params],
+                                 [p.min_p for p in params],
+                                 self.uniforms([reqs[wanted[m]] for m in taken]))
+        return [wanted[m] for m in taken], tokens, bad
 
     def uniforms(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """[len(reqs)] uniform in [0, 1): a seeded request's from its own generator (so its
@@ -258,6 +298,55 @@ class Sampler:
             gen.manual_seed(req.params.seed)
             self._generators[req.request_id] = gen
         return gen
+
+
+def _checked(bad: torch.Tensor | None, rows: list[int], barred_bad: torch.Tensor | None,
+             barred: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    """The rows a draw checks for probabilities that are not finite, and their flags."""
+    if bad is None or barred_bad is None:
+        return (barred_bad, barred) if bad is None else (bad, rows)
+    return torch.cat([bad, barred_bad]), rows + barred
+
+
+def top_k_candidates(logits: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                   list[bool]]:
+    """Each row's k most likely tokens (0 < k < vocab), [n, max k] values and ids in the
+    stable order (the most likely first, ties by the lowest id), -inf past the row's k; and
+    whether each row's k most likely tokens are known (every token tied with its k-th lies
+    among the TOP_K_TIE_MARGIN tokens past the k it needs: else the whole-row path)."""
+    vocab = logits.shape[-1]
+    width = min(max(ks) + TOP_K_TIE_MARGIN, vocab)
+    values, ids = logits.topk(width, dim=-1)  # [n, width], descending; ties in any order
+    k = to_device(ks, torch.long, logits.device).unsqueeze(1)  # [n, 1]
+    # NOTE: ties at the cut (common in bfloat16) are settled by id below, once the window
+    # reaches a logit under the k-th: every token equal to it is then in the window.
+    known = values[:, -1:] < values.gather(1, k - 1) if width < vocab else torch.ones_like(k).bool()
+    # The stable order: by id, then by value (a stable sort keeps the ids' order in ties).
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)[:, : max(ks)]
+    values = values[:, : max(ks)].masked_fill(torch.arange(max(ks), device=logits.device) >= k,
+                                              float("-inf"))
+    return values, ids, known.squeeze(1).tolist()  # NOTE: the host waits here
+
+
+def draw_among(values: torch.Tensor, ids: torch.Tensor, top_p: list[float], min_p: list[float],
+               u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from candidates (`top_k_candidates`, temperature applied): top-p over
+    them, then min_p (as `probabilities` filters a whole row), drawn by inverse transform with
+    `u` [n]. Returns the tokens [n] and [n] bool where the probabilities were not finite."""
+    probs = torch.softmax(values, dim=-1)  # [n, k]
+    cum_before = probs.cumsum(dim=-1) - probs
+    # NOTE: a row without top-p keeps its tail, where the sums may round up to 1.
+    p = to_device([q if q < 1.0 else float("inf") for q in top_p], probs.dtype, probs.device)
+    remove = cum_before >= p.unsqueeze(1)
+    remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
+    if any(min_p):  # in logit space, as apply_min_p; log(0) = -inf keeps every token
+        floor = values[:, :1] + to_device(min_p, probs.dtype, probs.device).log().unsqueeze(1)
+        remove |= values < floor
+    weights = probs.masked_fill(remove, 0.0)
+    bad = ~torch.isfinite(weights.sum(dim=-1))
+    return ids.gather(1, invert_cdf(weights, u).unsqueeze(1)).squeeze(1), bad
 
 
 def probabilities(logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int],
