@@ -7,6 +7,8 @@ machine shared with other jobs disturbs far less than wall-clock time.
    `--against OTHER/fastserve/executor/sampler.py`, that checkout's Sampler runs interleaved
    with this one's on the same inputs (no request using the fields; greedy, temperature 1,
    top_p on flat and on peaked rows, top_k alone and with top_p): the before/after ratio.
+   NOTE: only that file is the other checkout's; what it imports (`draws`, `nucleus`) is
+   this checkout's.
 2. `LLM.generate` on the tiny preset (the model is cheap, so the sampler's share is large).
 
     PYTHONPATH=. .venv/bin/python benchmarks/sampling_overhead.py [--reps 5] [--features]

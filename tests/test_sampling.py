@@ -178,7 +178,7 @@ def test_the_inverse_transform_draw_follows_the_distribution_and_its_edges(vocab
     finite still gets a token in the vocabulary (the engine fails it)."""
     import torch
 
-    from fastserve.executor.sampler import CDF_BLOCK, invert_cdf
+    from fastserve.executor.draws import CDF_BLOCK, invert_cdf
 
     # 17 past whole blocks: the last is padded; 5.5 blocks: half-size blocks, unpadded.
     vocab = 3 * CDF_BLOCK + 17 if vocab_kind == "padded" else 11 * CDF_BLOCK // 2
@@ -256,7 +256,8 @@ def test_top_k_rows_draw_among_their_candidates_and_ties_at_the_cut_keep_the_low
     import torch
 
     from fastserve.core.plan import ScheduledRequest
-    from fastserve.executor.sampler import Sampler, top_k_candidates
+    from fastserve.executor.draws import top_k_candidates
+    from fastserve.executor.sampler import Sampler
 
     logits = torch.full((3, 64), -5.0)  # past k + TOP_K_TIE_MARGIN: a window, not the row
     logits[:, 7] = 2.0

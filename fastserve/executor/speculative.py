@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.draws import argmax_rows, invert_cdf
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, sampled_table, table_entry
-from fastserve.executor.sampler import Sampler, argmax_rows, invert_cdf, probabilities
+from fastserve.executor.sampler import Sampler, probabilities
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.request import TokenLogprobs
 

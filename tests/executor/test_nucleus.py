@@ -65,7 +65,7 @@ def test_rows_asking_for_neither_come_back_untouched() -> None:
 def _nucleus_freqs(probs: torch.Tensor, top_p: float, n: int, seed: int) -> torch.Tensor:
     """Frequencies of n draws of `draw_in_nucleus` from one row."""
     from fastserve.executor.cpu_kernels import decode_attention_kernel
-    from fastserve.executor.sampler import draw_in_nucleus
+    from fastserve.executor.draws import draw_in_nucleus
 
     g = torch.Generator().manual_seed(seed)
     tokens = draw_in_nucleus(probs.expand(n, -1).contiguous(), [top_p] * n,
@@ -93,9 +93,9 @@ def test_the_draw_by_rejection_follows_the_sorted_nucleus(top_p: float) -> None:
 def test_rows_the_rounds_leave_are_sorted_and_drawn_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """With no rounds left (a row that keeps drawing outside its nucleus), the row is
     filtered by the sort and drawn from the result: the same distribution."""
-    import fastserve.executor.sampler as sampler
+    import fastserve.executor.draws as draws
 
-    monkeypatch.setattr(sampler, "NUCLEUS_DRAW_ROUNDS", 0)
+    monkeypatch.setattr(draws, "NUCLEUS_DRAW_ROUNDS", 0)
     logits = torch.linspace(3.0, -3.0, 40)
     want = torch.softmax(by_sort(logits.unsqueeze(0), [40], [0.7]), dim=-1)[0]
     freq = _nucleus_freqs(torch.softmax(logits, dim=-1), 0.7, 20_000, seed=1)
@@ -106,7 +106,7 @@ def test_the_mass_before_a_token_is_the_same_in_the_kernel_and_in_tensor_ops() -
     """The compiled top-p test (one pass per row) sums what the tensor ops sum: the tokens more
     likely than the drawn one and its ties of lower id; a NaN row sums to 0."""
     from fastserve.executor.cpu_kernels import decode_attention_kernel
-    from fastserve.executor.sampler import _ranked_before
+    from fastserve.executor.draws import _ranked_before
 
     kernel = decode_attention_kernel()
     if kernel is None:

@@ -1,4 +1,4 @@
-// Top-p by rejection on CPU (fastserve/executor/sampler.py, draw_in_nucleus): each round sums,
+// Top-p by rejection on CPU (fastserve/executor/draws.py, draw_in_nucleus): each round sums,
 // for every row, the probability of the tokens ranked before the token it drew (more likely
 // than it, or as likely with a lower id: the stable sort's order). torch needs six passes over
 // the batch for it (two comparisons, the ids', the masks' combination, a product, a sum: 3 ms
