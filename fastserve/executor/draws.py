@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from fastserve.executor.nucleus import by_sort
+from fastserve.executor.nucleus import by_sort, past_nucleus
 from fastserve.executor.staging import put_rows, take_rows, to_device
 
 # Tokens per block of `invert_cdf`'s first level (a vocabulary of 32,000: 125 blocks), or
@@ -59,6 +59,7 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     within = torch.searchsorted(cdf, local, right=True).clamp_(max=size - 1)
     return (block * size + within).squeeze(1).clamp_(max=vocab - 1)  # [n]
 
+
 def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `probs` [n, vocab] (unnormalised weights), drawn together: the
     argmax of p / E with E ~ Exp(1) independent per entry is token i with probability
@@ -69,11 +70,13 @@ def race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     race.clamp_(min=torch.finfo(race.dtype).tiny)
     return argmax_rows(probs / race)  # [n]
 
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """[N] long: the index of each row's largest entry, the first of equals (a NaN counts as
     the largest), as `argmax` gives it. NOTE: `max` over the last dim: on a CPU torch's
     argmax reduces a row one element at a time, 3x slower at 32 x 32,000 (640 against 220 us)."""
     return x.max(dim=-1).indices
+
 
 def draw_in_nucleus(probs: torch.Tensor, top_p: list[float],
                     uniforms: Callable[[list[int]], torch.Tensor],
@@ -115,6 +118,7 @@ def draw_in_nucleus(probs: torch.Tensor, top_p: list[float],
     put_rows(tokens, pending, invert_cdf(torch.softmax(filtered, dim=-1), uniforms(pending)))
     return tokens
 
+
 def mass_before(probs: torch.Tensor, drawn: torch.Tensor, kernels: ModuleType | None
                 ) -> torch.Tensor:
     """[n]: per row of `probs` [n, vocab], the probability of the tokens ranked before its
@@ -124,12 +128,14 @@ def mass_before(probs: torch.Tensor, drawn: torch.Tensor, kernels: ModuleType | 
         return kernels.nucleus_mass(probs.float().contiguous(), drawn.squeeze(1))
     return (probs * _ranked_before(probs, drawn)).sum(dim=-1)
 
+
 def _ranked_before(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
     """[n, vocab] bool: the tokens ranked before each row's `drawn` [n, 1] token. NOTE: ties
     ranked by id, the lowest first, as the stable sort and argmax rank them."""
     at = probs.gather(1, drawn)  # [n, 1]
     ids = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)  # [1, vocab]
     return (probs > at) | ((probs == at) & (ids < drawn))
+
 
 def top_k_candidates(logits: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                                    list[bool]]:
@@ -152,17 +158,14 @@ def top_k_candidates(logits: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor,
                                               float("-inf"))
     return values, ids, known.squeeze(1).tolist()  # NOTE: the host waits here
 
+
 def draw_among(values: torch.Tensor, ids: torch.Tensor, top_p: list[float], min_p: list[float],
                u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from candidates (`top_k_candidates`, temperature applied): top-p over
     them, then min_p (as `probabilities` filters a whole row), drawn by inverse transform with
     `u` [n]. Returns the tokens [n] and [n] bool where the probabilities were not finite."""
     probs = torch.softmax(values, dim=-1)  # [n, k]
-    cum_before = probs.cumsum(dim=-1) - probs
-    # NOTE: a row without top-p keeps its tail, where the sums may round up to 1.
-    p = to_device([q if q < 1.0 else float("inf") for q in top_p], probs.dtype, probs.device)
-    remove = cum_before >= p.unsqueeze(1)
-    remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
+    remove = past_nucleus(probs, top_p)
     if any(min_p):  # in logit space, as apply_min_p; log(0) = -inf keeps every token
         floor = values[:, :1] + to_device(min_p, probs.dtype, probs.device).log().unsqueeze(1)
         remove |= values < floor

@@ -60,14 +60,21 @@ def by_sort(logits: torch.Tensor, ks: list[int], top_p: list[float]) -> torch.Te
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     remove = ranks >= to_device(ks, torch.long, logits.device).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-    cum_before = probs.cumsum(dim=-1) - probs
-    # NOTE: a row without top-p keeps its tail, where the sums may round up to 1.
-    p = to_device([q if q < 1.0 else float("inf") for q in top_p], probs.dtype, logits.device)
-    remove |= cum_before >= p.unsqueeze(1)
-    remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
+    remove |= past_nucleus(probs, top_p)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+
+
+def past_nucleus(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """[n, m] bool: the tokens past each row's nucleus, over `probs` [n, m] in the stable
+    order (the most likely first): those whose tokens ranked above already reach top_p, the
+    first always kept; none where top_p is 1 or more."""
+    cum_before = probs.cumsum(dim=-1) - probs
+    # NOTE: a row without top-p keeps its tail, where the sums may round up to 1.
+    p = to_device([q if q < 1.0 else float("inf") for q in top_p], probs.dtype, probs.device)
+    remove = cum_before >= p.unsqueeze(1)
+    remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
+    return remove
 
 
 def _top_k_by_threshold(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -142,9 +149,7 @@ def _nucleus_among(logits: torch.Tensor, top_p: list[float], num: int
     values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(1, order)
     probs = torch.exp(values - lse)  # [n, num]
-    cum_before = probs.cumsum(dim=-1) - probs
-    remove = cum_before >= to_device(top_p, probs.dtype, logits.device).unsqueeze(1)
-    remove[:, 0] = False  # NOTE: explicit, as a top_p below float32's range rounds to 0
+    remove = past_nucleus(probs, top_p)
     num_kept = (~remove).sum(dim=-1, keepdim=True)  # [n, 1]
     last_kept = values.gather(1, num_kept - 1)
     settled = ((num_kept < num) & (last_kept > values[:, -1:])).squeeze(1)
