@@ -139,7 +139,7 @@ class Sampler:
             if len(kept) < len(reqs):  # rows whose grammar failed
                 logits, reqs, rows = take_rows(logits, kept), [reqs[i] for i in kept], [rows[i] for i in kept]
         try:
-            tokens, bad, checked = self._draw(logits, reqs)
+            tokens, bad, checked = self.draw_rows(logits, reqs)
         except Exception:  # a backstop: draw row by row to find the culprits
             alone = [self._draw_alone(logits, i, r, errors) for i, r in enumerate(reqs)]
             tokens, bad, checked = torch.tensor(alone, dtype=torch.long, device=self.device), None, []
@@ -188,7 +188,7 @@ class Sampler:
 
     def _draw_alone(self, logits: torch.Tensor, i: int, r: ScheduledRequest, errors: dict[str, str]) -> int:
         try:
-            token, bad, _ = self._draw(logits[i : i + 1], [r])
+            token, bad, _ = self.draw_rows(logits[i : i + 1], [r])
             if bad is not None and bad.item():
                 errors[r.request_id] = ("sampling failed: the probabilities are not finite (or "
                                         "every token is barred)")
@@ -198,11 +198,12 @@ class Sampler:
             errors[r.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
             return FAILED_TOKEN
 
-    def _draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest]
-              ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """Tokens [N] on the device; for the rows checked (the list: those that did not take
-        the greedy token, and greedy ones whose bans may leave no token), [n] bool where
-        their probabilities were not finite (None when none are checked)."""
+    def draw_rows(self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """One token per row of processed `logits` [N, vocab] (the requests' own changes and
+        masks applied): tokens [N] on the device; for the rows checked (the list: those that
+        did not take the greedy token, and greedy ones whose bans may leave no token), [n]
+        bool where their probabilities were not finite (None when none are checked)."""
         greedy = [r.params.is_greedy for r in reqs]
         # [N]: the greedy rows' tokens (the others' are drawn below)
         tokens = argmax_rows(logits) if any(greedy) else torch.empty(

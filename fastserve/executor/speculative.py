@@ -12,7 +12,9 @@ temperature, top-k, top-p, min_p), then:
 - sampled: the draft is a point mass, so the speculative-sampling rule (Leviathan et al.,
   Chen et al., 2023) keeps d_j with probability p_{j-1}(d_j); at the first rejection the next
   token is drawn from p_{j-1} with d_j taken out (renormalised), and when every draft is kept
-  from p_k. Each token then has exactly the distribution plain sampling gives it.
+  from p_k. Each token then has exactly the distribution plain sampling gives it. One draw
+  from p_{j-1} per row does both (the sampler's, filters and all): d_j is kept where the draw
+  is d_j, and any other token drawn is the one after the rejection.
 
 A request with a grammar has each row masked as its grammar stands after the drafts before
 it (`StructuredOutputs.fill`): a draft its grammar refuses is never kept.
@@ -32,11 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from fastserve.core.plan import ScheduledRequest
-from fastserve.executor.draws import argmax_rows, invert_cdf
+from fastserve.executor.draws import argmax_rows
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, sampled_table, table_entry
-from fastserve.executor.sampler import Sampler, probabilities
+from fastserve.executor.sampler import Sampler
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.request import TokenLogprobs
 
@@ -159,21 +161,15 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 def _judge_sampled(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest],
                    sampled: list[int], draft_ids: torch.Tensor, tokens: torch.Tensor,
                    accept: torch.Tensor, bad: torch.Tensor) -> None:
-    """The sampled rows' verdicts and tokens, in place: keep the draft with probability
-    p(draft); otherwise (and on a request's last row, where `draft_ids` holds no draft) a
-    token drawn from p without the draft."""
-    probs = probabilities(logits, rows, sampled, sampler.filters_by_selection)  # [n, vocab]
-    put_rows(bad, sampled, ~torch.isfinite(probs.sum(dim=-1)))  # (finite exactly when all is)
-    probs = torch.nan_to_num(probs, nan=1.0)
+    """The sampled rows' verdicts and tokens, in place: each row draws its token as decoding
+    draws it (`Sampler.draw_rows`: on a CPU top-k and top-p sort no row), and keeps its draft
+    where the two are the same. For a point-mass draft that is the speculative-sampling rule
+    in one draw: the draft comes out with probability p(draft), and any other token y with
+    p(y), as p without the draft, renormalised, gives it after the draft's rejection."""
+    drawn, flags, checked = sampler.draw_rows(take_rows(logits, sampled), [rows[i] for i in sampled])
+    put_rows(tokens, sampled, drawn)
+    if flags is not None:
+        put_rows(bad, [sampled[j] for j in checked], flags)
     is_last = to_device([i + 1 == len(rows) or rows[i + 1].request_id != rows[i].request_id
-                         for i in sampled], torch.bool, probs.device)  # [n]
-    drafted = take_rows(draft_ids, sampled).unsqueeze(1)  # [n, 1]
-    p_draft = probs.gather(1, drafted).squeeze(1)  # [n]
-    # NOTE: one uniform per row, from the request's own generator when it has a seed.
-    u = sampler.uniforms([rows[i] for i in sampled])
-    put_rows(accept, sampled, (u < p_draft) & ~is_last)
-    residual = probs.scatter(1, drafted, 0.0)
-    residual = torch.where(is_last.unsqueeze(1), probs, residual)
-    # A draft that held all the mass and still lost (rounding) leaves nothing: draw from p.
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
-    put_rows(tokens, sampled, invert_cdf(residual, sampler.uniforms([rows[i] for i in sampled])))
+                         for i in sampled], torch.bool, drawn.device)  # [n]
+    put_rows(accept, sampled, (drawn == take_rows(draft_ids, sampled)) & ~is_last)

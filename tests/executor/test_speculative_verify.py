@@ -79,3 +79,25 @@ def test_seeded_requests_verify_the_same_way_twice() -> None:
         runs.append([verify(sampler, logits, [_spec("s", [1, 2, 3], params)], [0]).token_ids
                      for _ in range(5)])
     assert runs[0] == runs[1]
+
+
+def test_top_k_and_top_p_rows_keep_the_filtered_distribution() -> None:
+    """With top-k and top-p (on a CPU drawn among the candidates and by rejection, no row
+    sorted), a draft is kept as often as the filtered distribution gives it, never when the
+    filters drop it, and the tokens after a rejection follow that distribution."""
+    from fastserve.executor.sampler import probabilities
+
+    sampler = Sampler([EOS], 0, torch.device("cpu"))
+    row = torch.tensor([1.0, 0.2, -0.5, 0.7, -2.0])
+    n = 3000
+    for fields, draft in ((dict(top_k=3), 3), (dict(top_p=0.8), 1), (dict(top_k=4, top_p=0.7), 2)):
+        params = SamplingParams(temperature=1.0, **fields)  # type: ignore[arg-type]
+        reqs = [_spec(f"r{i}", [draft], params) for i in range(n)]
+        logits = torch.stack([row, torch.zeros(5)]).repeat(n, 1)
+        got = verify(sampler, logits, reqs, [2 * i for i in range(n)])
+        first = torch.tensor([got.token_ids[r.request_id][0] for r in reqs])
+        q = probabilities(row.unsqueeze(0), reqs[:1], [0], by_selection=False)[0].double()
+        freq = torch.bincount(first, minlength=5).double() / n
+        sigma = (q * (1 - q) / n).sqrt()
+        assert ((freq - q).abs() <= 5 * sigma + 1e-3).all(), (fields, freq, q)
+        assert set(first.tolist()) <= set(torch.nonzero(q).flatten().tolist())
