@@ -262,7 +262,9 @@ def _noisy_samples(n: int, seed: int) -> list[Sample]:
 
 def test_fit_mean_adds_up_to_the_measured_total() -> None:
     train, held_out = _noisy_samples(3000, seed=0), _noisy_samples(3000, seed=1)
-    assert total_ratio(fit_cost_model(train, fit_mean=True), held_out) == pytest.approx(1, abs=0.05)
+    fit = fit_cost_model(train, fit_mean=True)
+    assert total_ratio(fit, train) == pytest.approx(1, rel=1e-9)  # its own total, exactly
+    assert total_ratio(fit, held_out) == pytest.approx(1, abs=0.05)
     # Weighting by the measured times fits below the mean: the simulator would run fast.
     assert total_ratio(fit_cost_model(train), held_out) < 0.9
 
@@ -273,9 +275,9 @@ STALL = 3.0  # an iteration this many times over both models' predictions was st
 def test_through_engine_fit_predicts_engine_iterations_better(
     tiny_model_path: Path, one_thread: None
 ) -> None:
-    """Fit on half of the engine's recorded iterations, score on the other half: within 10% of
-    the measured total, and no worse than the executor-only grid profile, which misses the
-    engine's own work."""
+    """Cross-fitted on the engine's recorded iterations (each half predicted by the fit of the
+    other): within 10% of the measured total, and no worse than the executor-only grid profile,
+    which misses the engine's own work."""
     from fastserve.args import engine_config
     from fastserve.bench.through_engine import EngineLoad, measure_through_engine
     from fastserve.profiling.measure import ProfileGrid, build_runner, measure
@@ -285,8 +287,6 @@ def test_through_engine_fit_predicts_engine_iterations_better(
                       time_budget_s=3.0)
     samples, block_bytes = measure_through_engine(config, load)
     assert len(samples) > 50 and block_bytes > 0
-    train, held_out = samples[0::2], samples[1::2]  # interleaved: same machine conditions
-    engine_fit = fit_cost_model(train, fit_mean=True)
 
     runner, _ = build_runner(config)
     grid = ProfileGrid(prefill_lens=(8, 128, 32), decode_batches=((1, 16), (8, 64), (4, 128)),
@@ -294,15 +294,24 @@ def test_through_engine_fit_predicts_engine_iterations_better(
     executor_fit = fit_cost_model(measure(runner, grid))
 
     # Iterations the machine stalled (over 3x what either model predicts: another process had
-    # the cores) are left out of the score: one such stall moved a total by 30%.
-    scored = [s for s in held_out
-              if s.duration_s <= STALL * max(predict(engine_fit, s), predict(executor_fit, s))]
-    assert len(scored) >= 0.95 * len(held_out)
-    engine_err = abs(np.log(total_ratio(engine_fit, scored)))
-    executor_err = abs(np.log(total_ratio(executor_fit, scored)))
-    # The engine's fit predicts the held-out iterations' total within 10%. The executor-only
-    # grid usually under-predicts it by 10-20% (the engine's own work per iteration), but on
-    # a quiet run it can land as close (errors seen: engine 1-2%, executor 0.04-27%), so
-    # the comparison allows a small margin rather than requiring a strict win.
+    # the cores) are left out of both the fits and the score: one such stall moved a total by
+    # 30%.
+    whole_fit = fit_cost_model(samples, fit_mean=True)
+    kept = [s for s in samples
+            if s.duration_s <= STALL * max(predict(whole_fit, s), predict(executor_fit, s))]
+    assert len(kept) >= 0.95 * len(samples)
+    # A random split: every other iteration would not do, the engine's iterations come in
+    # patterns (a prefill, then decodes), and such halves were seen 10% apart.
+    order = np.random.default_rng(0).permutation(len(kept))
+    halves = [kept[i] for i in order[0::2]], [kept[i] for i in order[1::2]]
+    fits = [fit_cost_model(half, fit_mean=True) for half in halves]
+    predicted = sum(predict(fits[1 - i], s) for i, half in enumerate(halves) for s in half)
+    measured = sum(s.duration_s for s in kept)
+    engine_err = abs(np.log(predicted / measured))
+    executor_err = abs(np.log(total_ratio(executor_fit, kept)))
+    # The engine's fit predicts the held-out iterations' total within 10% (seen: under 2%, on
+    # a machine with another process busy). The executor-only grid usually under-predicts it
+    # by 10-30% (the engine's own work per iteration), but on a quiet run it can land as close
+    # (seen: 0.04-27%), so the comparison allows a small margin rather than a strict win.
     assert engine_err < np.log(1.10), (engine_err, executor_err)
     assert engine_err < executor_err + np.log(1.05), (engine_err, executor_err)
