@@ -74,7 +74,7 @@ def _make_lora(args: argparse.Namespace) -> int:
     return 0
 
 
-PRESET_NAMES = ["tiny", "small", "llama-2-7b", "llama-3-8b"]
+PRESET_NAMES = ["tiny", "small", "llama-2-7b", "llama-3-8b", "tiny-qwen3", "qwen3-8b"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--max-position-embeddings", type=int, default=None,
                     help="context length in tokens (default: the preset's)")
     mk.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
-                    help="write model.safetensors (default: yes for tiny and small; no for "
+                    help="write model.safetensors (default: yes for tiny, tiny-qwen3 and small; no for "
                          "the production shapes, served with --load-format dummy)")
     mk.set_defaults(func=_make_model)
 

@@ -58,6 +58,23 @@ def test_greedy_batch_matches_hf(llm: LLM, greedy_reference: GreedyReference) ->
     assert all(len(set(o.token_ids)) > 4 for o in outs)
 
 
+def test_qwen3_checkpoint_generates_hf_greedy_tokens() -> None:
+    """A Qwen3 checkpoint (q/k norms, heads wider than hidden // heads) through the whole
+    engine: paged cache, batches joining and leaving, the device's fused layers."""
+    from fastserve.model.make_model import cached_model_path
+
+    path = cached_model_path("tiny-qwen3")
+    with LLM(model=str(path), dtype=TEST_DTYPE, max_batch_size=3, block_size=4,
+             kv_cache_gib=0.05, policy="fcfs", startup_profile=False) as llm:
+        assert llm.engine.arch.qk_norm
+        prompts = _prompts(llm.engine.arch.vocab_size)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        device = llm.config.model.device
+    expected = _hf_greedy(path, prompts, 32, device)
+    assert_same_greedy_tokens([o.token_ids for o in outs], expected, prompts, GreedyReference(path))
+    assert len({tuple(o.token_ids) for o in outs}) == len(outs)
+
+
 def test_mixed_prefill_decode_and_alone_agree(llm: LLM, greedy_reference: GreedyReference) -> None:
     """Requests joining mid-run prefill in the same iteration as others decode."""
     prompts = _prompts(llm.engine.arch.vocab_size)

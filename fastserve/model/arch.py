@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 # Architectures that share the Llama block (pre-norm, RoPE, SwiGLU, GQA).
-# Qwen2 differs only by q/k/v bias; Mistral only by an optional sliding window.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Qwen2 differs only by q/k/v bias; Mistral only by an optional sliding window; Qwen3 by an
+# RMSNorm over each head of q and k before the rotation (and no q/k/v bias).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_ROPE_KEYS = (
     "factor",
@@ -45,6 +48,9 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (always on for Qwen2)
     o_proj_bias: bool = False  # Llama's `attention_bias` also covers o_proj; Qwen2's does not
+    # Qwen3: RMSNorm (weights q_norm, k_norm of head_dim each) over every head of q and k,
+    # before the rotary embedding.
+    qk_norm: bool = False
     # Mistral-style local attention: a query sees only the last `sliding_window` keys.
     # The attention backend must honour it; None means full causal attention.
     sliding_window: int | None = None
@@ -105,7 +111,8 @@ class ArchConfig:
         hidden = _require_int(cfg, "hidden_size")
         heads = _require_int(cfg, "num_attention_heads")
         kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
+        # Qwen3's config class defaults head_dim to 128, not hidden // heads.
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
 
         rope_theta, rope_scaling = _parse_rope(cfg)
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -114,9 +121,12 @@ class ArchConfig:
         sliding_window: int | None = None
         if arch == "MistralForCausalLM":
             sliding_window = cfg.get("sliding_window")
-        elif is_qwen2 and cfg.get("use_sliding_window", False):
-            # Qwen2 applies the window only to layers >= max_window_layers; not implemented.
-            raise ValueError("unsupported config: Qwen2 use_sliding_window=True")
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+            # Qwen applies the window only to layers >= max_window_layers; not implemented.
+            raise ValueError(f"unsupported config: {arch} use_sliding_window=True")
+        if "sliding_attention" in (cfg.get("layer_types") or []) and arch != "MistralForCausalLM":
+            raise ValueError("unsupported config: layer_types with 'sliding_attention' layers "
+                             "(a window on some layers only)")
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -137,6 +147,7 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=True if is_qwen2 else bias,
             o_proj_bias=False if is_qwen2 else bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding_window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

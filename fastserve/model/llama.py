@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
 
 The model sees one flat batch: the tokens of many sequences concatenated, each
 with its absolute position. How tokens group into sequences, and what each may
@@ -16,6 +16,7 @@ on the last. The math of the layers it holds is unchanged.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from fastserve.model.arch import ArchConfig
@@ -58,13 +59,24 @@ class LlamaAttention(nn.Module):
             tp_size=tp_size,
         )
         self.rotary = ApplyRotary()
+        # Qwen3: each head of q and k normalised (weights shared by the heads, so every
+        # tensor-parallel rank holds them whole).
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk = qkv[:, :num_qk_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            # One row per head: [num_tokens * heads, head_dim], as the norm layers take it.
+            q_n = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
+            k_n = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
+            qk = torch.cat([q_n.view(num_tokens, self.num_heads, self.head_dim),
+                            k_n.view(num_tokens, self.num_kv_heads, self.head_dim)], dim=1)
         # q and k are adjacent in the fused output: rotate both in one pass.
-        qk = self.rotary(qkv[:, :num_qk_heads], cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
+        qk = self.rotary(qk, cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
         q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
         k = qk[:, self.num_heads :]  # [num_tokens, num_kv_heads, head_dim]
         v = qkv[:, num_qk_heads:]  # [num_tokens, num_kv_heads, head_dim]
@@ -179,7 +191,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 causal LM. Parameters are uninitialised until loaded."""
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM. Parameters are uninitialised until loaded."""
 
     # HF checkpoint name -> (fused parameter name, shard id for its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {

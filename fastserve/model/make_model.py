@@ -177,7 +177,17 @@ class Preset:
     # Whether `make-model` writes weights by default: a production shape's 13-16 GB of random
     # numbers is better made on the device at load time (`--load-format dummy`).
     write_weights: bool = True
+    architecture: str = "llama"  # a key of ARCHITECTURES
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
 
+
+# config.json's "architectures" and "model_type", and what the checkpoint adds to Llama's.
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    # Qwen3: an RMSNorm over each head of q and k (weights q_norm, k_norm), head_dim apart
+    # from hidden_size // heads.
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
 
 PRESETS: dict[str, Preset] = {
     # 4 layers, GQA (8 query heads over 4 kv heads), untied: ~5.0M params, float32.
@@ -194,6 +204,15 @@ PRESETS: dict[str, Preset] = {
     "llama-3-8b": Preset(32, 4096, 14336, 32, 8, False, 32_000, "bfloat16", 40_000, 30_000,
                          max_position_embeddings=8192, model_vocab_size=128_256,
                          rope_theta=500000.0, write_weights=False),
+    # tiny as a Qwen3: its q/k norms, and heads of 64 (8 x 64 = 512 wide q against 256 hidden).
+    "tiny-qwen3": Preset(4, 256, 688, 8, 4, False, 4096, "float32", 10_000, 3_000,
+                         architecture="qwen3", head_dim=64),
+    # Qwen3-8B: 36 layers, 4096 hidden, 12288 MLP, 32 query heads over 8 kv heads of 128,
+    # vocab 151936 (the tokenizer here has ~32k of them), rope theta 1e6: 8.2B params.
+    "qwen3-8b": Preset(36, 4096, 12288, 32, 8, False, 32_000, "bfloat16", 40_000, 30_000,
+                       max_position_embeddings=40960, model_vocab_size=151_936,
+                       rope_theta=1_000_000.0, write_weights=False, architecture="qwen3",
+                       head_dim=128),
 }
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, as in Llama 2
@@ -318,17 +337,23 @@ def train_tokenizer(p: Preset) -> Tokenizer:
     return tokenizer
 
 
+def _head_dim(p: Preset) -> int:
+    return p.head_dim or p.hidden_size // p.num_attention_heads
+
+
 def hf_config(p: Preset, vocab_size: int) -> dict[str, Any]:
+    architecture, model_type = ARCHITECTURES[p.architecture]
+    extra = {"use_sliding_window": False} if p.architecture == "qwen3" else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": p.hidden_size,
         "intermediate_size": p.intermediate_size,
         "num_hidden_layers": p.num_hidden_layers,
         "num_attention_heads": p.num_attention_heads,
         "num_key_value_heads": p.num_key_value_heads,
-        "head_dim": p.hidden_size // p.num_attention_heads,
+        "head_dim": _head_dim(p),
         "hidden_act": "silu",
         "max_position_embeddings": p.max_position_embeddings,
         "rms_norm_eps": 1e-5,
@@ -344,6 +369,7 @@ def hf_config(p: Preset, vocab_size: int) -> dict[str, Any]:
         "pad_token_id": PAD_ID,
         "torch_dtype": p.dtype,
         "use_cache": True,
+        **extra,
     }
 
 
@@ -365,7 +391,7 @@ def _tokenizer_config() -> dict[str, Any]:
 def random_weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     """HF-named random tensors in the preset's dtype, drawn in a fixed order from `seed`."""
     gen = torch.Generator().manual_seed(seed)
-    h, inter, d = p.hidden_size, p.intermediate_size, p.hidden_size // p.num_attention_heads
+    h, inter, d = p.hidden_size, p.intermediate_size, _head_dim(p)
     q_size, kv_size = p.num_attention_heads * d, p.num_key_value_heads * d
 
     def normal(std: float, *shape: int) -> torch.Tensor:
@@ -383,6 +409,9 @@ def random_weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Ten
         weights[pre + "mlp.down_proj.weight"] = normal(PROJ_GAIN / inter**0.5, h, inter)
         weights[pre + "input_layernorm.weight"] = torch.ones(h)
         weights[pre + "post_attention_layernorm.weight"] = torch.ones(h)
+        if p.architecture == "qwen3":  # away from 1, so that q's and k's are told apart
+            weights[pre + "self_attn.q_norm.weight"] = 1 + normal(0.2, d)
+            weights[pre + "self_attn.k_norm.weight"] = 1 + normal(0.2, d)
     # logits = norm(x) * w . lm_head with norm(x) of unit rms, so their std is
     # w * sqrt(h) * std(lm_head); pick w to hit LOGIT_STD.
     head_std = EMBED_STD if p.tie_word_embeddings else 1.0 / h**0.5

@@ -12,7 +12,8 @@ from fastserve.cli import PRESET_NAMES, main
 from fastserve.model.loader import ModelLoadError, load_model
 from fastserve.model.make_model import PRESETS, hf_config
 
-PARAMS_B = {"llama-2-7b": 6.74, "llama-3-8b": 8.03}  # published parameter counts, billions
+# Published parameter counts, billions.
+PARAMS_B = {"llama-2-7b": 6.74, "llama-3-8b": 8.03, "qwen3-8b": 8.19}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def test_production_presets_have_the_published_shape(name: str) -> None:
     cfg = hf_config(p, p.model_vocab_size)
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter + 2 * h
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * inter + 2 * h
     total = layers * per_layer + 2 * cfg["vocab_size"] * h + h
     assert total / 1e9 == pytest.approx(PARAMS_B[name], rel=0.01)
     assert not p.write_weights  # 13-16 GB: made on the device instead

@@ -2,7 +2,7 @@
 
 Every checkpoint here derives from the `tiny` preset (4 layers, GQA 8/4 heads):
 variants rewrite config.json and the safetensors tensors to exercise rope scaling,
-Qwen2 biases, Mistral's sliding window and tied embeddings.
+Qwen2 biases, Qwen3's q/k norms, Mistral's sliding window and tied embeddings.
 """
 
 from __future__ import annotations
@@ -186,6 +186,52 @@ def test_qwen2_with_qkv_bias_matches_hf(
     assert arch.attention_bias and not arch.o_proj_bias
 
 
+QWEN3_HEAD_DIM = 64  # tiny's hidden 256 over 8 heads is 32: q_proj's width is not hidden's
+
+
+def _qwen3_tensors(tensors: dict[str, torch.Tensor]) -> None:
+    """Attention projections for QWEN3_HEAD_DIM and q/k norm weights away from 1."""
+    g = torch.Generator().manual_seed(3)
+    hidden = tensors["model.norm.weight"].shape[0]
+    for name in [n for n in tensors if n.endswith("self_attn.q_proj.weight")]:
+        prefix = name.removesuffix("q_proj.weight")
+        heads = tensors[name].shape[0] // (hidden // 8)
+        kv_heads = tensors[prefix + "k_proj.weight"].shape[0] // (hidden // 8)
+        for proj, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            tensors[f"{prefix}{proj}_proj.weight"] = (
+                torch.randn(rows * QWEN3_HEAD_DIM, hidden, generator=g) * hidden**-0.5)
+        tensors[prefix + "o_proj.weight"] = (
+            torch.randn(hidden, heads * QWEN3_HEAD_DIM, generator=g) * (heads * QWEN3_HEAD_DIM)**-0.5)
+        for norm in ("q_norm", "k_norm"):
+            tensors[f"{prefix}{norm}.weight"] = 1 + 0.5 * torch.randn(QWEN3_HEAD_DIM, generator=g)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+              "head_dim": QWEN3_HEAD_DIM, "use_sliding_window": False}
+    return make_variant(tiny, tmp_path_factory.mktemp("ckpt") / "qwen3", config, _qwen3_tensors)
+
+
+def test_qwen3_with_qk_norm_matches_hf(qwen3: Path, prompt_ids: list[list[int]]) -> None:
+    arch = assert_matches_hf(qwen3, prompt_ids)
+    assert arch.qk_norm and not arch.attention_bias and arch.head_dim == QWEN3_HEAD_DIM
+
+
+def test_qwen3_config_follows_hf_defaults_and_refuses_windows() -> None:
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+    arch = ArchConfig.from_hf_config(base)
+    assert arch.head_dim == 128 and arch.qk_norm  # Qwen3Config's default, not 64 // 4
+    assert transformers.Qwen3Config(**base).head_dim == arch.head_dim
+    assert not ArchConfig.from_hf_config({**base, "architectures": ["LlamaForCausalLM"]}).qk_norm
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM use_sliding_window"):
+        ArchConfig.from_hf_config({**base, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="sliding_attention"):
+        ArchConfig.from_hf_config({**base, "layer_types": ["full_attention", "sliding_attention"]})
+
+
 def test_mistral_with_sliding_window_matches_hf(
     tiny: Path, tmp_path: Path, prompt_ids: list[list[int]]
 ) -> None:
@@ -312,10 +358,13 @@ class _FakeGroup:
         return all_reduce, all_gather
 
 
-@pytest.mark.parametrize("tp_size", [2, 8])  # 8 ranks > 4 kv heads: each kv head lives on 2 ranks
+@pytest.mark.parametrize(("checkpoint", "tp_size"), [("tiny", 2), ("tiny", 8), ("qwen3", 2)])
 def test_tensor_parallel_shards_reproduce_single_device_logits(
-    tiny: Path, prompt_ids: list[list[int]], tp_size: int
+    request: pytest.FixtureRequest, prompt_ids: list[list[int]], checkpoint: str, tp_size: int
 ) -> None:
+    """8 ranks > 4 kv heads: each kv head lives on 2 ranks. Qwen3's q/k norm weights are
+    whole on every rank."""
+    tiny = request.getfixturevalue(checkpoint)
     seqs = prompt_ids[:3]
     reference, _ = fastserve_logits(tiny, seqs)
     group = _FakeGroup(tp_size)

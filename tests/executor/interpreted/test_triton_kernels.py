@@ -31,6 +31,7 @@ from fastserve.executor.cuda_graphs import capture_sizes, graph_batch_size  # no
 from fastserve.executor.model_runner import ModelRunner, flatten  # noqa: E402
 from fastserve.model.layers import ApplyRotary, RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
 from fastserve.model.loader import load_model  # noqa: E402
+from fastserve.model.make_model import cached_model_path  # noqa: E402
 from fastserve.request import SamplingParams  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -474,12 +475,14 @@ def _mixed_step_logits(runners: list[ModelRunner]) -> Iterator[tuple[torch.Tenso
     assert len(out.sampled_token_ids) == 2 and not out.failed
 
 
-def test_runner_with_triton_backend_matches_torch_backend(tiny_model_path: Path) -> None:
-    """The whole model through `ModelRunner` (the tiny preset, float32): chunked and whole
-    prefills, then decodes mixed with a chunk, then decodes only; the Triton backend's logits
-    are the portable backend's, and `execute` samples one token per request."""
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_runner_with_triton_backend_matches_torch_backend(preset: str) -> None:
+    """The whole model through `ModelRunner` (the tiny preset, and as a Qwen3: its q/k norms
+    before the rotation the decode launch does; float32): chunked and whole prefills, then
+    decodes mixed with a chunk, then decodes only; the Triton backend's logits are the
+    portable backend's, and `execute` samples one token per request."""
     cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)
-    runners = _triton_and_torch_runners(tiny_model_path, cache)
+    runners = _triton_and_torch_runners(cached_model_path(preset), cache)
     assert runners[0].model.model.norm.fused is not None  # type: ignore[union-attr]
     assert runners[1].model.model.norm.fused is None  # type: ignore[union-attr]
     for triton_logits, torch_logits in _mixed_step_logits(runners):
