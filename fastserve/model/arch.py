@@ -18,7 +18,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_ROPE_KEYS = (
     "factor",
     "low_freq_factor",
@@ -183,11 +183,15 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return float(theta), None
     params["rope_type"] = rope_type
     params.pop("type", None)
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         # HF falls back to max_position_embeddings when the original length is absent.
         params.setdefault(
             "original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)
         )
+    if rope_type == "yarn" and params.get("factor") is None:
+        # DeepSeek-V3's way: the ratio of the extended context to the pretrained one.
+        params["factor"] = (cfg.get("max_position_embeddings", 2048)
+                            / params["original_max_position_embeddings"])
     return float(theta), params
 
 
@@ -197,7 +201,7 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
         raise ValueError(
             f"unsupported rope_scaling rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    required = ("factor",) if rope_type == "linear" else _LLAMA3_ROPE_KEYS
+    required = _LLAMA3_ROPE_KEYS if rope_type == "llama3" else ("factor",)
     missing = [k for k in required if k not in scaling]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} is missing {', '.join(missing)}")

@@ -144,7 +144,50 @@ def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | 
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, rope_scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature; 1 otherwise)."""
+    if rope_scaling is None or rope_scaling["rope_type"] != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = rope_scaling["factor"]
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any]) -> Tensor:
+    # YaRN (Qwen 2.5/3's long context, DeepSeek): interpolated (divided by `factor`) low
+    # frequencies, extrapolated (kept) high ones, a linear ramp between the dimensions that
+    # turn beta_slow and beta_fast times over the pretrained context. transformers' steps.
+    factor = scaling["factor"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
@@ -186,6 +229,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position_embeddings, dtype=torch.int64).float()  # [max_pos]
         freqs = t[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2]
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_pos, head_dim]
+        scale = rope_attention_factor(rope_scaling)
+        if scale != 1.0:
+            cache = cache * scale  # as HF scales its cos and sin, in float32
         # Non-persistent: rebuilt from the config, never read from a checkpoint.
         # A model-wide .to(dtype) casts it, which is the same rounding HF applies per call.
         self.cos_sin_cache: Tensor

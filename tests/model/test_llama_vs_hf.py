@@ -8,6 +8,7 @@ Qwen2 biases, Qwen3's q/k norms, Mistral's sliding window and tied embeddings.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -149,20 +150,45 @@ def test_bfloat16_as_accurate_as_hf(tiny: Path, prompt_ids: list[list[int]]) -> 
             "original_max_position_embeddings": 64,
         },
         {"rope_type": "linear", "factor": 2.0},
+        # Qwen 2.5/3's long-context setting, with the tiny model's context as the original.
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+         "beta_fast": 16, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.5},
     ],
-    ids=["llama3", "linear"],
+    ids=["llama3", "linear", "yarn", "yarn-mscale"],
 )
 def test_rope_scaling_matches_hf(
     tiny: Path, tmp_path: Path, prompt_ids: list[list[int]], rope_scaling: dict[str, Any]
 ) -> None:
-    path = make_variant(
-        tiny, tmp_path / "rope", {"rope_scaling": rope_scaling, "rope_theta": 500000.0}
-    )
+    # A context of 256 makes YaRN's factors the ratio to the original context, as HF expects.
+    path = make_variant(tiny, tmp_path / "rope", {"rope_scaling": rope_scaling,
+                                                  "rope_theta": 500000.0,
+                                                  "max_position_embeddings": 256})
     arch = assert_matches_hf(path, prompt_ids)
     assert (
         arch.rope_scaling is not None
         and arch.rope_scaling["rope_type"] == rope_scaling["rope_type"]
     )
+
+
+def test_yarn_scaling_is_parsed_as_transformers_reads_it() -> None:
+    from fastserve.model.layers import rope_attention_factor
+
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": 131072}
+    # Qwen3's long-context config; then one without a factor (DeepSeek-V3's way: the ratio).
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    arch = ArchConfig.from_hf_config({**base, "rope_scaling": yarn})
+    assert arch.rope_scaling == yarn
+    assert rope_attention_factor(arch.rope_scaling) == pytest.approx(0.1 * math.log(4) + 1)
+    no_factor = {"rope_type": "yarn", "original_max_position_embeddings": 16384}
+    assert ArchConfig.from_hf_config({**base, "rope_scaling": no_factor}).rope_scaling == {
+        **no_factor, "factor": 8.0}
+    assert rope_attention_factor({**yarn, "attention_factor": 1.5}) == 1.5
+    assert rope_attention_factor(None) == 1.0
+    with pytest.raises(ValueError, match="rope_type 'longrope'"):
+        ArchConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2}})
 
 
 def test_qwen2_with_qkv_bias_matches_hf(
