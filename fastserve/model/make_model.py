@@ -181,11 +181,10 @@ class Preset:
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
 
 
-# config.json's "architectures" and "model_type", and what the checkpoint adds to Llama's.
+# A preset's architecture: config.json's "architectures" and "model_type". A qwen3 checkpoint
+# also gets the q_norm and k_norm weights of each layer (`random_weights`).
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
-    # Qwen3: an RMSNorm over each head of q and k (weights q_norm, k_norm), head_dim apart
-    # from hidden_size // heads.
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 
