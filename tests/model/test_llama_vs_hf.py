@@ -212,36 +212,16 @@ def test_qwen2_with_qkv_bias_matches_hf(
     assert arch.attention_bias and not arch.o_proj_bias
 
 
-QWEN3_HEAD_DIM = 64  # tiny's hidden 256 over 8 heads is 32: q_proj's width is not hidden's
-
-
-def _qwen3_tensors(tensors: dict[str, torch.Tensor]) -> None:
-    """Attention projections for QWEN3_HEAD_DIM and q/k norm weights away from 1."""
-    g = torch.Generator().manual_seed(3)
-    hidden = tensors["model.norm.weight"].shape[0]
-    for name in [n for n in tensors if n.endswith("self_attn.q_proj.weight")]:
-        prefix = name.removesuffix("q_proj.weight")
-        heads = tensors[name].shape[0] // (hidden // 8)
-        kv_heads = tensors[prefix + "k_proj.weight"].shape[0] // (hidden // 8)
-        for proj, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
-            tensors[f"{prefix}{proj}_proj.weight"] = (
-                torch.randn(rows * QWEN3_HEAD_DIM, hidden, generator=g) * hidden**-0.5)
-        tensors[prefix + "o_proj.weight"] = (
-            torch.randn(hidden, heads * QWEN3_HEAD_DIM, generator=g) * (heads * QWEN3_HEAD_DIM)**-0.5)
-        for norm in ("q_norm", "k_norm"):
-            tensors[f"{prefix}{norm}.weight"] = 1 + 0.5 * torch.randn(QWEN3_HEAD_DIM, generator=g)
-
-
 @pytest.fixture(scope="module")
-def qwen3(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-              "head_dim": QWEN3_HEAD_DIM, "use_sliding_window": False}
-    return make_variant(tiny, tmp_path_factory.mktemp("ckpt") / "qwen3", config, _qwen3_tensors)
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny as a Qwen3 (`make-model --preset tiny-qwen3`): heads of 64, so q_proj's width is
+    not hidden's, and q/k norm weights away from 1."""
+    return make_model("tiny-qwen3", tmp_path_factory.mktemp("ckpt") / "qwen3", seed=0)
 
 
 def test_qwen3_with_qk_norm_matches_hf(qwen3: Path, prompt_ids: list[list[int]]) -> None:
     arch = assert_matches_hf(qwen3, prompt_ids)
-    assert arch.qk_norm and not arch.attention_bias and arch.head_dim == QWEN3_HEAD_DIM
+    assert arch.qk_norm and not arch.attention_bias and arch.head_dim == 64
 
 
 def test_qwen3_config_follows_hf_defaults_and_refuses_windows() -> None:
