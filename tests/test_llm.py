@@ -10,7 +10,7 @@ import torch
 from fastserve import LLM, SamplingParams
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
-from tests.conftest import TEST_DTYPE
+from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -58,21 +58,31 @@ def test_greedy_batch_matches_hf(llm: LLM, greedy_reference: GreedyReference) ->
     assert all(len(set(o.token_ids)) > 4 for o in outs)
 
 
-def test_qwen3_checkpoint_generates_hf_greedy_tokens() -> None:
-    """A Qwen3 checkpoint (q/k norms, heads wider than hidden // heads) through the whole
-    engine: paged cache, batches joining and leaving, the device's fused layers."""
-    from fastserve.model.make_model import cached_model_path
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe"])
+def test_other_architectures_generate_hf_greedy_tokens(preset: str) -> None:
+    """A Qwen3 checkpoint (q/k norms, heads wider than hidden // heads), a Mixtral and a
+    Qwen3-MoE (experts, batches whose tokens route differently) through the whole engine:
+    paged cache, batches joining and leaving, the device's fused layers."""
+    from fastserve.model.make_model import PRESETS, cached_model_path
 
-    path = cached_model_path("tiny-qwen3")
+    path = cached_model_path(preset)
     with LLM(model=str(path), dtype=TEST_DTYPE, max_batch_size=3, block_size=4,
              kv_cache_gib=0.05, policy="fcfs", startup_profile=False) as llm:
-        assert llm.engine.arch.qk_norm
+        assert llm.engine.arch.qk_norm == ("qwen3" in preset)
+        assert llm.engine.arch.num_experts == PRESETS[preset].num_experts
         prompts = _prompts(llm.engine.arch.vocab_size)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         device = llm.config.model.device
+    assert len({tuple(o.token_ids) for o in outs}) == len(outs)
+    if PRESETS[preset].num_experts and not IS_EXACT_DTYPE:
+        # A half type's rounding flips near-tied routing choices of these random experts, and
+        # one flip moves the logits by several units: HF's own bfloat16 greedy tokens fall up
+        # to 13 below its float32 argmax. In half types the experts are checked block by
+        # block (tests/model/test_moe_block.py); the tokens in float32 only.
+        assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+        return
     expected = _hf_greedy(path, prompts, 32, device)
     assert_same_greedy_tokens([o.token_ids for o in outs], expected, prompts, GreedyReference(path))
-    assert len({tuple(o.token_ids) for o in outs}) == len(outs)
 
 
 def test_mixed_prefill_decode_and_alone_agree(llm: LLM, greedy_reference: GreedyReference) -> None:

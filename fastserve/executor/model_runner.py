@@ -174,9 +174,10 @@ class ModelRunner:
         self.swapper = make_swapper(self.attn, self.num_host_blocks,
                                     cache_config.cpu_copy_worker)
         self.graphs: DecodeGraphs | None = None
-        # NOTE: not with LoRA adapters: which rows take which adapter changes every batch.
+        # NOTE: not with LoRA adapters: which rows take which adapter changes every batch; not
+        # with MoE experts, whose grouping reads token counts on the host (`mlp.SparseMoeBlock`).
         if self.attn.supports_cuda_graphs and self.can_capture_graphs and not model_config.enforce_eager \
-                and model.lora_batch is None:
+                and model.lora_batch is None and not arch.num_experts:
             max_len = model_config.max_model_len or arch.max_position_embeddings
             self.graphs = DecodeGraphs(model, self.attn, model_config.cuda_graph_max_batch_size,
                                        max_blocks_per_seq=-(-max_len // self.block_size))

@@ -14,9 +14,12 @@ from typing import Any
 
 # Architectures that share the Llama block (pre-norm, RoPE, SwiGLU, GQA).
 # Qwen2 differs only by q/k/v bias; Mistral only by an optional sliding window; Qwen3 by an
-# RMSNorm over each head of q and k before the rotation (and no q/k/v bias).
+# RMSNorm over each head of q and k before the rotation (and no q/k/v bias). Mixtral is
+# Mistral with a sparse mixture of SwiGLU experts in place of the MLP; Qwen3-MoE is Qwen3 with
+# one (on the layers `is_moe_layer` names).
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "MixtralForCausalLM", "Qwen3MoeForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_ROPE_KEYS = (
@@ -54,6 +57,15 @@ class ArchConfig:
     # Mistral-style local attention: a query sees only the last `sliding_window` keys.
     # The attention backend must honour it; None means full causal attention.
     sliding_window: int | None = None
+    # Sparse mixture of experts (Mixtral, Qwen3-MoE); num_experts 0 means a dense MLP. Each
+    # token runs its num_experts_per_tok most probable experts (a softmax over the router's
+    # logits), weighted by their probabilities, renormalised to sum to 1 if norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; dense layers keep intermediate_size
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not one of these
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # dtype the checkpoint was saved in, informative only
@@ -86,6 +98,23 @@ class ArchConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                    f"got {self.num_experts_per_tok!r}")
+            if not isinstance(self.moe_intermediate_size, int) or self.moe_intermediate_size <= 0:
+                raise ValueError("config field moe_intermediate_size must be a positive int, "
+                                 f"got {self.moe_intermediate_size!r}")
+            if self.decoder_sparse_step <= 0:
+                raise ValueError("config field decoder_sparse_step must be a positive int, "
+                                 f"got {self.decoder_sparse_step!r}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` holds experts (else a dense MLP), as transformers
+        decides it."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -113,20 +142,24 @@ class ArchConfig:
         kv_heads = cfg.get("num_key_value_heads") or heads
         # Qwen3's config class defaults head_dim to 128, not hidden // heads.
         head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+        is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
         rope_theta, rope_scaling = _parse_rope(cfg)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         bias = bool(cfg.get("attention_bias", False))
 
         sliding_window: int | None = None
-        if arch == "MistralForCausalLM":
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             sliding_window = cfg.get("sliding_window")
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        elif (is_qwen2 or is_qwen3) and cfg.get("use_sliding_window"):
             # Qwen applies the window only to layers >= max_window_layers; not implemented.
             raise ValueError(f"unsupported config: {arch} use_sliding_window=True")
-        if "sliding_attention" in (cfg.get("layer_types") or []) and arch != "MistralForCausalLM":
+        if ("sliding_attention" in (cfg.get("layer_types") or [])
+                and arch not in ("MistralForCausalLM", "MixtralForCausalLM")):
             raise ValueError("unsupported config: layer_types with 'sliding_attention' layers "
                              "(a window on some layers only)")
+
+        moe = _parse_moe(arch, cfg)
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -147,8 +180,9 @@ class ArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=True if is_qwen2 else bias,
             o_proj_bias=False if is_qwen2 else bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=is_qwen3,
             sliding_window=sliding_window,
+            **moe,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -165,6 +199,23 @@ def _require_int(cfg: dict[str, Any], name: str) -> int:
     if name not in cfg:
         raise ValueError(f"config.json is missing required field {name!r}")
     return int(cfg[name])
+
+
+def _parse_moe(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ArchConfig fields of a sparse MoE config (empty for a dense architecture)."""
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": _require_int(cfg, "num_local_experts"),
+                "num_experts_per_tok": _require_int(cfg, "num_experts_per_tok"),
+                "moe_intermediate_size": _require_int(cfg, "intermediate_size")}
+    if arch == "Qwen3MoeForCausalLM":
+        # transformers' Qwen3MoeConfig defaults; real checkpoints spell them out.
+        return {"num_experts": int(cfg.get("num_experts", 128)),
+                "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
+                "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 768)),
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+                "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+                "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}
+    return {}
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -494,9 +494,13 @@ class RowParallelLinear(LinearBase):
         tp_rank: int = 0,
         tp_size: int = 1,
         all_reduce: AllReduce = default_all_reduce,
+        reduce_results: bool = True,
     ) -> None:
+        """`reduce_results=False` leaves the partial sums to the caller (an MoE block adds up
+        its experts' and all-reduces once)."""
         super().__init__(divide(input_size, tp_size), output_size, bias, tp_rank, tp_size)
         self.all_reduce = all_reduce
+        self.reduce_results = reduce_results
         if self.bias is not None:
             _set_loader(self.bias, default_weight_loader)
 
@@ -515,7 +519,7 @@ class RowParallelLinear(LinearBase):
         y = _linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed)
         if self.lora is not None:
             y = self.lora.add_to(x, y)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             self.all_reduce(y)
         return y
 

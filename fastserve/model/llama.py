@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and Mixtral and Qwen3-MoE with their
+experts, `mlp.SparseMoeBlock`) over a flat batch of tokens.
 
 The model sees one flat batch: the tokens of many sequences concatenated, each
 with its absolute position. How tokens group into sequences, and what each may
@@ -23,16 +24,15 @@ from fastserve.model.arch import ArchConfig
 from fastserve.model.attention import AttentionBackend
 from fastserve.model.layers import (
     ApplyRotary,
-    MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
 )
 from fastserve.model.lora import LoRABatch
+from fastserve.model.mlp import LlamaMLP, SparseMoeBlock
 
 
 class LlamaAttention(nn.Module):
@@ -84,27 +84,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, [arch.intermediate_size] * 2, tp_rank=tp_rank, tp_size=tp_size
-        )
-        self.down_proj = RowParallelLinear(
-            arch.intermediate_size, arch.hidden_size, tp_rank=tp_rank, tp_size=tp_size
-        )
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: Tensor) -> Tensor:
-        # [num_tokens, hidden] -> [num_tokens, 2 * intermediate_local] -> [num_tokens, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, layer_idx, tp_rank, tp_size)
-        self.mlp = LlamaMLP(arch, tp_rank, tp_size)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(arch, tp_rank, tp_size) if arch.is_moe_layer(layer_idx)
+            else LlamaMLP(arch.hidden_size, arch.intermediate_size, tp_rank, tp_size)
+        )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -191,7 +178,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 causal LM. Parameters are uninitialised until loaded."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE causal LM. Parameters are
+    uninitialised until loaded."""
 
     # HF checkpoint name -> (fused parameter name, shard id for its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {

@@ -8,6 +8,7 @@ parameter's `weight_loader`, so the same code serves every tensor-parallel rank.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,12 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some old checkpoints saved; we recompute them.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Experts are loaded under Qwen3-MoE's names (`experts.{i}.gate_proj.weight`, ...). Mixtral's
+# checkpoints name the block `block_sparse_moe` and the projections w1 (gate), w3 (up) and w2
+# (down); transformers v5 keeps each layer's experts as two stacked tensors.
+_MIXTRAL_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(w1|w2|w3)\.weight$")
+_MIXTRAL_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 class ModelLoadError(ValueError):
@@ -134,7 +141,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, Tensor]])
     tied = model.arch.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in weights:
+    for name, tensor in canonical_weights(weights):
         if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         if not model.holds_weight(name):  # another pipeline stage's tensor
@@ -157,12 +164,43 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, Tensor]])
         raise ModelLoadError(
             f"checkpoint has tensor(s) this {model.arch.architecture} does not use: {', '.join(unexpected[:5])}"
         )
-    missing = [n for n in expected_weight_names(model) if n not in loaded]
+    missing = [_hub_name(model.arch, n) for n in expected_weight_names(model) if n not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         )
         raise ModelLoadError(f"checkpoint is missing weight(s): {shown}")
+
+
+def canonical_weights(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint's tensors with MoE experts under one naming: Mixtral's renamed and
+    stacked expert tensors ([experts, 2 x intermediate, hidden] gate then up, [experts,
+    hidden, intermediate]) split into one tensor per expert and projection."""
+    for name, tensor in weights:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if (m := _MIXTRAL_EXPERT.match(name)) is not None:
+            yield f"{m.group(1)}.{_MIXTRAL_LEAVES[m.group(2)]}.weight", tensor
+        elif (m := _STACKED_EXPERTS.match(name)) is not None and tensor.dim() == 3:
+            for i, expert in enumerate(tensor.unbind(0)):
+                prefix = f"{m.group(1)}.{i}"
+                if m.group(2) == "down_proj":
+                    yield f"{prefix}.down_proj.weight", expert
+                else:
+                    gate, up = expert.chunk(2, dim=0)
+                    yield f"{prefix}.gate_proj.weight", gate
+                    yield f"{prefix}.up_proj.weight", up
+        else:
+            yield name, tensor
+
+
+def _hub_name(arch: ArchConfig, name: str) -> str:
+    """`name` (as `canonical_weights` names it) as the architecture's hub checkpoints spell it."""
+    if arch.architecture != "MixtralForCausalLM" or ".experts." not in name:
+        return name
+    leaf = {v: k for k, v in _MIXTRAL_LEAVES.items()}
+    module_path, _, kind = name.rpartition(".")
+    parent, _, proj = module_path.rpartition(".")
+    return f"{parent.replace('.mlp.', '.block_sparse_moe.')}.{leaf.get(proj, proj)}.{kind}"
 
 
 def expected_weight_names(model: LlamaForCausalLM) -> list[str]:

@@ -92,6 +92,9 @@ def read_adapter(name: str, path: str | Path, arch: ArchConfig, max_rank: int) -
         if layer >= arch.num_hidden_layers:
             raise LoRAError(f"LoRA adapter {name!r}: {key!r} names layer {layer}; the model has "
                             f"{arch.num_hidden_layers}")
+        if module in ("gate_proj", "up_proj", "down_proj") and arch.is_moe_layer(layer):
+            raise LoRAError(f"LoRA adapter {name!r}: {key!r}: layer {layer}'s MLP is a mixture of "
+                            "experts, and adapters of experts are not supported (attention only)")
         pairs.setdefault((layer, module), {})[which] = tensor
     weights = {}
     for (layer, module), pair in sorted(pairs.items()):

@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,13 +180,23 @@ class Preset:
     write_weights: bool = True
     architecture: str = "llama"  # a key of ARCHITECTURES
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    # Sparse MoE (architectures mixtral, qwen3-moe): experts per layer, chosen per token, and
+    # each expert's intermediate size (mixtral's is intermediate_size). qwen3-moe's layers in
+    # mlp_only_layers keep a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
 
 
 # A preset's architecture: config.json's "architectures" and "model_type". A qwen3 checkpoint
-# also gets the q_norm and k_norm weights of each layer (`random_weights`).
+# also gets the q_norm and k_norm weights of each layer, a mixtral or qwen3-moe one a router
+# and experts in place of the MLP (`random_weights`), each in its hub checkpoints' names.
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 PRESETS: dict[str, Preset] = {
@@ -212,6 +223,28 @@ PRESETS: dict[str, Preset] = {
                        max_position_embeddings=40960, model_vocab_size=151_936,
                        rope_theta=1_000_000.0, write_weights=False, architecture="qwen3",
                        head_dim=128),
+    # tiny as a Mixtral: 8 experts of 344 per layer, 2 per token (~8.6M params).
+    "tiny-mixtral": Preset(4, 256, 344, 8, 4, False, 4096, "float32", 10_000, 3_000,
+                           architecture="mixtral", num_experts=8, num_experts_per_tok=2),
+    # tiny-qwen3 with Qwen3-MoE's experts: 16 of 128 per layer, 4 per token, renormalised;
+    # layer 3 keeps a dense MLP (mlp_only_layers), which Qwen's configs allow.
+    "tiny-qwen3-moe": Preset(4, 256, 688, 8, 4, False, 4096, "float32", 10_000, 3_000,
+                             architecture="qwen3-moe", head_dim=64, num_experts=16,
+                             num_experts_per_tok=4, moe_intermediate_size=128,
+                             mlp_only_layers=(3,)),
+    # Mixtral-8x7B: 32 layers, 4096 hidden, 8 experts of 14336 (2 per token), 32 query heads
+    # over 8 kv heads, vocab 32000, rope theta 1e6: 46.7B params (12.9B active).
+    "mixtral-8x7b": Preset(32, 4096, 14336, 32, 8, False, 32_000, "bfloat16", 40_000, 30_000,
+                           max_position_embeddings=32768, model_vocab_size=32_000,
+                           rope_theta=1_000_000.0, write_weights=False, architecture="mixtral",
+                           num_experts=8, num_experts_per_tok=2),
+    # Qwen3-30B-A3B: 48 layers, 2048 hidden, 128 experts of 768 (8 per token), 32 query heads
+    # over 4 kv heads of 128, vocab 151936, rope theta 1e6: 30.5B params (3.3B active).
+    "qwen3-30b-a3b": Preset(48, 2048, 6144, 32, 4, False, 32_000, "bfloat16", 40_000, 30_000,
+                            max_position_embeddings=40960, model_vocab_size=151_936,
+                            rope_theta=1_000_000.0, write_weights=False,
+                            architecture="qwen3-moe", head_dim=128, num_experts=128,
+                            num_experts_per_tok=8, moe_intermediate_size=768),
 }
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, as in Llama 2
@@ -342,7 +375,17 @@ def _head_dim(p: Preset) -> int:
 
 def hf_config(p: Preset, vocab_size: int) -> dict[str, Any]:
     architecture, model_type = ARCHITECTURES[p.architecture]
-    extra = {"use_sliding_window": False} if p.architecture == "qwen3" else {}
+    extra: dict[str, Any] = {}
+    if p.architecture in ("qwen3", "qwen3-moe"):
+        extra["use_sliding_window"] = False
+    if p.architecture == "mixtral":
+        extra.update(num_local_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+                     sliding_window=None, router_aux_loss_coef=0.0)
+    if p.architecture == "qwen3-moe":
+        extra.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+                     moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=list(p.mlp_only_layers),
+                     router_aux_loss_coef=0.0)
     return {
         "architectures": [architecture],
         "model_type": model_type,
@@ -390,7 +433,7 @@ def _tokenizer_config() -> dict[str, Any]:
 def random_weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
     """HF-named random tensors in the preset's dtype, drawn in a fixed order from `seed`."""
     gen = torch.Generator().manual_seed(seed)
-    h, inter, d = p.hidden_size, p.intermediate_size, _head_dim(p)
+    h, d = p.hidden_size, _head_dim(p)
     q_size, kv_size = p.num_attention_heads * d, p.num_key_value_heads * d
 
     def normal(std: float, *shape: int) -> torch.Tensor:
@@ -403,12 +446,10 @@ def random_weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Ten
         weights[pre + "self_attn.k_proj.weight"] = normal(QK_GAIN / h**0.5, kv_size, h)
         weights[pre + "self_attn.v_proj.weight"] = normal(PROJ_GAIN / h**0.5, kv_size, h)
         weights[pre + "self_attn.o_proj.weight"] = normal(PROJ_GAIN / q_size**0.5, h, q_size)
-        weights[pre + "mlp.gate_proj.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
-        weights[pre + "mlp.up_proj.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
-        weights[pre + "mlp.down_proj.weight"] = normal(PROJ_GAIN / inter**0.5, h, inter)
+        weights.update(_mlp_weights(p, i, normal))
         weights[pre + "input_layernorm.weight"] = torch.ones(h)
         weights[pre + "post_attention_layernorm.weight"] = torch.ones(h)
-        if p.architecture == "qwen3":  # away from 1, so that q's and k's are told apart
+        if p.architecture in ("qwen3", "qwen3-moe"):  # away from 1: q's and k's told apart
             weights[pre + "self_attn.q_norm.weight"] = 1 + normal(0.2, d)
             weights[pre + "self_attn.k_norm.weight"] = 1 + normal(0.2, d)
     # logits = norm(x) * w . lm_head with norm(x) of unit rms, so their std is
@@ -419,6 +460,29 @@ def random_weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Ten
         weights["lm_head.weight"] = normal(head_std, vocab_size, h)
     dtype = getattr(torch, p.dtype)
     return {name: t.to(dtype) for name, t in weights.items()}
+
+
+def _mlp_weights(p: Preset, layer: int, normal: Callable[..., torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s MLP, or its router and experts, under the hub checkpoints' names."""
+    h, pre = p.hidden_size, f"model.layers.{layer}."
+    if not p.num_experts or layer in p.mlp_only_layers:
+        inter = p.intermediate_size
+        return {pre + "mlp.gate_proj.weight": normal(PROJ_GAIN / h**0.5, inter, h),
+                pre + "mlp.up_proj.weight": normal(PROJ_GAIN / h**0.5, inter, h),
+                pre + "mlp.down_proj.weight": normal(PROJ_GAIN / inter**0.5, h, inter)}
+    mixtral = p.architecture == "mixtral"
+    inter = p.intermediate_size if mixtral else p.moe_intermediate_size
+    block = pre + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    # Router logits of unit spread: each token's choice clear, the choices varied.
+    weights = {block + "gate.weight": normal(1 / h**0.5, p.num_experts, h)}
+    for e in range(p.num_experts):
+        expert = f"{block}experts.{e}."
+        weights[f"{expert}{gate}.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
+        weights[f"{expert}{up}.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
+        weights[f"{expert}{down}.weight"] = normal(PROJ_GAIN / inter**0.5, h, inter)
+    return weights
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from fastserve.model.layers import ParallelLMHead, RowParallelLinear, VocabParal
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.model.loader import ModelLoadError, load_model
 from fastserve.model.make_model import BOS_ID, make_model
+from fastserve.model.mlp import LlamaMLP, SparseMoeBlock
 from fastserve.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -238,6 +239,84 @@ def test_qwen3_config_follows_hf_defaults_and_refuses_windows() -> None:
         ArchConfig.from_hf_config({**base, "layer_types": ["full_attention", "sliding_attention"]})
 
 
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make-model --preset tiny-mixtral`: 8 experts a layer, 2 a token, in Mixtral's hub names
+    (block_sparse_moe, w1/w3/w2)."""
+    return make_model("tiny-mixtral", tmp_path_factory.mktemp("ckpt") / "mixtral", seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make-model --preset tiny-qwen3-moe`: 16 experts a layer, 4 a token, renormalised; the
+    last layer dense (mlp_only_layers)."""
+    return make_model("tiny-qwen3-moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe", seed=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["mixtral", "qwen3_moe"])
+def test_moe_matches_hf(request: pytest.FixtureRequest, checkpoint: str,
+                        prompt_ids: list[list[int]]) -> None:
+    """Logits through the experts equal transformers' (which loads the hub names through its
+    own conversion), every token routed by the same top-k."""
+    path = request.getfixturevalue(checkpoint)
+    arch = assert_matches_hf(path, prompt_ids)
+    model, _ = load_model(path, torch.float32, "cpu")
+    kinds = [type(layer.mlp) for layer in model.model.layers]
+    if checkpoint == "mixtral":
+        assert arch.num_experts == 8 and arch.num_experts_per_tok == 2 and arch.norm_topk_prob
+        assert kinds == [SparseMoeBlock] * 4
+    else:
+        assert arch.qk_norm and arch.num_experts == 16 and arch.moe_intermediate_size == 128
+        assert kinds == [SparseMoeBlock] * 3 + [LlamaMLP]  # mlp_only_layers = [3]
+
+
+def test_stacked_experts_load_as_per_expert_tensors(mixtral: Path, tmp_path: Path) -> None:
+    """transformers v5 keeps a layer's experts as two stacked tensors ([experts, 2 x inter,
+    hidden] gate then up, and [experts, hidden, inter]): they load to the same model."""
+    def stack(tensors: dict[str, torch.Tensor]) -> None:
+        for layer in range(4):
+            pre = f"model.layers.{layer}.block_sparse_moe."
+            w = {k: [tensors.pop(f"{pre}experts.{e}.{k}.weight") for e in range(8)]
+                 for k in ("w1", "w2", "w3")}
+            tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([g, u]) for g, u in zip(w["w1"], w["w3"])])
+            tensors[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(w["w2"])
+            tensors[f"model.layers.{layer}.mlp.gate.weight"] = tensors.pop(f"{pre}gate.weight")
+
+    stacked = make_variant(mixtral, tmp_path / "stacked", edit_tensors=stack)
+    a = load_model(mixtral, torch.float32, "cpu")[0].state_dict()
+    b = load_model(stacked, torch.float32, "cpu")[0].state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_moe_configs_are_read_as_transformers_reads_them(mixtral: Path, tmp_path: Path) -> None:
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16}
+    arch = ArchConfig.from_hf_config(base)
+    hf = transformers.Qwen3MoeConfig(**base)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
+            arch.norm_topk_prob) == (hf.num_experts, hf.num_experts_per_tok,
+                                     hf.moe_intermediate_size, hf.norm_topk_prob)
+    arch = ArchConfig.from_hf_config({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert [arch.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    with pytest.raises(ValueError, match="num_experts_per_tok must be in"):
+        ArchConfig.from_hf_config({**base, "num_experts": 4, "num_experts_per_tok": 5})
+    mixtral_cfg = json.loads((mixtral / "config.json").read_text())
+    del mixtral_cfg["num_local_experts"]
+    with pytest.raises(ValueError, match="num_local_experts"):
+        ArchConfig.from_hf_config(mixtral_cfg)
+
+    def drop_expert(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors["model.layers.2.block_sparse_moe.experts.5.w3.weight"]
+
+    path = make_variant(mixtral, tmp_path / "no-expert", edit_tensors=drop_expert)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.block_sparse_moe\.experts\.5\.w3"):
+        load_model(path, torch.float32, "cpu")
+
+
 def test_mistral_with_sliding_window_matches_hf(
     tiny: Path, tmp_path: Path, prompt_ids: list[list[int]]
 ) -> None:
@@ -364,12 +443,13 @@ class _FakeGroup:
         return all_reduce, all_gather
 
 
-@pytest.mark.parametrize(("checkpoint", "tp_size"), [("tiny", 2), ("tiny", 8), ("qwen3", 2)])
+@pytest.mark.parametrize(("checkpoint", "tp_size"), [
+    ("tiny", 2), ("tiny", 8), ("qwen3", 2), ("mixtral", 2), ("qwen3_moe", 4)])
 def test_tensor_parallel_shards_reproduce_single_device_logits(
     request: pytest.FixtureRequest, prompt_ids: list[list[int]], checkpoint: str, tp_size: int
 ) -> None:
     """8 ranks > 4 kv heads: each kv head lives on 2 ranks. Qwen3's q/k norm weights are
-    whole on every rank."""
+    whole on every rank; experts split their intermediate features, one all-reduce a block."""
     tiny = request.getfixturevalue(checkpoint)
     seqs = prompt_ids[:3]
     reference, _ = fastserve_logits(tiny, seqs)
@@ -380,7 +460,7 @@ def test_tensor_parallel_shards_reproduce_single_device_logits(
         model, arch = load_model(tiny, torch.float32, "cpu", tp_rank=rank, tp_size=tp_size)
         all_reduce, all_gather = group.bind(rank)
         for module in model.modules():
-            if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
+            if isinstance(module, (RowParallelLinear, VocabParallelEmbedding, SparseMoeBlock)):
                 module.all_reduce = all_reduce
             if isinstance(module, ParallelLMHead):
                 module.all_gather = all_gather

@@ -17,8 +17,9 @@ from fastserve.llm import LLM
 from fastserve.model.arch import ArchConfig
 from fastserve.model.loader import read_arch_config
 from fastserve.model.lora import LoRAError, make_adapter, read_adapter
+from fastserve.model.make_model import cached_model_path
 from fastserve.request import InvalidRequestError, SamplingParams
-from tests.conftest import TEST_DTYPE
+from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
 from tests.greedy import GreedyReference, assert_same_greedy_tokens
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -141,6 +142,29 @@ def test_adapters_that_cannot_be_served_are_refused_naming_why(
         read_adapter("a", embed, arch, 64)
     with pytest.raises(LoRAError, match="has no adapter_config.json"):
         read_adapter("a", tmp_path, arch, 64)
+
+
+def test_attention_adapters_serve_on_a_mixture_of_experts(tmp_path: Path) -> None:
+    """On Qwen3-MoE, an adapter of the attention gets its merged checkpoint's tokens; one of
+    the MLP projections is refused where the MLP is experts (layers 0-2; layer 3 is dense)."""
+    base = cached_model_path("tiny-qwen3-moe")
+    moe = read_arch_config(base)
+    mlp = make_adapter(moe, tmp_path / "mlp", targets=("down_proj",))
+    with pytest.raises(LoRAError, match="layer 0's MLP is a mixture of experts"):
+        read_adapter("a", mlp, moe, 64)
+    attn = make_adapter(moe, tmp_path / "attn", targets=ATTN, seed=3)
+    merged = merged_checkpoint(base, attn, tmp_path / "merged")
+    llm = LLM(model=str(base), dtype=TEST_DTYPE, warmup=False, lora_modules=[f"attn={attn}"])
+    try:
+        got = [out.token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora="attn")]
+    finally:
+        llm.shutdown()
+    want = _tokens(merged, PROMPTS)
+    assert want != _tokens(base, PROMPTS)  # the adapter changes tokens
+    if IS_EXACT_DTYPE:  # half types flip these random experts' routing (test_llm.py)
+        assert got == want
+    else:
+        assert [len(t) for t in got] == [len(t) for t in want]
 
 
 def test_a_lora_module_without_a_path_is_refused(tiny_model_path: Path) -> None:

@@ -48,6 +48,7 @@ from fastserve.model.layers import ParallelLMHead, RowParallelLinear, VocabParal
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.model.loader import load_model
 from fastserve.model.lora import LoRAWeights
+from fastserve.model.mlp import SparseMoeBlock
 from fastserve.request import TokenLogprobs
 
 
@@ -78,6 +79,7 @@ def check_parallel(arch: ArchConfig, tp_size: int, pp_size: int) -> None:
     for name, value in (
         ("num_attention_heads", arch.num_attention_heads),
         ("intermediate_size", arch.intermediate_size),
+        ("moe_intermediate_size", arch.moe_intermediate_size),
     ):
         if value % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's {name} ({value})")
@@ -149,7 +151,7 @@ def bind_tp_group(model: LlamaForCausalLM, group: dist.ProcessGroup) -> None:
     for m in model.modules():
         if isinstance(m, ParallelLMHead):
             m.all_gather = partial(_all_gather, group=group)
-        elif isinstance(m, (RowParallelLinear, VocabParallelEmbedding)):
+        elif isinstance(m, (RowParallelLinear, VocabParallelEmbedding, SparseMoeBlock)):
             m.all_reduce = partial(_all_reduce, group=group)
 
 

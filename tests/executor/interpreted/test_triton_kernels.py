@@ -475,10 +475,11 @@ def _mixed_step_logits(runners: list[ModelRunner]) -> Iterator[tuple[torch.Tenso
     assert len(out.sampled_token_ids) == 2 and not out.failed
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_runner_with_triton_backend_matches_torch_backend(preset: str) -> None:
-    """The whole model through `ModelRunner` (the tiny preset, and as a Qwen3: its q/k norms
-    before the rotation the decode launch does; float32): chunked and whole prefills, then
+    """The whole model through `ModelRunner` (the tiny preset, as a Qwen3: its q/k norms
+    before the rotation the decode launch does, and as a Qwen3-MoE: experts beside the fused
+    kernels; float32): chunked and whole prefills, then
     decodes mixed with a chunk, then decodes only; the Triton backend's logits are the
     portable backend's, and `execute` samples one token per request."""
     cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)

@@ -1,0 +1,101 @@
+"""The feed-forward half of a decoder layer: a dense SwiGLU MLP, or a sparse mixture of them.
+
+`SparseMoeBlock` is Mixtral's and Qwen3-MoE's: a router (a linear layer, whole on every
+tensor-parallel rank) scores each token against every expert; the token runs its `top_k`
+most probable experts (a softmax over the router's logits) and sums their outputs weighted by
+those probabilities, renormalised over the top_k when the config says so, as transformers
+computes it.
+
+Tensor parallelism splits every expert's intermediate features across the ranks, as it
+splits the dense MLP's: each rank computes its partial sums of the routed experts and one
+all-reduce adds them up. The experts are run grouped: each expert's tokens are gathered and
+go through it in one call, and an expert no token chose costs nothing.
+
+NOTE: the grouping reads each expert's token count on the host, so the block cannot be
+captured in a CUDA graph: the runner runs the decode steps of a model with experts eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fastserve.model.arch import ArchConfig
+from fastserve.model.layers import (
+    AllReduce,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    SiluAndMul,
+    default_all_reduce,
+)
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up as one fused projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int,
+                 reduce_results: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, tp_rank=tp_rank, tp_size=tp_size,
+            reduce_results=reduce_results,
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: Tensor) -> Tensor:
+        # [num_tokens, hidden] -> [num_tokens, 2 * intermediate_local] -> [num_tokens, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Parameters as transformers names them once de-fused: `gate` (the router, [experts,
+    hidden]) and `experts.{i}` (each a `LlamaMLP`; the loader maps Mixtral's w1/w3/w2 and
+    fused expert tensors to their gate_proj/up_proj/down_proj)."""
+
+    def __init__(self, arch: ArchConfig, tp_rank: int, tp_size: int,
+                 all_reduce: AllReduce = default_all_reduce) -> None:
+        super().__init__()
+        self.num_experts = arch.num_experts
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.tp_size = tp_size
+        self.all_reduce = all_reduce  # rebound to a stage's group like RowParallelLinear's
+        self.gate = ColumnParallelLinear(arch.hidden_size, arch.num_experts)  # replicated
+        self.experts = nn.ModuleList(
+            LlamaMLP(arch.hidden_size, arch.moe_intermediate_size, tp_rank, tp_size,
+                     reduce_results=False)
+            for _ in range(arch.num_experts)
+        )
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, expert ids
+        [num_tokens, top_k]): the chosen experts, most probable first."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [num_tokens, experts]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, experts = self.route(x)
+        # Every (token, choice) pair ordered by expert: each expert's rows are one slice.
+        flat = experts.flatten()  # [num_tokens * top_k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # a host sync
+        rows = order // self.top_k  # the token of each pair, in expert order
+        scale = weights.flatten()[order].to(x.dtype).unsqueeze(1)  # [pairs, 1]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                end = start + count
+                tokens = rows[start:end]
+                out.index_add_(0, tokens, expert(x[tokens]) * scale[start:end])
+                start = end
+        if self.tp_size > 1:
+            self.all_reduce(out)
+        return out

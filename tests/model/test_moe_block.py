@@ -1,0 +1,71 @@
+"""The sparse MoE block (`fastserve.model.mlp.SparseMoeBlock`) on its own: the grouped experts
+against the per-token sum they stand for, and in bfloat16 with the CPU backend's packed
+weights against float32 (the whole model's logits are compared with transformers in
+test_llama_vs_hf.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastserve.executor.cpu_linear import pack_weights
+from fastserve.model.loader import load_model
+from fastserve.model.make_model import cached_model_path
+from fastserve.model.mlp import SparseMoeBlock
+
+
+@pytest.fixture(scope="module", params=["tiny-mixtral", "tiny-qwen3-moe"])
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    return cached_model_path(request.param)
+
+
+def _block(path: Path, dtype: torch.dtype, packed: bool = False) -> SparseMoeBlock:
+    model, _ = load_model(path, dtype, "cpu")
+    if packed:
+        pack_weights(model)
+    block = model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    return block
+
+
+def _per_token(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """Each token alone: its top-k experts' outputs, weighted by their (renormalised)
+    probabilities."""
+    out = []
+    for row in x:
+        probs = torch.softmax(block.gate(row[None]).float(), dim=-1)[0]
+        weights, experts = probs.topk(block.top_k)
+        if block.norm_topk_prob:
+            weights = weights / weights.sum()
+        out.append(sum(w * block.experts[int(e)](row[None])[0] for w, e in zip(weights, experts)))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
+def test_grouped_experts_equal_each_tokens_own_sum(checkpoint: Path, num_tokens: int) -> None:
+    """One token leaves most experts idle; 40 give every expert several rows."""
+    block = _block(checkpoint, torch.float32)
+    x = torch.randn(num_tokens, block.gate.input_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), _per_token(block, x), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_block_with_packed_weights_tracks_float32(checkpoint: Path) -> None:
+    """Every row routed as in float32 is as close as bfloat16 allows; a row routed otherwise
+    had a near-tie between the last expert chosen and the next."""
+    exact, half = _block(checkpoint, torch.float32), _block(checkpoint, torch.bfloat16, packed=True)
+    assert half.experts[0].gate_up_proj.packed is not None  # the CPU backend's layout
+    x = torch.randn(48, exact.gate.input_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want, got = exact(x), half(x.bfloat16()).float()
+        probs = torch.softmax(exact.gate(x), dim=-1).sort(dim=-1, descending=True).values
+        chosen_exact = exact.route(x)[1].sort(dim=-1).values
+        chosen_half = half.route(x.bfloat16())[1].sort(dim=-1).values
+    same = (chosen_exact == chosen_half).all(dim=-1)
+    assert same.sum() >= 40, f"only {int(same.sum())} of 48 rows routed as in float32"
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err[same].max() < 0.03, err[same].max()
+    gap = probs[:, exact.top_k - 1] - probs[:, exact.top_k]  # last chosen over first left out
+    assert (gap[~same] < 0.05).all(), gap[~same]
