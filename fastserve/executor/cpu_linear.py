@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from fastserve.executor.cpu_kernels import cpu_isa, cpu_kernels_enabled, decode_attention_kernel
 from fastserve.executor.cpu_memory import huge_page_views
 from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
+from fastserve.model.mlp import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ AMX_LAYOUT = "amx-bf16-kernel"  # the same layout, read by AMX tiles
 KERNEL_MAX_ROWS = 2048
 # With AMX: the tiles up to here (where oneDNN's and F.linear's blocking overtakes theirs).
 AMX_MAX_ROWS = 768
+AMX_TILE_ROWS = 16  # the tiles take x by 16 rows: the kernel pads a call to a multiple of 16
 
 # Up to this many rows a float32 packed weight wins (decode batches); prefills use the plain one.
 F32_PACKED_MAX_ROWS = 64
@@ -139,7 +141,8 @@ def packed_weight(weight: Tensor, max_rows: int | None = None,
     if found is not None:
         kernel, (matmul, kernel_rows) = found
         packed = kernel.bf16_pack_weight(weight.detach(), out)
-        return PackedWeight(packed, matmul, min(max_rows or kernel_rows, kernel_rows))
+        return PackedWeight(packed, matmul, min(max_rows or kernel_rows, kernel_rows),
+                            row_multiple=AMX_TILE_ROWS if _has_amx(kernel) else 1)
     if layout == "plain":
         return None
     rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize
@@ -176,3 +179,31 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
             m.packed = None
         return "plain"
     return layout
+
+
+def grouped_experts(block: SparseMoeBlock) -> Callable[[Tensor, list[int]], Tensor | None] | None:
+    """Where every expert's weights of `block` are packed for the AMX tiles: its experts over
+    their groups of rows in three calls (`bf16_grouped_linear_amx` for gate/up, SiLU-and-mul,
+    the same for down) instead of three per expert; None elsewhere.
+
+    The grouped kernel computes each row as the expert's own matmul does, so the outputs are
+    those of the per-expert calls. Groups past AMX_MAX_ROWS (prefills) take those calls."""
+    kernel = _bf16_kernel()
+    if kernel is None or not _has_amx(kernel):
+        return None
+    mlps = [block.mlp(i) for i in range(block.num_experts)]
+    projections = [(e.gate_up_proj, e.down_proj) for e in mlps]
+    if any(p.packed is None or p.packed.row_multiple != AMX_TILE_ROWS
+           for pair in projections for p in pair):
+        return None
+    gate_up = [g.packed.weight for g, _ in projections]  # type: ignore[union-attr]
+    down = [d.packed.weight for _, d in projections]  # type: ignore[union-attr]
+    width, hidden = mlps[0].gate_up_proj.output_size, mlps[0].down_proj.output_size
+    act = mlps[0].act_fn  # the backend's fused SiLU-and-mul where it has one
+
+    def run(rows: Tensor, sizes: list[int]) -> Tensor | None:
+        if max(sizes) > AMX_MAX_ROWS:
+            return None
+        h = act(kernel.bf16_grouped_linear_amx(rows, gate_up, sizes, width))
+        return kernel.bf16_grouped_linear_amx(h, down, sizes, hidden)
+    return run

@@ -232,6 +232,10 @@ PRESETS: dict[str, Preset] = {
                              architecture="qwen3-moe", head_dim=64, num_experts=16,
                              num_experts_per_tok=4, moe_intermediate_size=128,
                              mlp_only_layers=(3,)),
+    # small's attention and vocabulary with 8 experts of 1024 a layer, 2 per token: ~280M
+    # params, ~110M of them active per token (the dense small's 125M): for CPU benchmarks.
+    "small-mixtral": Preset(12, 768, 1024, 12, 12, True, 32_000, "bfloat16", 40_000, 30_000,
+                            architecture="mixtral", num_experts=8, num_experts_per_tok=2),
     # Mixtral-8x7B: 32 layers, 4096 hidden, 8 experts of 14336 (2 per token), 32 query heads
     # over 8 kv heads, vocab 32000, rope theta 1e6: 46.7B params (12.9B active).
     "mixtral-8x7b": Preset(32, 4096, 14336, 32, 8, False, 32_000, "bfloat16", 40_000, 30_000,

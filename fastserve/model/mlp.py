@@ -8,14 +8,17 @@ computes it.
 
 Tensor parallelism splits every expert's intermediate features across the ranks, as it
 splits the dense MLP's: each rank computes its partial sums of the routed experts and one
-all-reduce adds them up. The experts are run grouped: each expert's tokens are gathered and
-go through it in one call, and an expert no token chose costs nothing.
+all-reduce adds them up. The experts are run grouped: the tokens are gathered once in expert
+order, each expert takes its slice in one call, and an expert no token chose costs nothing.
 
 NOTE: the grouping reads each expert's token count on the host, so the block cannot be
 captured in a CUDA graph: the runner runs the decode steps of a model with experts eagerly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +73,13 @@ class SparseMoeBlock(nn.Module):
                      reduce_results=False)
             for _ in range(arch.num_experts)
         )
+        # Set by a device backend (`PagedAttention.prepare_model`): every expert's MLP over its
+        # group of rows in a few calls, (rows, group sizes) -> outputs, or None where it does not
+        # take these groups (then each expert runs its own).
+        self.grouped: Callable[[Tensor, list[int]], Tensor | None] | None = None
+
+    def mlp(self, expert: int) -> LlamaMLP:
+        return cast(LlamaMLP, self.experts[expert])
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, expert ids
@@ -81,21 +91,54 @@ class SparseMoeBlock(nn.Module):
         return weights, experts
 
     def forward(self, x: Tensor) -> Tensor:
+        num_tokens, hidden = x.shape
         weights, experts = self.route(x)
         # Every (token, choice) pair ordered by expert: each expert's rows are one slice.
         flat = experts.flatten()  # [num_tokens * top_k]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # a host sync
-        rows = order // self.top_k  # the token of each pair, in expert order
-        scale = weights.flatten()[order].to(x.dtype).unsqueeze(1)  # [pairs, 1]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                end = start + count
-                tokens = rows[start:end]
-                out.index_add_(0, tokens, expert(x[tokens]) * scale[start:end])
-                start = end
+        tokens = order // self.top_k  # the token of each pair, in expert order
+        sizes, valid = self._group_sizes(counts, flat[order])
+        if valid is None:
+            rows = x[tokens]  # [pairs, hidden], gathered once
+        else:  # each group padded with copies of token 0, whose outputs are dropped
+            src = torch.zeros(sum(sizes), dtype=tokens.dtype, device=x.device)
+            src[valid] = tokens
+            rows = x[src]
+        ys = self.grouped(rows, sizes) if self.grouped is not None else None
+        if ys is None:
+            outs = []
+            start = 0
+            for expert, size in zip(self.experts, sizes):
+                if size:
+                    outs.append(expert(rows[start : start + size]))
+                    start += size
+            ys = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if valid is not None:
+            ys = ys[valid]
+        ys = ys * weights.flatten()[order].to(x.dtype).unsqueeze(1)
+        # Back to (token, choice) order, then each token's choices summed.
+        pairs = torch.empty_like(ys)
+        pairs[order] = ys
+        out = pairs.view(num_tokens, self.top_k, hidden).sum(dim=1)
         if self.tp_size > 1:
             self.all_reduce(out)
         return out
+
+    def _group_sizes(self, counts: list[int], sorted_experts: Tensor
+                     ) -> tuple[list[int], Tensor | None]:
+        """The rows each expert runs, and where the real ones sit among them (None: all are).
+
+        A packed matmul that pads its rows to a multiple (AMX tiles: 16) would copy every
+        group; rounding the groups up as they are gathered saves those copies."""
+        packed = self.mlp(0).gate_up_proj.packed
+        if packed is None or packed.row_multiple == 1 or max(counts) > packed.max_rows:
+            return counts, None
+        multiple = packed.row_multiple
+        sizes = [-(-c // multiple) * multiple for c in counts]
+        shifts, shift = [], 0
+        for size, count in zip(sizes, counts):
+            shifts.append(shift)
+            shift += size - count
+        shift_of = torch.tensor(shifts, device=sorted_experts.device)[sorted_experts]
+        return sizes, torch.arange(len(sorted_experts), device=sorted_experts.device) + shift_of

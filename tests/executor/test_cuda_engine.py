@@ -91,3 +91,24 @@ def test_bfloat16_logprobs_close_to_hf(tiny_model_path: Path) -> None:
     assert len(diffs) >= len(prompts) * n // 2
     assert max(diffs) < 0.5 and statistics.median(diffs) < 0.1, (max(diffs),
                                                                   statistics.median(diffs))
+
+
+def test_mixture_of_experts_decodes_eagerly_with_hf_tokens() -> None:
+    """A Mixtral on CUDA: the Triton backend beside the grouped experts, decode steps run
+    eagerly (the grouping reads token counts on the host, so no graphs are captured), greedy
+    tokens identical to HF's in float32."""
+    from fastserve.model.make_model import cached_model_path
+
+    llm = LLM(model=str(cached_model_path("tiny-mixtral")), dtype="float32", device="cuda",
+              max_batch_size=16, block_size=4, num_device_blocks=1200, warmup=False,
+              startup_profile=False, policy="fcfs")
+    engine = llm.engine
+    assert isinstance(engine.runner, ModelRunner)
+    assert engine.runner.attn.name == "triton" and engine.runner.graphs is None
+    prompts = _prompts(engine.arch.vocab_size)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    hf = _hf(engine.model_path, torch.float32)
+    for prompt, out in zip(prompts, outs):
+        tokens, _ = _hf_greedy(hf, prompt, 24)
+        assert out.token_ids == tokens, (len(prompt), out.token_ids, tokens)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastserve.executor.cpu_linear import pack_weights
+from fastserve.executor.cpu_kernels import decode_attention_kernel
+from fastserve.executor.cpu_linear import grouped_experts, pack_weights, weight_layout
+from fastserve.model.layers import PackedWeight
 from fastserve.model.loader import load_model
 from fastserve.model.make_model import cached_model_path
 from fastserve.model.mlp import SparseMoeBlock
@@ -52,11 +54,36 @@ def test_grouped_experts_equal_each_tokens_own_sum(checkpoint: Path, num_tokens:
         torch.testing.assert_close(block(x), _per_token(block, x), rtol=1e-5, atol=1e-5)
 
 
+def test_groups_rounded_up_for_a_padding_matmul_give_the_same_sums(checkpoint: Path) -> None:
+    """Where the packed matmul pads rows to a multiple (AMX tiles: 16), the block gathers each
+    expert's group padded so; the padding rows' outputs are dropped. Built here on every CPU
+    with a matmul that asserts it gets whole multiples."""
+    block = _block(checkpoint, torch.float32)
+    x = torch.randn(24, block.gate.input_size, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = block(x)
+        calls: list[int] = []
+
+        def linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+            calls.append(rows.shape[0])
+            return torch.nn.functional.linear(rows, weight, bias)
+
+        for expert in block.experts:
+            for proj in (expert.gate_up_proj, expert.down_proj):
+                proj.packed = PackedWeight(proj.weight, linear, max_rows=64, row_multiple=8)
+        got = block(x)
+    assert calls and all(n % 8 == 0 for n in calls), calls
+    assert sum(calls) > 2 * 24 * block.top_k  # some groups were padded
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # MKL blocks by row count
+
+
 def test_bfloat16_block_with_packed_weights_tracks_float32(checkpoint: Path) -> None:
     """Every row routed as in float32 is as close as bfloat16 allows; a row routed otherwise
     had a near-tie between the last expert chosen and the next."""
     exact, half = _block(checkpoint, torch.float32), _block(checkpoint, torch.bfloat16, packed=True)
-    assert half.experts[0].gate_up_proj.packed is not None  # the CPU backend's layout
+    if weight_layout(torch.bfloat16, torch.device("cpu")) != "plain":  # the CPU backend's layout
+        assert half.experts[0].gate_up_proj.packed is not None
     x = torch.randn(48, exact.gate.input_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want, got = exact(x), half(x.bfloat16()).float()
@@ -69,3 +96,32 @@ def test_bfloat16_block_with_packed_weights_tracks_float32(checkpoint: Path) -> 
     assert err[same].max() < 0.03, err[same].max()
     gap = probs[:, exact.top_k - 1] - probs[:, exact.top_k]  # last chosen over first left out
     assert (gap[~same] < 0.05).all(), gap[~same]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_grouped_amx_experts_equal_the_per_expert_calls(num_tokens: int) -> None:
+    """On a CPU with AMX the CPU backend runs a layer's experts as two grouped matmuls
+    (`cpu_linear.grouped_experts`): every row as the expert's own packed matmul computes it."""
+    block = _block(cached_model_path("tiny-qwen3-moe"), torch.bfloat16, packed=True)
+    grouped = grouped_experts(block)
+    if grouped is None:
+        pytest.skip("the grouped experts need the kernels' AMX path (this CPU or build lacks it)")
+    x = torch.randn(num_tokens, block.gate.input_size,
+                    generator=torch.Generator().manual_seed(3)).bfloat16()
+    calls: list[list[int]] = []
+
+    def counted(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        calls.append(sizes)
+        return grouped(rows, sizes)
+
+    with torch.inference_mode():
+        want = block(x)
+        block.grouped = counted
+        got = block(x)
+    assert calls and all(s % 16 == 0 for s in calls[0])
+    assert torch.equal(got, want)
+    kernel = decode_attention_kernel()
+    rows = torch.zeros(24, block.gate.input_size, dtype=torch.bfloat16)
+    weights = [e.gate_up_proj.packed.weight for e in block.experts[:2]]
+    with pytest.raises(RuntimeError, match="group 1 has 8 rows, not a multiple of 16"):
+        kernel.bf16_grouped_linear_amx(rows, weights, [16, 8], 256)

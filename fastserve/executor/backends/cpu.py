@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
-from fastserve.executor.cpu_linear import pack_weights
+from fastserve.executor.cpu_linear import grouped_experts, pack_weights
 from fastserve.executor.cpu_memory import huge_page_zeros
 from fastserve.model.layers import ApplyRotary, FusedNorm, RMSNorm, SiluAndMul
+from fastserve.model.mlp import SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,11 @@ class CpuAttention(PagedAttention):
         for m in model.modules():
             if type(m) in fused:
                 m.fused = fused[type(m)]  # type: ignore[assignment]
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        for block in blocks:
+            block.grouped = grouped_experts(block)
+        if blocks and all(b.grouped is not None for b in blocks):
+            fused[SparseMoeBlock] = grouped_experts  # (named in `fused_layers`)
         self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
                       "weights": weights,
                       "fused_layers": ",".join(sorted(c.__name__ for c in fused)) or "none",

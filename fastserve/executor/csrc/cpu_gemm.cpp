@@ -377,5 +377,68 @@ torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
   });
   return c.y.view(c.out_shape);
 }
+
+// A mixture of experts' projections in one call: x's rows come in groups, one per expert (each
+// a multiple of 16 rows, the tiles' height: the caller pads them), and group e is multiplied by
+// expert e's weight packed[e] (every one [n, k], packed by bf16_pack_weight). y [rows, n].
+// Why: an expert's group is a few rows at decode, and one call per expert left the threads idle
+// between calls and the memory between weights; here the threads split every (expert, block)
+// task of the layer, reading each expert's blocks as bf16_linear_amx does (a row's result is
+// the same as there).
+torch::Tensor bf16_grouped_linear_amx(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                      std::vector<int64_t> sizes, int64_t n) {
+  TORCH_CHECK(amx_ready(), "bf16_grouped_linear_amx: Linux refused this process the AMX tile state");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
+                  x.size(1) % 32 == 0,
+              "bf16_grouped_linear_amx: a contiguous [rows, K] bfloat16 input with K a multiple "
+              "of 32 expected, got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK(packed.size() == sizes.size(), "bf16_grouped_linear_amx: ", packed.size(),
+              " weights for ", sizes.size(), " groups");
+  const int64_t k2 = x.size(1) / 2;
+  int64_t rows = 0, blocks = -1;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    TORCH_CHECK(sizes[e] >= 0 && sizes[e] % kTileRows == 0, "bf16_grouped_linear_amx: group ",
+                e, " has ", sizes[e], " rows, not a multiple of ", kTileRows);
+    const auto& w = packed[e];
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
+                    w.size(1) == k2 && w.size(2) == kBlockN && n > 0 && n <= w.size(0) * kBlockN &&
+                    (blocks < 0 || w.size(0) == blocks),
+                "bf16_grouped_linear_amx: weight ", e, " packed as ", w.sizes(),
+                " does not fit input ", x.sizes(), " and ", n, " outputs");
+    blocks = w.size(0);
+    rows += sizes[e];
+  }
+  TORCH_CHECK(rows == x.size(0), "bf16_grouped_linear_amx: groups of ", rows, " rows for ",
+              x.size(0));
+  auto y = torch::empty({rows, n}, x.options());
+  std::vector<Gemm> groups;
+  std::vector<int64_t> group_rows;
+  int64_t r0 = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    if (sizes[e] > 0) {
+      groups.push_back(Gemm{reinterpret_cast<const uint32_t*>(x.data_ptr()) + r0 * k2, k2,
+                            reinterpret_cast<const uint16_t*>(packed[e].data_ptr()), k2, nullptr,
+                            reinterpret_cast<uint16_t*>(y.data_ptr()) + r0 * n, n, n});
+      group_rows.push_back(sizes[e]);
+    }
+    r0 += sizes[e];
+  }
+  if (groups.empty()) return y;
+  const int64_t tasks = static_cast<int64_t>(groups.size()) * blocks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();  // NOTE: per thread, as in bf16_linear_amx
+    alignas(64) float sums[4 * kTileRows * 16];
+    for (int64_t task = begin; task < end; ++task) {
+      const Gemm& g = groups[task / blocks];
+      const int64_t nb = task % blocks, m = group_rows[task / blocks];
+      const int64_t row_tiles = m / kTileRows;
+      int64_t t = 0;
+      for (; t + 2 <= row_tiles; t += 2) amx_pair(g, nb, t * kTileRows, m, t == 0, sums);
+      if (t < row_tiles) amx_tile(g, nb, t * kTileRows, m, t == 0, sums);
+    }
+    _tile_release();
+  });
+  return y;
+}
 #endif  // FS_HAVE_AMX_BF16
 #endif  // FS_HAVE_AVX512_BF16

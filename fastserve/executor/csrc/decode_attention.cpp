@@ -779,6 +779,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
 bool amx_ready();
 torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
                               c10::optional<torch::Tensor> bias, int64_t n);
+torch::Tensor bf16_grouped_linear_amx(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                      std::vector<int64_t> sizes, int64_t n);
 #endif
 
 // cpu_sampling.cpp
@@ -810,6 +812,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef FS_HAVE_AMX_BF16
   m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (Linux grants them once asked)");
   m.def("bf16_linear_amx", &bf16_linear_amx, "bf16_linear on AMX tiles (K a multiple of 32)");
+  m.def("bf16_grouped_linear_amx", &bf16_grouped_linear_amx,
+        "bf16_linear_amx of row groups (multiples of 16), each by its own packed weight");
 #endif
   m.def("nucleus_mass", &nucleus_mass,
         "per row, the probability of the tokens ranked before its drawn token (top-p's test)");
