@@ -182,28 +182,31 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
 
 
 def grouped_experts(block: SparseMoeBlock) -> Callable[[Tensor, list[int]], Tensor | None] | None:
-    """Where every expert's weights of `block` are packed for the AMX tiles: its experts over
-    their groups of rows in three calls (`bf16_grouped_linear_amx` for gate/up, SiLU-and-mul,
-    the same for down) instead of three per expert; None elsewhere.
+    """Where every expert's weights of `block` are packed in the kernel's layout: its experts
+    over their groups of rows in three calls (a grouped matmul for gate/up, SiLU-and-mul, the
+    same for down: `bf16_grouped_linear`, on AMX tiles `bf16_grouped_linear_amx`) instead of
+    three per expert; None elsewhere.
 
-    The grouped kernel computes each row as the expert's own matmul does, so the outputs are
-    those of the per-expert calls. Groups past AMX_MAX_ROWS (prefills) take those calls."""
+    The grouped kernels compute each row as the expert's own matmul does, so the outputs are
+    those of the per-expert calls. Groups past the kernel's rows (prefills) take those calls."""
     kernel = _bf16_kernel()
-    if kernel is None or not _has_amx(kernel):
+    if kernel is None:
         return None
+    amx = _has_amx(kernel)
     mlps = [block.mlp(i) for i in range(block.num_experts)]
-    projections = [(e.gate_up_proj, e.down_proj) for e in mlps]
-    if any(p.packed is None or p.packed.row_multiple != AMX_TILE_ROWS
-           for pair in projections for p in pair):
+    projections = [p for e in mlps for p in (e.gate_up_proj, e.down_proj)]
+    if any(p.packed is None or _kernel_for(p.weight) is None or p.weight.shape[1] % 2
+           for p in projections):
         return None
-    gate_up = [g.packed.weight for g, _ in projections]  # type: ignore[union-attr]
-    down = [d.packed.weight for _, d in projections]  # type: ignore[union-attr]
+    gate_up = [e.gate_up_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
+    down = [e.down_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     width, hidden = mlps[0].gate_up_proj.output_size, mlps[0].down_proj.output_size
     act = mlps[0].act_fn  # the backend's fused SiLU-and-mul where it has one
+    matmul = kernel.bf16_grouped_linear_amx if amx else kernel.bf16_grouped_linear
+    max_rows = min(p.packed.max_rows for p in projections)  # type: ignore[union-attr]
 
     def run(rows: Tensor, sizes: list[int]) -> Tensor | None:
-        if max(sizes) > AMX_MAX_ROWS:
+        if max(sizes) > max_rows:
             return None
-        h = act(kernel.bf16_grouped_linear_amx(rows, gate_up, sizes, width))
-        return kernel.bf16_grouped_linear_amx(h, down, sizes, hidden)
+        return matmul(act(matmul(rows, gate_up, sizes, width)), down, sizes, hidden)
     return run

@@ -99,13 +99,16 @@ def test_bfloat16_block_with_packed_weights_tracks_float32(checkpoint: Path) -> 
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
-def test_grouped_amx_experts_equal_the_per_expert_calls(num_tokens: int) -> None:
-    """On a CPU with AMX the CPU backend runs a layer's experts as two grouped matmuls
-    (`cpu_linear.grouped_experts`): every row as the expert's own packed matmul computes it."""
+def test_grouped_experts_equal_the_per_expert_calls(num_tokens: int) -> None:
+    """Where the kernels' bfloat16 matmul runs the experts, the CPU backend runs a layer's
+    experts as two grouped matmuls (`cpu_linear.grouped_experts`; on AMX each group padded to
+    the tiles' 16 rows): every row as the expert's own packed matmul computes it."""
     block = _block(cached_model_path("tiny-qwen3-moe"), torch.bfloat16, packed=True)
     grouped = grouped_experts(block)
     if grouped is None:
-        pytest.skip("the grouped experts need the kernels' AMX path (this CPU or build lacks it)")
+        pytest.skip("the grouped experts need the kernels' AVX-512 BF16 matmul (this CPU or "
+                    "build lacks it)")
+    multiple = block.mlp(0).gate_up_proj.packed.row_multiple  # type: ignore[union-attr]
     x = torch.randn(num_tokens, block.gate.input_size,
                     generator=torch.Generator().manual_seed(3)).bfloat16()
     calls: list[list[int]] = []
@@ -118,10 +121,32 @@ def test_grouped_amx_experts_equal_the_per_expert_calls(num_tokens: int) -> None
         want = block(x)
         block.grouped = counted
         got = block(x)
-    assert calls and all(s % 16 == 0 for s in calls[0])
+    assert calls and all(s % multiple == 0 for s in calls[0])
     assert torch.equal(got, want)
+
+
+def test_grouped_kernels_match_one_call_per_group() -> None:
+    """The grouped kernels against the single-weight ones, group by group (zero-row groups,
+    an odd count on the AVX-512 path), and their errors naming what does not fit."""
     kernel = decode_attention_kernel()
-    rows = torch.zeros(24, block.gate.input_size, dtype=torch.bfloat16)
-    weights = [e.gate_up_proj.packed.weight for e in block.experts[:2]]
-    with pytest.raises(RuntimeError, match="group 1 has 8 rows, not a multiple of 16"):
-        kernel.bf16_grouped_linear_amx(rows, weights, [16, 8], 256)
+    if kernel is None or not hasattr(kernel, "bf16_grouped_linear"):
+        pytest.skip("the kernels' bfloat16 matmul needs AVX-512 BF16")
+    g = torch.Generator().manual_seed(4)
+    weights = [torch.randn(96, 64, generator=g).bfloat16() for _ in range(3)]
+    packed = [kernel.bf16_pack_weight(w) for w in weights]
+    paths = [(kernel.bf16_grouped_linear, kernel.bf16_linear, [5, 0, 50])]
+    if hasattr(kernel, "bf16_grouped_linear_amx") and kernel.amx_ready():
+        paths.append((kernel.bf16_grouped_linear_amx, kernel.bf16_linear_amx, [16, 0, 48]))
+    for grouped, single, sizes in paths:
+        x = torch.randn(sum(sizes), 64, generator=g).bfloat16()
+        want = torch.cat([single(part, p, None, 96)
+                          for part, p in zip(x.split(sizes), packed)])
+        assert torch.equal(grouped(x, packed, sizes, 96), want), grouped.__name__
+    with pytest.raises(RuntimeError, match="groups of 55 rows for 56"):
+        kernel.bf16_grouped_linear(torch.zeros(56, 64).bfloat16(), packed, [5, 0, 50], 96)
+    with pytest.raises(RuntimeError, match="weight 1 packed as .* does not fit"):
+        kernel.bf16_grouped_linear(torch.zeros(8, 64).bfloat16(),
+                                   [packed[0], kernel.bf16_pack_weight(weights[1][:, :32])], [4, 4], 96)
+    if len(paths) > 1:
+        with pytest.raises(RuntimeError, match="group 1 has 8 rows, not a multiple of 16"):
+            kernel.bf16_grouped_linear_amx(torch.zeros(24, 64).bfloat16(), packed[:2], [16, 8], 96)

@@ -191,6 +191,53 @@ Call prepare(const char* fn, torch::Tensor x, torch::Tensor packed,
   return c;
 }
 
+// A grouped call's operands: x's rows in groups, group e multiplied by packed[e] (every one
+// an [n, k] weight packed by bf16_pack_weight), each group a multiple of `row_multiple` rows.
+struct Groups {
+  std::vector<Gemm> gemms;   // one per non-empty group, its rows of x and of y
+  std::vector<int64_t> rows;  // the group's row count
+  int64_t blocks = 0;
+  torch::Tensor y;
+};
+
+Groups prepare_groups(const char* fn, const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
+                      const std::vector<int64_t>& sizes, int64_t n, int64_t row_multiple) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
+                  x.size(1) % 2 == 0,
+              fn, ": a contiguous [rows, K] bfloat16 input with an even K expected, got ",
+              x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK(packed.size() == sizes.size(), fn, ": ", packed.size(), " weights for ",
+              sizes.size(), " groups");
+  const int64_t k2 = x.size(1) / 2;
+  Groups gs;
+  int64_t total = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    TORCH_CHECK(sizes[e] >= 0 && sizes[e] % row_multiple == 0, fn, ": group ", e, " has ",
+                sizes[e], " rows, not a multiple of ", row_multiple);
+    const auto& w = packed[e];
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
+                    w.size(1) == k2 && w.size(2) == kBlockN && n > 0 && n <= w.size(0) * kBlockN &&
+                    (e == 0 || w.size(0) == gs.blocks),
+                fn, ": weight ", e, " packed as ", w.sizes(), " does not fit input ", x.sizes(),
+                " and ", n, " outputs");
+    gs.blocks = w.size(0);
+    total += sizes[e];
+  }
+  TORCH_CHECK(total == x.size(0), fn, ": groups of ", total, " rows for ", x.size(0));
+  gs.y = torch::empty({total, n}, x.options());
+  int64_t r0 = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    if (sizes[e] > 0) {
+      gs.gemms.push_back(Gemm{reinterpret_cast<const uint32_t*>(x.data_ptr()) + r0 * k2, k2,
+                              reinterpret_cast<const uint16_t*>(packed[e].data_ptr()), k2, nullptr,
+                              reinterpret_cast<uint16_t*>(gs.y.data_ptr()) + r0 * n, n, n});
+      gs.rows.push_back(sizes[e]);
+    }
+    r0 += sizes[e];
+  }
+  return gs;
+}
+
 }  // namespace
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
@@ -210,6 +257,29 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
     }
   });
   return c.y.view(c.out_shape);
+}
+
+// A mixture of experts' projections in one call (any group sizes): group e of x's rows times
+// expert e's weight, each (group, panel, block) task as bf16_linear runs it, so a row's result
+// is the same as there. Why: an expert's group is a few rows at decode, and one call per expert
+// left the threads idle between calls and the memory between weights.
+torch::Tensor bf16_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                  std::vector<int64_t> sizes, int64_t n) {
+  const Groups gs = prepare_groups("bf16_grouped_linear", x, packed, sizes, n, 1);
+  const int64_t blocks = gs.blocks, groups = static_cast<int64_t>(gs.gemms.size());
+  std::vector<int64_t> first(groups + 1, 0);  // each group's first task
+  for (int64_t e = 0; e < groups; ++e)
+    first[e + 1] = first[e] + (gs.rows[e] + kPanelRows - 1) / kPanelRows * blocks;
+  at::parallel_for(0, first[groups], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t e = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const int64_t m = gs.rows[e], panels = (m + kPanelRows - 1) / kPanelRows;
+      const int64_t nb = (t - first[e]) / panels, p = (t - first[e]) % panels;
+      panel(gs.gemms[e], p * kPanelRows, std::min(m, (p + 1) * kPanelRows), nb,
+            p + 1 == panels && t + 1 < end && nb + 1 < blocks);
+    }
+  });
+  return gs.y;
 }
 
 #ifdef FS_HAVE_AMX_BF16
@@ -378,59 +448,23 @@ torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
   return c.y.view(c.out_shape);
 }
 
-// A mixture of experts' projections in one call: x's rows come in groups, one per expert (each
-// a multiple of 16 rows, the tiles' height: the caller pads them), and group e is multiplied by
-// expert e's weight packed[e] (every one [n, k], packed by bf16_pack_weight). y [rows, n].
-// Why: an expert's group is a few rows at decode, and one call per expert left the threads idle
-// between calls and the memory between weights; here the threads split every (expert, block)
-// task of the layer, reading each expert's blocks as bf16_linear_amx does (a row's result is
-// the same as there).
+// bf16_grouped_linear on AMX tiles: each group a multiple of 16 rows (the tiles' height: the
+// caller pads them) and K a multiple of 32; the threads split every (expert, block) task of the
+// layer, reading each expert's blocks as bf16_linear_amx does (a row's result is the same).
 torch::Tensor bf16_grouped_linear_amx(torch::Tensor x, std::vector<torch::Tensor> packed,
                                       std::vector<int64_t> sizes, int64_t n) {
   TORCH_CHECK(amx_ready(), "bf16_grouped_linear_amx: Linux refused this process the AMX tile state");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
-                  x.size(1) % 32 == 0,
-              "bf16_grouped_linear_amx: a contiguous [rows, K] bfloat16 input with K a multiple "
-              "of 32 expected, got ", x.scalar_type(), " of shape ", x.sizes());
-  TORCH_CHECK(packed.size() == sizes.size(), "bf16_grouped_linear_amx: ", packed.size(),
-              " weights for ", sizes.size(), " groups");
-  const int64_t k2 = x.size(1) / 2;
-  int64_t rows = 0, blocks = -1;
-  for (size_t e = 0; e < sizes.size(); ++e) {
-    TORCH_CHECK(sizes[e] >= 0 && sizes[e] % kTileRows == 0, "bf16_grouped_linear_amx: group ",
-                e, " has ", sizes[e], " rows, not a multiple of ", kTileRows);
-    const auto& w = packed[e];
-    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
-                    w.size(1) == k2 && w.size(2) == kBlockN && n > 0 && n <= w.size(0) * kBlockN &&
-                    (blocks < 0 || w.size(0) == blocks),
-                "bf16_grouped_linear_amx: weight ", e, " packed as ", w.sizes(),
-                " does not fit input ", x.sizes(), " and ", n, " outputs");
-    blocks = w.size(0);
-    rows += sizes[e];
-  }
-  TORCH_CHECK(rows == x.size(0), "bf16_grouped_linear_amx: groups of ", rows, " rows for ",
-              x.size(0));
-  auto y = torch::empty({rows, n}, x.options());
-  std::vector<Gemm> groups;
-  std::vector<int64_t> group_rows;
-  int64_t r0 = 0;
-  for (size_t e = 0; e < sizes.size(); ++e) {
-    if (sizes[e] > 0) {
-      groups.push_back(Gemm{reinterpret_cast<const uint32_t*>(x.data_ptr()) + r0 * k2, k2,
-                            reinterpret_cast<const uint16_t*>(packed[e].data_ptr()), k2, nullptr,
-                            reinterpret_cast<uint16_t*>(y.data_ptr()) + r0 * n, n, n});
-      group_rows.push_back(sizes[e]);
-    }
-    r0 += sizes[e];
-  }
-  if (groups.empty()) return y;
-  const int64_t tasks = static_cast<int64_t>(groups.size()) * blocks;
+  const Groups gs = prepare_groups("bf16_grouped_linear_amx", x, packed, sizes, n, kTileRows);
+  TORCH_CHECK(x.size(1) % 32 == 0, "bf16_grouped_linear_amx: K must be a multiple of 32, got ",
+              x.sizes());
+  const int64_t blocks = gs.blocks;
+  const int64_t tasks = static_cast<int64_t>(gs.gemms.size()) * blocks;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // NOTE: per thread, as in bf16_linear_amx
     alignas(64) float sums[4 * kTileRows * 16];
     for (int64_t task = begin; task < end; ++task) {
-      const Gemm& g = groups[task / blocks];
-      const int64_t nb = task % blocks, m = group_rows[task / blocks];
+      const Gemm& g = gs.gemms[task / blocks];
+      const int64_t nb = task % blocks, m = gs.rows[task / blocks];
       const int64_t row_tiles = m / kTileRows;
       int64_t t = 0;
       for (; t + 2 <= row_tiles; t += 2) amx_pair(g, nb, t * kTileRows, m, t == 0, sums);
@@ -438,7 +472,7 @@ torch::Tensor bf16_grouped_linear_amx(torch::Tensor x, std::vector<torch::Tensor
     }
     _tile_release();
   });
-  return y;
+  return gs.y;
 }
 #endif  // FS_HAVE_AMX_BF16
 #endif  // FS_HAVE_AVX512_BF16

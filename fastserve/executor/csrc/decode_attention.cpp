@@ -774,6 +774,8 @@ std::vector<int64_t> bf16_packed_shape(int64_t n, int64_t k);
 torch::Tensor bf16_pack_weight(torch::Tensor w, c10::optional<torch::Tensor> out);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t n);
+torch::Tensor bf16_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                  std::vector<int64_t> sizes, int64_t n);
 #endif
 #ifdef FS_HAVE_AMX_BF16
 bool amx_ready();
@@ -808,6 +810,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack_weight", &bf16_pack_weight, "a [N, K] bfloat16 weight in bf16_linear's layout",
         py::arg("w"), py::arg("out") = py::none());
   m.def("bf16_linear", &bf16_linear, "x W^T (+ b) in bfloat16, W packed by bf16_pack_weight");
+  m.def("bf16_grouped_linear", &bf16_grouped_linear,
+        "bf16_linear of row groups, each by its own packed weight (an MoE layer's experts)");
 #endif
 #ifdef FS_HAVE_AMX_BF16
   m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (Linux grants them once asked)");
