@@ -92,6 +92,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         num_tokens, hidden = x.shape
+        if num_tokens == 0:
+            return torch.zeros_like(x)
         weights, experts = self.route(x)
         # Every (token, choice) pair ordered by expert: each expert's rows are one slice.
         flat = experts.flatten()  # [num_tokens * top_k]

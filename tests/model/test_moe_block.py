@@ -42,12 +42,13 @@ def _per_token(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
         if block.norm_topk_prob:
             weights = weights / weights.sum()
         out.append(sum(w * block.experts[int(e)](row[None])[0] for w, e in zip(weights, experts)))
-    return torch.stack(out)
+    return torch.stack(out) if out else torch.zeros_like(x)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 40])
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 40])
 def test_grouped_experts_equal_each_tokens_own_sum(checkpoint: Path, num_tokens: int) -> None:
-    """One token leaves most experts idle; 40 give every expert several rows."""
+    """One token leaves most experts idle; 40 give every expert several rows; none gives
+    nothing."""
     block = _block(checkpoint, torch.float32)
     x = torch.randn(num_tokens, block.gate.input_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
