@@ -58,14 +58,18 @@ def test_float32_greedy_tokens_identical_to_hf(tiny_model_path: Path) -> None:
     engine = llm.engine
     assert isinstance(engine.runner, ModelRunner)
     assert engine.runner.attn.name == "triton" and engine.runner.graphs is not None
-    prompts = _prompts(engine.arch.vocab_size)
+    _assert_float32_greedy_is_hfs(llm)
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks  # every block back
+
+
+def _assert_float32_greedy_is_hfs(llm: LLM) -> None:
+    prompts = _prompts(llm.engine.arch.vocab_size)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)
-    hf = _hf(engine.model_path, torch.float32)
+    hf = _hf(llm.engine.model_path, torch.float32)
     for prompt, out in zip(prompts, outs):
         tokens, _ = _hf_greedy(hf, prompt, 24)
         assert out.token_ids == tokens, (len(prompt), out.token_ids, tokens)
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks  # every block back
 
 
 def test_bfloat16_logprobs_close_to_hf(tiny_model_path: Path) -> None:
@@ -105,10 +109,4 @@ def test_mixture_of_experts_decodes_eagerly_with_hf_tokens() -> None:
     engine = llm.engine
     assert isinstance(engine.runner, ModelRunner)
     assert engine.runner.attn.name == "triton" and engine.runner.graphs is None
-    prompts = _prompts(engine.arch.vocab_size)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
-    hf = _hf(engine.model_path, torch.float32)
-    for prompt, out in zip(prompts, outs):
-        tokens, _ = _hf_greedy(hf, prompt, 24)
-        assert out.token_ids == tokens, (len(prompt), out.token_ids, tokens)
+    _assert_float32_greedy_is_hfs(llm)
