@@ -75,7 +75,8 @@ def _make_lora(args: argparse.Namespace) -> int:
 
 
 PRESET_NAMES = ["tiny", "small", "llama-2-7b", "llama-3-8b", "tiny-qwen3", "qwen3-8b",
-                "tiny-mixtral", "tiny-qwen3-moe", "small-mixtral", "mixtral-8x7b", "qwen3-30b-a3b"]
+                "tiny-mixtral", "tiny-qwen3-moe", "small-mixtral", "tiny-qwen2-moe",
+                "mixtral-8x7b", "qwen3-30b-a3b"]
 
 
 def build_parser() -> argparse.ArgumentParser:

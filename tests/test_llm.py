@@ -58,10 +58,11 @@ def test_greedy_batch_matches_hf(llm: LLM, greedy_reference: GreedyReference) ->
     assert all(len(set(o.token_ids)) > 4 for o in outs)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"])
 def test_other_architectures_generate_hf_greedy_tokens(preset: str) -> None:
-    """A Qwen3 checkpoint (q/k norms, heads wider than hidden // heads), a Mixtral and a
-    Qwen3-MoE (experts, batches whose tokens route differently) through the whole engine:
+    """A Qwen3 checkpoint (q/k norms, heads wider than hidden // heads), a Mixtral, a Qwen3-MoE
+    and a Qwen2-MoE (experts, batches whose tokens route differently; a shared expert) through
+    the whole engine:
     paged cache, batches joining and leaving, the device's fused layers."""
     from fastserve.model.make_model import PRESETS, cached_model_path
 

@@ -16,10 +16,10 @@ from typing import Any
 # Qwen2 differs only by q/k/v bias; Mistral only by an optional sliding window; Qwen3 by an
 # RMSNorm over each head of q and k before the rotation (and no q/k/v bias). Mixtral is
 # Mistral with a sparse mixture of SwiGLU experts in place of the MLP; Qwen3-MoE is Qwen3 with
-# one (on the layers `is_moe_layer` names).
+# one (on the layers `is_moe_layer` names), Qwen2-MoE is Qwen2 with one plus a shared expert.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_ROPE_KEYS = (
@@ -66,6 +66,8 @@ class ArchConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and it is not one of these
+    # Qwen2-MoE: an expert every token runs, its output scaled by sigmoid(a linear of x).
+    shared_expert_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # dtype the checkpoint was saved in, informative only
@@ -145,7 +147,7 @@ class ArchConfig:
         is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
         rope_theta, rope_scaling = _parse_rope(cfg)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         bias = bool(cfg.get("attention_bias", False))
 
         sliding_window: int | None = None
@@ -178,7 +180,7 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=True if is_qwen2 else bias,
+            attention_bias=bool(cfg.get("qkv_bias", True)) if is_qwen2 else bias,
             o_proj_bias=False if is_qwen2 else bias,
             qk_norm=is_qwen3,
             sliding_window=sliding_window,
@@ -207,14 +209,20 @@ def _parse_moe(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"num_experts": _require_int(cfg, "num_local_experts"),
                 "num_experts_per_tok": _require_int(cfg, "num_experts_per_tok"),
                 "moe_intermediate_size": _require_int(cfg, "intermediate_size")}
-    if arch == "Qwen3MoeForCausalLM":
-        # transformers' Qwen3MoeConfig defaults; real checkpoints spell them out.
-        return {"num_experts": int(cfg.get("num_experts", 128)),
-                "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8)),
-                "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 768)),
-                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-                "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
-                "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        # transformers' Qwen3MoeConfig / Qwen2MoeConfig defaults; real checkpoints spell them out.
+        qwen3 = arch == "Qwen3MoeForCausalLM"
+        moe = {"num_experts": int(cfg.get("num_experts", 128 if qwen3 else 60)),
+               "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 8 if qwen3 else 4)),
+               "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
+                                                    768 if qwen3 else 1408)),
+               "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+               "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+               "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}
+        if not qwen3:
+            moe["shared_expert_intermediate_size"] = int(
+                cfg.get("shared_expert_intermediate_size", 5632))
+        return moe
     return {}
 
 

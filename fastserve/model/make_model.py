@@ -187,6 +187,7 @@ class Preset:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # qwen2-moe's shared expert
 
 
 # A preset's architecture: config.json's "architectures" and "model_type". A qwen3 checkpoint
@@ -197,6 +198,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
 }
 
 PRESETS: dict[str, Preset] = {
@@ -236,6 +238,11 @@ PRESETS: dict[str, Preset] = {
     # params, ~110M of them active per token (the dense small's 125M): for CPU benchmarks.
     "small-mixtral": Preset(12, 768, 1024, 12, 12, True, 32_000, "bfloat16", 40_000, 30_000,
                             architecture="mixtral", num_experts=8, num_experts_per_tok=2),
+    # tiny with Qwen2-MoE's experts: q/k/v biases, 8 experts of 128 a layer, 2 per token (not
+    # renormalised), and a shared expert of 256 every token runs, gated by a sigmoid.
+    "tiny-qwen2-moe": Preset(4, 256, 688, 8, 4, False, 4096, "float32", 10_000, 3_000,
+                             architecture="qwen2-moe", num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=128, shared_expert_intermediate_size=256),
     # Mixtral-8x7B: 32 layers, 4096 hidden, 8 experts of 14336 (2 per token), 32 query heads
     # over 8 kv heads, vocab 32000, rope theta 1e6: 46.7B params (12.9B active).
     "mixtral-8x7b": Preset(32, 4096, 14336, 32, 8, False, 32_000, "bfloat16", 40_000, 30_000,
@@ -380,16 +387,20 @@ def _head_dim(p: Preset) -> int:
 def hf_config(p: Preset, vocab_size: int) -> dict[str, Any]:
     architecture, model_type = ARCHITECTURES[p.architecture]
     extra: dict[str, Any] = {}
-    if p.architecture in ("qwen3", "qwen3-moe"):
+    if p.architecture in ("qwen3", "qwen3-moe", "qwen2-moe"):
         extra["use_sliding_window"] = False
     if p.architecture == "mixtral":
         extra.update(num_local_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
                      sliding_window=None, router_aux_loss_coef=0.0)
-    if p.architecture == "qwen3-moe":
+    if p.architecture in ("qwen3-moe", "qwen2-moe"):
         extra.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
-                     moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=True,
+                     moe_intermediate_size=p.moe_intermediate_size,
+                     norm_topk_prob=p.architecture == "qwen3-moe",
                      decoder_sparse_step=1, mlp_only_layers=list(p.mlp_only_layers),
                      router_aux_loss_coef=0.0)
+    if p.architecture == "qwen2-moe":
+        extra.update(qkv_bias=True,
+                     shared_expert_intermediate_size=p.shared_expert_intermediate_size)
     return {
         "architectures": [architecture],
         "model_type": model_type,
@@ -453,6 +464,10 @@ def random_weights(p: Preset, vocab_size: int, seed: int) -> dict[str, torch.Ten
         weights.update(_mlp_weights(p, i, normal))
         weights[pre + "input_layernorm.weight"] = torch.ones(h)
         weights[pre + "post_attention_layernorm.weight"] = torch.ones(h)
+        if p.architecture == "qwen2-moe":
+            weights[pre + "self_attn.q_proj.bias"] = normal(0.1, q_size)
+            weights[pre + "self_attn.k_proj.bias"] = normal(0.1, kv_size)
+            weights[pre + "self_attn.v_proj.bias"] = normal(0.1, kv_size)
         if p.architecture in ("qwen3", "qwen3-moe"):  # away from 1: q's and k's told apart
             weights[pre + "self_attn.q_norm.weight"] = 1 + normal(0.2, d)
             weights[pre + "self_attn.k_norm.weight"] = 1 + normal(0.2, d)
@@ -486,6 +501,13 @@ def _mlp_weights(p: Preset, layer: int, normal: Callable[..., torch.Tensor]
         weights[f"{expert}{gate}.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
         weights[f"{expert}{up}.weight"] = normal(PROJ_GAIN / h**0.5, inter, h)
         weights[f"{expert}{down}.weight"] = normal(PROJ_GAIN / inter**0.5, h, inter)
+    if p.shared_expert_intermediate_size:
+        shared = p.shared_expert_intermediate_size
+        weights[block + "shared_expert.gate_proj.weight"] = normal(PROJ_GAIN / h**0.5, shared, h)
+        weights[block + "shared_expert.up_proj.weight"] = normal(PROJ_GAIN / h**0.5, shared, h)
+        weights[block + "shared_expert.down_proj.weight"] = normal(PROJ_GAIN / shared**0.5,
+                                                                   h, shared)
+        weights[block + "shared_expert_gate.weight"] = normal(1 / h**0.5, 1, h)
     return weights
 
 

@@ -1,6 +1,7 @@
 """The feed-forward half of a decoder layer: a dense SwiGLU MLP, or a sparse mixture of them.
 
-`SparseMoeBlock` is Mixtral's and Qwen3-MoE's: a router (a linear layer, whole on every
+`SparseMoeBlock` is Mixtral's, Qwen3-MoE's and Qwen2-MoE's (which adds a shared expert every
+token runs, gated by a sigmoid): a router (a linear layer, whole on every
 tensor-parallel rank) scores each token against every expert; the token runs its `top_k`
 most probable experts (a softmax over the router's logits) and sums their outputs weighted by
 those probabilities, renormalised over the top_k when the config says so, as transformers
@@ -73,6 +74,14 @@ class SparseMoeBlock(nn.Module):
                      reduce_results=False)
             for _ in range(arch.num_experts)
         )
+        # Qwen2-MoE: an expert every token runs (its features split across ranks as the
+        # others'), scaled by sigmoid(shared_expert_gate(x)) (replicated).
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: ColumnParallelLinear | None = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(arch.hidden_size, arch.shared_expert_intermediate_size,
+                                          tp_rank, tp_size, reduce_results=False)
+            self.shared_expert_gate = ColumnParallelLinear(arch.hidden_size, 1)
         # Set by a device backend (`PagedAttention.prepare_model`): every expert's MLP over its
         # group of rows in a few calls, (rows, group sizes) -> outputs, or None where it does not
         # take these groups (then each expert runs its own).
@@ -123,6 +132,9 @@ class SparseMoeBlock(nn.Module):
         pairs = torch.empty_like(ys)
         pairs[order] = ys
         out = pairs.view(num_tokens, self.top_k, hidden).sum(dim=1)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # (on a rank: its partial sums, scaled alike, so the all-reduce adds them up)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.tp_size > 1:
             self.all_reduce(out)
         return out

@@ -253,7 +253,14 @@ def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model("tiny-qwen3-moe", tmp_path_factory.mktemp("ckpt") / "qwen3_moe", seed=0)
 
 
-@pytest.mark.parametrize("checkpoint", ["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make-model --preset tiny-qwen2-moe`: q/k/v biases, 8 experts a layer, 2 a token, not
+    renormalised, and a shared expert gated by a sigmoid."""
+    return make_model("tiny-qwen2-moe", tmp_path_factory.mktemp("ckpt") / "qwen2_moe", seed=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_moe_matches_hf(request: pytest.FixtureRequest, checkpoint: str,
                         prompt_ids: list[list[int]]) -> None:
     """Logits through the experts equal transformers' (which loads the hub names through its
@@ -265,9 +272,12 @@ def test_moe_matches_hf(request: pytest.FixtureRequest, checkpoint: str,
     if checkpoint == "mixtral":
         assert arch.num_experts == 8 and arch.num_experts_per_tok == 2 and arch.norm_topk_prob
         assert kinds == [SparseMoeBlock] * 4
-    else:
+    elif checkpoint == "qwen3_moe":
         assert arch.qk_norm and arch.num_experts == 16 and arch.moe_intermediate_size == 128
         assert kinds == [SparseMoeBlock] * 3 + [LlamaMLP]  # mlp_only_layers = [3]
+    else:
+        assert arch.attention_bias and not arch.norm_topk_prob
+        assert arch.shared_expert_intermediate_size == 256 and kinds == [SparseMoeBlock] * 4
 
 
 def test_stacked_experts_load_as_per_expert_tensors(mixtral: Path, tmp_path: Path) -> None:
@@ -300,6 +310,13 @@ def test_moe_configs_are_read_as_transformers_reads_them(mixtral: Path, tmp_path
     assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
             arch.norm_topk_prob) == (hf.num_experts, hf.num_experts_per_tok,
                                      hf.moe_intermediate_size, hf.norm_topk_prob)
+    qwen2 = {**base, "architectures": ["Qwen2MoeForCausalLM"]}
+    arch2, hf2 = ArchConfig.from_hf_config(qwen2), transformers.Qwen2MoeConfig(**qwen2)
+    assert (arch2.num_experts, arch2.num_experts_per_tok, arch2.moe_intermediate_size,
+            arch2.shared_expert_intermediate_size, arch2.norm_topk_prob, arch2.attention_bias) == (
+        hf2.num_experts, hf2.num_experts_per_tok, hf2.moe_intermediate_size,
+        hf2.shared_expert_intermediate_size, hf2.norm_topk_prob, hf2.qkv_bias)
+    assert not ArchConfig.from_hf_config({**qwen2, "qkv_bias": False}).attention_bias
     arch = ArchConfig.from_hf_config({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert [arch.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
     with pytest.raises(ValueError, match="num_experts_per_tok must be in"):
@@ -444,7 +461,7 @@ class _FakeGroup:
 
 
 @pytest.mark.parametrize(("checkpoint", "tp_size"), [
-    ("tiny", 2), ("tiny", 8), ("qwen3", 2), ("mixtral", 2), ("qwen3_moe", 4)])
+    ("tiny", 2), ("tiny", 8), ("qwen3", 2), ("mixtral", 2), ("qwen3_moe", 4), ("qwen2_moe", 2)])
 def test_tensor_parallel_shards_reproduce_single_device_logits(
     request: pytest.FixtureRequest, prompt_ids: list[list[int]], checkpoint: str, tp_size: int
 ) -> None:
