@@ -109,7 +109,7 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # a host sync
         tokens = order // self.top_k  # the token of each pair, in expert order
-        sizes, valid = self._group_sizes(counts, flat[order])
+        sizes, valid = self._group_sizes(counts, flat, order)
         if valid is None:
             rows = x[tokens]  # [pairs, hidden], gathered once
         else:  # each group padded with copies of token 0, whose outputs are dropped
@@ -139,7 +139,7 @@ class SparseMoeBlock(nn.Module):
             self.all_reduce(out)
         return out
 
-    def _group_sizes(self, counts: list[int], sorted_experts: Tensor
+    def _group_sizes(self, counts: list[int], flat: Tensor, order: Tensor
                      ) -> tuple[list[int], Tensor | None]:
         """The rows each expert runs, and where the real ones sit among them (None: all are).
 
@@ -154,5 +154,5 @@ class SparseMoeBlock(nn.Module):
         for size, count in zip(sizes, counts):
             shifts.append(shift)
             shift += size - count
-        shift_of = torch.tensor(shifts, device=sorted_experts.device)[sorted_experts]
-        return sizes, torch.arange(len(sorted_experts), device=sorted_experts.device) + shift_of
+        shift_of = torch.tensor(shifts, device=flat.device)[flat[order]]  # each pair's group's
+        return sizes, torch.arange(len(order), device=flat.device) + shift_of

@@ -128,14 +128,15 @@ class CpuAttention(PagedAttention):
         for m in model.modules():
             if type(m) in fused:
                 m.fused = fused[type(m)]  # type: ignore[assignment]
+        fused_names = {c.__name__ for c in fused}
         blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         for block in blocks:
             block.grouped = grouped_experts(block)
         if blocks and all(b.grouped is not None for b in blocks):
-            fused[SparseMoeBlock] = grouped_experts  # (named in `fused_layers`)
+            fused_names.add(SparseMoeBlock.__name__)
         self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
                       "weights": weights,
-                      "fused_layers": ",".join(sorted(c.__name__ for c in fused)) or "none",
+                      "fused_layers": ",".join(sorted(fused_names)) or "none",
                       "prefill_attention": "kernel" if self._is_prefill_through_cache else "sdpa"}
 
     def describe(self) -> dict[str, str]:
