@@ -1,16 +1,16 @@
-"""One mixture-of-experts layer on CPU, side by side: the grouped expert kernel against one call
-per expert, and against transformers' block.
+"""Mixture-of-experts layers on CPU, side by side: the kernels' one-call experts against one
+call per expert, and against transformers' block.
 
 Loads a checkpoint with experts (default: the `small-mixtral` preset, bfloat16, 8 experts of
 1024 over a 768 hidden, 2 a token) as the CPU backend prepares it (packed weights, fused
-SiLU-and-mul), takes its first layer's `SparseMoeBlock`, and times it at several token counts
-three ways, taking turns within each repetition: the grouped kernel
-(`cpu_linear.grouped_experts`: two calls a layer), the same block running each expert's own
-packed matmuls, and HF's `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock` on the same
-weights. Prints medians in microseconds and the ratios; checks the first two agree bit for bit.
-NOTE: one layer's experts (37 MB on the default preset) may stay in the L3 cache between calls;
-in the engine each layer's are read from memory, so this shows the calls' overheads better than
-a decode step's time (`vs_vllm.py --workloads offline --model <checkpoint>` measures that).
+SiLU-and-mul) and times its `SparseMoeBlock`s at several token counts three ways, taking turns
+within each repetition: the fused kernel (`cpu_linear.fused_experts`: the routed experts'
+grouped matmuls and weighted sums in one call), the same blocks running their torch ops around
+each expert's own packed matmuls, and HF's `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock`
+on the same weights. A timed call runs every layer's block in turn (each layer's experts are
+read from memory, as in a decode step, not from the cache the last call left them in); prints
+the medians per layer in microseconds and the ratios, and checks the first two agree bit for
+bit.
 
     .venv/bin/python benchmarks/moe_block.py [--preset small-mixtral] [--tokens 1,8,32,128,1024]
 """
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
-from fastserve.executor.cpu_linear import grouped_experts, pack_weights
+from fastserve.executor.cpu_linear import fused_experts, pack_weights
 from fastserve.model.layers import SiluAndMul
 from fastserve.model.loader import load_model
 from fastserve.model.make_model import cached_model_path
@@ -60,38 +60,43 @@ def main() -> None:
         for m in model.modules():
             if isinstance(m, SiluAndMul):
                 m.fused = kernel.silu_and_mul
-    block = model.model.layers[0].mlp
-    assert isinstance(block, SparseMoeBlock), "the first layer has no experts"
-    grouped = grouped_experts(block)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks, f"{args.preset} has no experts"
+    fused = [fused_experts(b) for b in blocks]
+    if any(f is None for f in fused):
+        fused = []
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    hf_block = hf_model.model.layers[0].mlp
+    hf_blocks = [layer.mlp for layer, ours in zip(hf_model.model.layers, model.model.layers)
+                 if isinstance(ours.mlp, SparseMoeBlock)]
     print(f"{args.preset}: {arch.num_experts} experts of {arch.moe_intermediate_size}, "
           f"{arch.num_experts_per_tok} a token, hidden {arch.hidden_size}; bfloat16, "
-          f"{args.threads} threads, cpu {cpu_isa()}, weights {layout}, grouped kernel "
-          f"{'yes' if grouped is not None else 'no (this CPU or layout has none)'}")
+          f"{args.threads} threads, cpu {cpu_isa()}, weights {layout}, fused kernel "
+          f"{'yes' if fused else 'no (this CPU or layout has none)'}")
 
-    def run(x: torch.Tensor, way: str) -> torch.Tensor:
+    def run(x: torch.Tensor, way: str) -> list[torch.Tensor]:
         if way == "hf":
-            return hf_block(x[None])[0]
-        block.grouped = grouped if way == "grouped" else None
-        return block(x)
+            return [b(x[None])[0] for b in hf_blocks]
+        for b, f in zip(blocks, fused or [None] * len(blocks)):
+            b.fused = f if way == "fused" else None
+        return [b(x) for b in blocks]
 
-    ways = (["grouped"] if grouped is not None else []) + ["per-expert", "hf"]
+    ways = (["fused"] if fused else []) + ["per-expert", "hf"]
     print(f"{'tokens':>7} " + " ".join(f"{w + ' us':>14}" for w in ways)
-          + ("   per-expert / grouped   hf / grouped" if grouped is not None else ""))
+          + ("   per-expert / fused   hf / fused" if fused else ""))
     with torch.inference_mode():
         for n in [int(t) for t in args.tokens.split(",")]:
             x = torch.randn(n, arch.hidden_size, generator=torch.Generator().manual_seed(n)).bfloat16()
-            if grouped is not None:
-                assert torch.equal(run(x, "grouped"), run(x, "per-expert")), "grouped != per-expert"
+            if fused:
+                assert all(torch.equal(a, b) for a, b in zip(run(x, "fused"), run(x, "per-expert"))), \
+                    "fused != per-expert"
             times: dict[str, list[float]] = {w: [] for w in ways}
             for _ in range(args.reps):
                 for way in ways:
                     run(x, way)  # warm
-                    times[way].append(median_us(lambda x=x, way=way: run(x, way), args.calls))
+                    times[way].append(median_us(lambda x=x, way=way: run(x, way), args.calls) / len(blocks))
             med = {w: statistics.median(t) for w, t in times.items()}
-            ratios = (f"   {med['per-expert'] / med['grouped']:>18.2f}x   "
-                      f"{med['hf'] / med['grouped']:>10.2f}x" if grouped is not None else "")
+            ratios = (f"   {med['per-expert'] / med['fused']:>16.2f}x   "
+                      f"{med['hf'] / med['fused']:>8.2f}x" if fused else "")
             print(f"{n:>7} " + " ".join(f"{med[w]:>14.0f}" for w in ways) + ratios)
 
 

@@ -52,7 +52,6 @@ AMX_LAYOUT = "amx-bf16-kernel"  # the same layout, read by AMX tiles
 KERNEL_MAX_ROWS = 2048
 # With AMX: the tiles up to here (where oneDNN's and F.linear's blocking overtakes theirs).
 AMX_MAX_ROWS = 768
-AMX_TILE_ROWS = 16  # the tiles take x by 16 rows: the kernel pads a call to a multiple of 16
 
 # Up to this many rows a float32 packed weight wins (decode batches); prefills use the plain one.
 F32_PACKED_MAX_ROWS = 64
@@ -141,8 +140,7 @@ def packed_weight(weight: Tensor, max_rows: int | None = None,
     if found is not None:
         kernel, (matmul, kernel_rows) = found
         packed = kernel.bf16_pack_weight(weight.detach(), out)
-        return PackedWeight(packed, matmul, min(max_rows or kernel_rows, kernel_rows),
-                            row_multiple=AMX_TILE_ROWS if _has_amx(kernel) else 1)
+        return PackedWeight(packed, matmul, min(max_rows or kernel_rows, kernel_rows))
     if layout == "plain":
         return None
     rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize
@@ -181,18 +179,19 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
     return layout
 
 
-def grouped_experts(block: SparseMoeBlock) -> Callable[[Tensor, list[int]], Tensor | None] | None:
-    """Where every expert's weights of `block` are packed in the kernel's layout: its experts
-    over their groups of rows in three calls (a grouped matmul for gate/up, SiLU-and-mul, the
-    same for down: `bf16_grouped_linear`, on AMX tiles `bf16_grouped_linear_amx`) instead of
-    three per expert; None elsewhere.
+def fused_experts(block: SparseMoeBlock) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | None:
+    """Where every expert's weights of `block` are packed in the kernel's layout: the routed
+    experts' weighted sum in one call (`bf16_moe_experts`: the pairs grouped by expert, a
+    grouped matmul for gate/up, SiLU-and-mul, the same for down, on AMX tiles with each group
+    padded to their 16 rows, and each token's choices summed) in place of the block's ~20
+    torch ops around one matmul per expert; None elsewhere.
 
-    The grouped kernels compute each row as the expert's own matmul does, so the outputs are
-    those of the per-expert calls. Groups past the kernel's rows (prefills) take those calls."""
+    Each row is computed as the expert's own packed matmul computes it and the sum rounds as
+    the torch ops do, so the outputs are the block's own. A batch with a group past the
+    kernel's rows (a long prefill) takes the block's per-expert path."""
     kernel = _bf16_kernel()
-    if kernel is None:
+    if kernel is None or not hasattr(kernel, "bf16_moe_experts"):
         return None
-    amx = _has_amx(kernel)
     mlps = [block.mlp(i) for i in range(block.num_experts)]
     projections = [p for e in mlps for p in (e.gate_up_proj, e.down_proj)]
     if any(p.packed is None or _kernel_for(p.weight) is None or p.weight.shape[1] % 2
@@ -201,12 +200,10 @@ def grouped_experts(block: SparseMoeBlock) -> Callable[[Tensor, list[int]], Tens
     gate_up = [e.gate_up_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     down = [e.down_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     width, hidden = mlps[0].gate_up_proj.output_size, mlps[0].down_proj.output_size
-    act = mlps[0].act_fn  # the backend's fused SiLU-and-mul where it has one
-    matmul = kernel.bf16_grouped_linear_amx if amx else kernel.bf16_grouped_linear
     max_rows = min(p.packed.max_rows for p in projections)  # type: ignore[union-attr]
+    amx = _has_amx(kernel)
 
-    def run(rows: Tensor, sizes: list[int]) -> Tensor | None:
-        if max(sizes) > max_rows:
-            return None
-        return matmul(act(matmul(rows, gate_up, sizes, width)), down, sizes, hidden)
+    def run(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor | None:
+        return kernel.bf16_moe_experts(x.contiguous(), weights.contiguous(), experts.contiguous(),
+                                       gate_up, down, width, hidden, max_rows, amx)
     return run

@@ -287,13 +287,10 @@ class PackedWeight:
     """
 
     def __init__(self, weight: Tensor, matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor],
-                 max_rows: int, row_multiple: int = 1) -> None:
+                 max_rows: int) -> None:
         self.weight = weight  # the packed copy (layout owned by `matmul`)
         self.matmul = matmul  # (x, packed weight, bias) -> x W^T + b
         self.max_rows = max_rows  # larger calls (prefills) use the plain weight
-        # `matmul` pads x to a multiple of this many rows (a copy): a caller that can lay out
-        # its rows so (an MoE block's expert groups) saves that copy.
-        self.row_multiple = row_multiple
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:

@@ -10,7 +10,8 @@ computes it.
 Tensor parallelism splits every expert's intermediate features across the ranks, as it
 splits the dense MLP's: each rank computes its partial sums of the routed experts and one
 all-reduce adds them up. The experts are run grouped: the tokens are gathered once in expert
-order, each expert takes its slice in one call, and an expert no token chose costs nothing.
+order, each expert takes its slice in one call, and an expert no token chose costs nothing;
+a device backend may run all of that in its own kernels (`fused`: on CPU, one call a layer).
 
 NOTE: the grouping reads each expert's token count on the host, so the block cannot be
 captured in a CUDA graph: the runner runs the decode steps of a model with experts eagerly.
@@ -82,10 +83,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(arch.hidden_size, arch.shared_expert_intermediate_size,
                                           tp_rank, tp_size, reduce_results=False)
             self.shared_expert_gate = ColumnParallelLinear(arch.hidden_size, 1)
-        # Set by a device backend (`PagedAttention.prepare_model`): every expert's MLP over its
-        # group of rows in a few calls, (rows, group sizes) -> outputs, or None where it does not
-        # take these groups (then each expert runs its own).
-        self.grouped: Callable[[Tensor, list[int]], Tensor | None] | None = None
+        # Set by a device backend (`PagedAttention.prepare_model`): the routed experts' weighted
+        # sum in its own kernels, (x, weights, expert ids) -> [num_tokens, hidden] as
+        # `_each_expert` computes it, or None where it does not take the batch.
+        self.fused: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
 
     def mlp(self, expert: int) -> LlamaMLP:
         return cast(LlamaMLP, self.experts[expert])
@@ -100,38 +101,12 @@ class SparseMoeBlock(nn.Module):
         return weights, experts
 
     def forward(self, x: Tensor) -> Tensor:
-        num_tokens, hidden = x.shape
-        if num_tokens == 0:
+        if x.shape[0] == 0:
             return torch.zeros_like(x)
         weights, experts = self.route(x)
-        # Every (token, choice) pair ordered by expert: each expert's rows are one slice.
-        flat = experts.flatten()  # [num_tokens * top_k]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # a host sync
-        tokens = order // self.top_k  # the token of each pair, in expert order
-        sizes, valid = self._group_sizes(counts, flat, order)
-        if valid is None:
-            rows = x[tokens]  # [pairs, hidden], gathered once
-        else:  # each group padded with copies of token 0, whose outputs are dropped
-            src = torch.zeros(sum(sizes), dtype=tokens.dtype, device=x.device)
-            src[valid] = tokens
-            rows = x[src]
-        ys = self.grouped(rows, sizes) if self.grouped is not None else None
-        if ys is None:
-            outs = []
-            start = 0
-            for expert, size in zip(self.experts, sizes):
-                if size:
-                    outs.append(expert(rows[start : start + size]))
-                    start += size
-            ys = torch.cat(outs) if len(outs) > 1 else outs[0]
-        if valid is not None:
-            ys = ys[valid]
-        ys = ys * weights.flatten()[order].to(x.dtype).unsqueeze(1)
-        # Back to (token, choice) order, then each token's choices summed.
-        pairs = torch.empty_like(ys)
-        pairs[order] = ys
-        out = pairs.view(num_tokens, self.top_k, hidden).sum(dim=1)
+        out = self.fused(x, weights, experts) if self.fused is not None else None
+        if out is None:
+            out = self._each_expert(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # (on a rank: its partial sums, scaled alike, so the all-reduce adds them up)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -139,20 +114,23 @@ class SparseMoeBlock(nn.Module):
             self.all_reduce(out)
         return out
 
-    def _group_sizes(self, counts: list[int], flat: Tensor, order: Tensor
-                     ) -> tuple[list[int], Tensor | None]:
-        """The rows each expert runs, and where the real ones sit among them (None: all are).
-
-        A packed matmul that pads its rows to a multiple (AMX tiles: 16) would copy every
-        group; rounding the groups up as they are gathered saves those copies."""
-        packed = self.mlp(0).gate_up_proj.packed
-        if packed is None or packed.row_multiple == 1 or max(counts) > packed.max_rows:
-            return counts, None
-        multiple = packed.row_multiple
-        sizes = [-(-c // multiple) * multiple for c in counts]
-        shifts, shift = [], 0
-        for size, count in zip(sizes, counts):
-            shifts.append(shift)
-            shift += size - count
-        shift_of = torch.tensor(shifts, device=flat.device)[flat[order]]  # each pair's group's
-        return sizes, torch.arange(len(order), device=flat.device) + shift_of
+    def _each_expert(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Each token's chosen experts' outputs, weighted and summed: the (token, choice) pairs
+        ordered by expert, gathered once, each expert's slice in one call."""
+        num_tokens, hidden = x.shape
+        flat = experts.flatten()  # [num_tokens * top_k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # a host sync
+        rows = x[order // self.top_k]  # [pairs, hidden], each pair's token, in expert order
+        outs = []
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                outs.append(expert(rows[start : start + count]))
+                start += count
+        ys = torch.cat(outs) if len(outs) > 1 else outs[0]
+        ys = ys * weights.flatten()[order].to(x.dtype).unsqueeze(1)
+        # Back to (token, choice) order, then each token's choices summed.
+        pairs = torch.empty_like(ys)
+        pairs[order] = ys
+        return pairs.view(num_tokens, self.top_k, hidden).sum(dim=1)

@@ -98,7 +98,7 @@ def test_bfloat16_logprobs_close_to_hf(tiny_model_path: Path) -> None:
 
 
 def test_mixture_of_experts_decodes_eagerly_with_hf_tokens() -> None:
-    """A Mixtral on CUDA: the Triton backend beside the grouped experts, decode steps run
+    """A Mixtral on CUDA: the Triton backend beside the block's per-expert calls, decode steps run
     eagerly (the grouping reads token counts on the host, so no graphs are captured), greedy
     tokens identical to HF's in float32."""
     from fastserve.model.make_model import cached_model_path

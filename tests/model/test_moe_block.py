@@ -1,18 +1,18 @@
 """The sparse MoE block (`fastserve.model.mlp.SparseMoeBlock`) on its own: the grouped experts
-against the per-token sum they stand for, and in bfloat16 with the CPU backend's packed
-weights against float32 (the whole model's logits are compared with transformers in
-test_llama_vs_hf.py)."""
+against the per-token sum they stand for, the CPU kernels' one-call experts against the block's
+ops, and in bfloat16 with the CPU backend's packed weights against float32 (the whole
+model's logits are compared with transformers in test_llama_vs_hf.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from fastserve.executor.cpu_kernels import decode_attention_kernel
-from fastserve.executor.cpu_linear import grouped_experts, pack_weights, weight_layout
-from fastserve.model.layers import PackedWeight
+from fastserve.executor.cpu_linear import fused_experts, pack_weights, weight_layout
 from fastserve.model.loader import load_model
 from fastserve.model.make_model import cached_model_path
 from fastserve.model.mlp import SparseMoeBlock
@@ -55,30 +55,6 @@ def test_grouped_experts_equal_each_tokens_own_sum(checkpoint: Path, num_tokens:
         torch.testing.assert_close(block(x), _per_token(block, x), rtol=1e-5, atol=1e-5)
 
 
-def test_groups_rounded_up_for_a_padding_matmul_give_the_same_sums(checkpoint: Path) -> None:
-    """Where the packed matmul pads rows to a multiple (AMX tiles: 16), the block gathers each
-    expert's group padded so; the padding rows' outputs are dropped. Built here on every CPU
-    with a matmul that asserts it gets whole multiples."""
-    block = _block(checkpoint, torch.float32)
-    x = torch.randn(24, block.gate.input_size, generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode():
-        want = block(x)
-        calls: list[int] = []
-
-        def linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                   ) -> torch.Tensor:
-            calls.append(rows.shape[0])
-            return torch.nn.functional.linear(rows, weight, bias)
-
-        for expert in block.experts:
-            for proj in (expert.gate_up_proj, expert.down_proj):
-                proj.packed = PackedWeight(proj.weight, linear, max_rows=64, row_multiple=8)
-        got = block(x)
-    assert calls and all(n % 8 == 0 for n in calls), calls
-    assert sum(calls) > 2 * 24 * block.top_k  # some groups were padded
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # MKL blocks by row count
-
-
 def test_bfloat16_block_with_packed_weights_tracks_float32(checkpoint: Path) -> None:
     """Every row routed as in float32 is as close as bfloat16 allows; a row routed otherwise
     had a near-tie between the last expert chosen and the next."""
@@ -100,30 +76,77 @@ def test_bfloat16_block_with_packed_weights_tracks_float32(checkpoint: Path) -> 
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
-def test_grouped_experts_equal_the_per_expert_calls(num_tokens: int) -> None:
+def test_fused_experts_equal_the_per_expert_calls(num_tokens: int) -> None:
     """Where the kernels' bfloat16 matmul runs the experts, the CPU backend runs a layer's
-    experts as two grouped matmuls (`cpu_linear.grouped_experts`; on AMX each group padded to
-    the tiles' 16 rows): every row as the expert's own packed matmul computes it."""
+    routed experts in one call (`cpu_linear.fused_experts`: grouped matmuls, on AMX each group
+    padded to the tiles' 16 rows, and the weighted sums): every row as the block's own ops
+    compute it, one expert call at a time."""
     block = _block(cached_model_path("tiny-qwen3-moe"), torch.bfloat16, packed=True)
-    grouped = grouped_experts(block)
-    if grouped is None:
-        pytest.skip("the grouped experts need the kernels' AVX-512 BF16 matmul (this CPU or "
+    fused = fused_experts(block)
+    if fused is None:
+        pytest.skip("the fused experts need the kernels' AVX-512 BF16 matmul (this CPU or "
                     "build lacks it)")
-    multiple = block.mlp(0).gate_up_proj.packed.row_multiple  # type: ignore[union-attr]
     x = torch.randn(num_tokens, block.gate.input_size,
                     generator=torch.Generator().manual_seed(3)).bfloat16()
-    calls: list[list[int]] = []
+    calls: list[int] = []
 
-    def counted(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
-        calls.append(sizes)
-        return grouped(rows, sizes)
+    def counted(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        calls.append(x.shape[0])
+        return fused(x, weights, ids)
 
     with torch.inference_mode():
         want = block(x)
-        block.grouped = counted
+        block.fused = counted
         got = block(x)
-    assert calls and all(s % multiple == 0 for s in calls[0])
+    assert calls == [num_tokens]
     assert torch.equal(got, want)
+
+
+def _moe_reference(linear: Callable[..., torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+                   width: int, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> torch.Tensor:
+    """Each token's choices one matmul at a time, scaled and summed as the block's torch ops
+    round them."""
+    out = []
+    for row, w, chosen in zip(x, weights, ids.tolist()):
+        ys = [linear(silu_and_mul(linear(row[None], gate_up[e], None, width)), down[e], None,
+                     x.shape[1]) for e in chosen]
+        out.append((torch.cat(ys) * w.bfloat16()[:, None]).sum(dim=0))
+    return torch.stack(out)
+
+
+def test_moe_kernel_sums_each_tokens_choices() -> None:
+    """`bf16_moe_experts` on both of its paths (AVX-512; AMX tiles where granted) against its
+    parts called per token; a group past `max_rows` declines (None); bad routing is named."""
+    kernel = decode_attention_kernel()
+    if kernel is None or not hasattr(kernel, "bf16_moe_experts"):
+        pytest.skip("the kernels' bfloat16 matmul needs AVX-512 BF16")
+    g = torch.Generator().manual_seed(5)
+    hidden, inter, experts, top_k, tokens = 64, 96, 5, 2, 23
+    gate_up = [kernel.bf16_pack_weight(torch.randn(2 * inter, hidden, generator=g).bfloat16() / 8)
+               for _ in range(experts)]
+    down = [kernel.bf16_pack_weight(torch.randn(hidden, inter, generator=g).bfloat16() / 8)
+            for _ in range(experts)]
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    paths = [(False, kernel.bf16_linear)]
+    if hasattr(kernel, "bf16_linear_amx") and kernel.amx_ready():
+        paths.append((True, kernel.bf16_linear_amx))
+    for amx, linear in paths:
+        got = kernel.bf16_moe_experts(x, weights, ids, gate_up, down, 2 * inter, hidden, 768, amx)
+        want = _moe_reference(linear, x, weights, ids, gate_up, down, 2 * inter,
+                              kernel.silu_and_mul)
+        assert torch.equal(got, want), f"amx={amx}"
+        assert kernel.bf16_moe_experts(x, weights, ids, gate_up, down, 2 * inter, hidden,
+                                       4, amx) is None  # some expert has more than 4 rows
+    with pytest.raises(RuntimeError, match="expert id 5 of 5 experts"):
+        kernel.bf16_moe_experts(x, weights, ids.clamp(max=5) + (ids == 4), gate_up, down,
+                                2 * inter, hidden, 768, False)
+    with pytest.raises(RuntimeError, match="weights must be contiguous float32"):
+        kernel.bf16_moe_experts(x, weights[:, :1], ids, gate_up, down, 2 * inter, hidden, 768,
+                                False)
 
 
 def test_grouped_kernels_match_one_call_per_group() -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
-from fastserve.executor.cpu_linear import grouped_experts, pack_weights
+from fastserve.executor.cpu_linear import fused_experts, pack_weights
 from fastserve.executor.cpu_memory import huge_page_zeros
 from fastserve.model.layers import ApplyRotary, FusedNorm, RMSNorm, SiluAndMul
 from fastserve.model.mlp import SparseMoeBlock
@@ -131,8 +131,8 @@ class CpuAttention(PagedAttention):
         fused_names = {c.__name__ for c in fused}
         blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         for block in blocks:
-            block.grouped = grouped_experts(block)
-        if blocks and all(b.grouped is not None for b in blocks):
+            block.fused = fused_experts(block)
+        if blocks and all(b.fused is not None for b in blocks):
             fused_names.add(SparseMoeBlock.__name__)
         self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
                       "weights": weights,

@@ -776,6 +776,10 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
                           int64_t n);
 torch::Tensor bf16_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed,
                                   std::vector<int64_t> sizes, int64_t n);
+// cpu_moe.cpp
+torch::Tensor bf16_moe_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor ids,
+                               std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+                               int64_t width, int64_t hidden, int64_t max_rows, bool amx);
 #endif
 #ifdef FS_HAVE_AMX_BF16
 bool amx_ready();
@@ -812,6 +816,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x W^T (+ b) in bfloat16, W packed by bf16_pack_weight");
   m.def("bf16_grouped_linear", &bf16_grouped_linear,
         "bf16_linear of row groups, each by its own packed weight (an MoE layer's experts)");
+  m.def("bf16_moe_experts", &bf16_moe_experts,
+        "an MoE layer's routed experts and each token's weighted sum of them, in one call");
 #endif
 #ifdef FS_HAVE_AMX_BF16
   m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (Linux grants them once asked)");
