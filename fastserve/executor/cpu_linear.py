@@ -179,31 +179,36 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
     return layout
 
 
-def fused_experts(block: SparseMoeBlock) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | None:
-    """Where every expert's weights of `block` are packed in the kernel's layout: the routed
-    experts' weighted sum in one call (`bf16_moe_experts`: the pairs grouped by expert, a
-    grouped matmul for gate/up, SiLU-and-mul, the same for down, on AMX tiles with each group
-    padded to their 16 rows, and each token's choices summed) in place of the block's ~20
-    torch ops around one matmul per expert; None elsewhere.
+def fused_experts(block: SparseMoeBlock) -> Callable[[Tensor], Tensor | None] | None:
+    """Where the router's and every expert's weights of `block` are packed in the kernel's
+    layout: the block's routed half in one call (`bf16_moe_block`: the router and its choices
+    by the block's own ATen ops, then `bf16_moe_experts`: the pairs grouped by expert, a grouped
+    matmul for gate/up, SiLU-and-mul, the same for down, on AMX tiles with each group padded to
+    their 16 rows, and each token's choices summed) in place of the block's ~25 torch ops from
+    Python around one matmul per expert; None elsewhere.
 
-    Each row is computed as the expert's own packed matmul computes it and the sum rounds as
-    the torch ops do, so the outputs are the block's own. A batch with a group past the
-    kernel's rows (a long prefill) takes the block's per-expert path."""
+    The choices are the same ops', each row is computed as the expert's own packed matmul
+    computes it, and the sums round as the torch ops do, so the outputs are the block's own. A
+    batch past the kernel's rows (a long prefill) takes the block's per-expert path."""
     kernel = _bf16_kernel()
-    if kernel is None or not hasattr(kernel, "bf16_moe_experts"):
+    if kernel is None or not hasattr(kernel, "bf16_moe_block"):
         return None
     mlps = [block.mlp(i) for i in range(block.num_experts)]
-    projections = [p for e in mlps for p in (e.gate_up_proj, e.down_proj)]
-    if any(p.packed is None or _kernel_for(p.weight) is None or p.weight.shape[1] % 2
-           for p in projections):
+    projections = [block.gate, *(p for e in mlps for p in (e.gate_up_proj, e.down_proj))]
+    if block.gate.bias is not None or any(
+            p.packed is None or _kernel_for(p.weight) is None or p.weight.shape[1] % 2
+            for p in projections):
         return None
+    router = block.gate.packed.weight  # type: ignore[union-attr]
     gate_up = [e.gate_up_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     down = [e.down_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     width, hidden = mlps[0].gate_up_proj.output_size, mlps[0].down_proj.output_size
     max_rows = min(p.packed.max_rows for p in projections)  # type: ignore[union-attr]
-    amx = _has_amx(kernel)
+    top_k, norm, amx = block.top_k, block.norm_topk_prob, _has_amx(kernel)
 
-    def run(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor | None:
-        return kernel.bf16_moe_experts(x.contiguous(), weights.contiguous(), experts.contiguous(),
-                                       gate_up, down, width, hidden, max_rows, amx)
+    def run(x: Tensor) -> Tensor | None:
+        if x.shape[0] > max_rows:
+            return None
+        return kernel.bf16_moe_block(x.contiguous(), router, top_k, norm, gate_up, down, width,
+                                     hidden, max_rows, amx)
     return run

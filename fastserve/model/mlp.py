@@ -84,9 +84,9 @@ class SparseMoeBlock(nn.Module):
                                           tp_rank, tp_size, reduce_results=False)
             self.shared_expert_gate = ColumnParallelLinear(arch.hidden_size, 1)
         # Set by a device backend (`PagedAttention.prepare_model`): the routed experts' weighted
-        # sum in its own kernels, (x, weights, expert ids) -> [num_tokens, hidden] as
-        # `_each_expert` computes it, or None where it does not take the batch.
-        self.fused: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
+        # sum in its own kernels, x -> [num_tokens, hidden] as `route` and `_each_expert`
+        # compute it, or None where it does not take the batch.
+        self.fused: Callable[[Tensor], Tensor | None] | None = None
 
     def mlp(self, expert: int) -> LlamaMLP:
         return cast(LlamaMLP, self.experts[expert])
@@ -103,10 +103,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        weights, experts = self.route(x)
-        out = self.fused(x, weights, experts) if self.fused is not None else None
+        out = self.fused(x) if self.fused is not None else None
         if out is None:
-            out = self._each_expert(x, weights, experts)
+            out = self._each_expert(x, *self.route(x))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # (on a rank: its partial sums, scaled alike, so the all-reduce adds them up)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,16 +1,16 @@
-// A mixture of experts' routed experts in one call on a CPU with AVX-512 BF16: the (token,
-// choice) pairs grouped by expert, the grouped matmuls, SiLU-and-mul, and each token's weighted
-// sum of its choices.
+// A mixture of experts' routed half in one call on a CPU with AVX-512 BF16: the router and
+// its choices, the (token, choice) pairs grouped by expert, the grouped matmuls, SiLU-and-mul,
+// and each token's weighted sum of its choices.
 //
-// Why: at decode the block's torch ops around the matmuls (sort, count, gather, pad, scale,
-// scatter, sum: ~20 dispatches) took longer than the experts' matmuls themselves, 580 us a layer
-// against 550 at one token on a 2-core Sapphire Rapids, each op slowed by the caches the
-// weights had just swept.
+// Why: at decode the block's torch ops around the matmuls (route, sort, count, gather, pad,
+// scale, scatter, sum: ~25 dispatches from Python) took longer than the experts' matmuls
+// themselves, 580 us a layer against 550 at one token on a 2-core Sapphire Rapids, each op
+// slowed by the caches the weights had just swept.
 //
-// The results are those of the block's torch path (fastserve/model/mlp.py) bit for bit: each
-// expert's rows by the same grouped kernels, each output rounded to bfloat16, scaled by its
-// weight rounded to bfloat16 (the product rounded), the choices summed in float32 in their
-// order and rounded once (torch's sum of bfloat16).
+// The results are those of the block's torch path (fastserve/model/mlp.py) bit for bit: the
+// router's choices by the same ATen ops, each expert's rows by the same grouped kernels, each
+// output rounded to bfloat16, scaled by its weight rounded to bfloat16 (the product rounded),
+// the choices summed in float32 in their order and rounded once (torch's sum of bfloat16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,9 +21,13 @@
 
 #ifdef FS_HAVE_AVX512_BF16
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                          int64_t n);
 torch::Tensor bf16_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed,
                                   std::vector<int64_t> sizes, int64_t n);
 #ifdef FS_HAVE_AMX_BF16
+torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
+                              c10::optional<torch::Tensor> bias, int64_t n);
 torch::Tensor bf16_grouped_linear_amx(torch::Tensor x, std::vector<torch::Tensor> packed,
                                       std::vector<int64_t> sizes, int64_t n);
 #endif
@@ -140,5 +144,26 @@ torch::Tensor bf16_moe_experts(torch::Tensor x, torch::Tensor weights, torch::Te
   weighted_sum(y.data_ptr<BF16>(), pos.data(), weights.data_ptr<float>(), out.data_ptr<BF16>(),
                tokens, top_k, hidden);
   return out;
+}
+
+// The whole routed half of a block: the router's logits by the kernels' matmul (`router`
+// packed by bf16_pack_weight, one output per expert), its choices by the ATen ops of the
+// block's `route` (softmax in float32, top-k, renormalised where `norm_topk_prob`), then
+// bf16_moe_experts. The same ops as the block's, called from here with no Python between them.
+torch::Tensor bf16_moe_block(torch::Tensor x, torch::Tensor router, int64_t top_k,
+                             bool norm_topk_prob, std::vector<torch::Tensor> gate_up,
+                             std::vector<torch::Tensor> down, int64_t width, int64_t hidden,
+                             int64_t max_rows, bool amx) {
+  const int64_t num_experts = static_cast<int64_t>(gate_up.size());
+#ifdef FS_HAVE_AMX_BF16
+  const auto linear = amx ? bf16_linear_amx : bf16_linear;
+#else
+  const auto linear = bf16_linear;
+#endif
+  const auto logits = linear(x, router, c10::nullopt, num_experts);  // [tokens, experts]
+  auto [weights, ids] = at::topk(at::softmax(logits.to(torch::kFloat32), -1), top_k, -1);
+  if (norm_topk_prob) weights.div_(weights.sum(-1, true));
+  return bf16_moe_experts(x, weights.contiguous(), ids.contiguous(), std::move(gate_up),
+                          std::move(down), width, hidden, max_rows, amx);
 }
 #endif  // FS_HAVE_AVX512_BF16

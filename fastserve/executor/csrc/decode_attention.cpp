@@ -780,6 +780,10 @@ torch::Tensor bf16_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> pa
 torch::Tensor bf16_moe_experts(torch::Tensor x, torch::Tensor weights, torch::Tensor ids,
                                std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
                                int64_t width, int64_t hidden, int64_t max_rows, bool amx);
+torch::Tensor bf16_moe_block(torch::Tensor x, torch::Tensor router, int64_t top_k,
+                             bool norm_topk_prob, std::vector<torch::Tensor> gate_up,
+                             std::vector<torch::Tensor> down, int64_t width, int64_t hidden,
+                             int64_t max_rows, bool amx);
 #endif
 #ifdef FS_HAVE_AMX_BF16
 bool amx_ready();
@@ -818,6 +822,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16_linear of row groups, each by its own packed weight (an MoE layer's experts)");
   m.def("bf16_moe_experts", &bf16_moe_experts,
         "an MoE layer's routed experts and each token's weighted sum of them, in one call");
+  m.def("bf16_moe_block", &bf16_moe_block,
+        "an MoE layer's router, its choices and bf16_moe_experts, in one call");
 #endif
 #ifdef FS_HAVE_AMX_BF16
   m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (Linux grants them once asked)");
