@@ -148,6 +148,25 @@ def _is_tokenize_limit(param: str | None, message: str) -> bool:
             or param == "add_special_tokens" and "only false with messages" in message)
 
 
+def _shorten(body: dict[str, Any]) -> None:
+    """A long conversation or input is valid but beyond the 64-token context (a 400 whose path
+    the first such example covers): at most 3 messages or input items, each text 8 characters,
+    so that most examples reach generation whatever their shapes are. Without this for the
+    Responses API's input, how many of its examples reached generation moved with the rest of
+    the suite (5 of 25 in one run, 14 alone)."""
+    for key in ("messages", "input"):
+        value = body.get(key)
+        if isinstance(value, str):
+            body[key] = value[:8]
+        elif isinstance(value, list):
+            body[key] = value[-3:]
+            for item in body[key]:
+                if isinstance(item, dict) and isinstance(item.get("content"), str):
+                    item["content"] = item["content"][:8]
+    if isinstance(body.get("instructions"), str):
+        body["instructions"] = body["instructions"][:8]
+
+
 # NOTE: schemathesis' own pytest plugin (`from_fixture(...).parametrize()`) does not run on
 # pytest 9; its strategies, driven by hypothesis here, generate the same cases.
 @pytest.mark.parametrize("label", OPERATIONS)
@@ -172,27 +191,9 @@ def test_schema_valid_requests_are_served(api_schema: Any, fuzzed_server: Server
         for key in ("n", "best_of"):
             if type(body.get(key)) in (int, float) and body[key] > 3:
                 body[key] = 3
-        # A long conversation is valid but beyond the 64-token context (a 400 whose path the
-        # first such example covers): at most 3 messages of 8 characters, so that most
-        # examples reach generation whatever the messages' shapes are.
-        if isinstance(body.get("messages"), list) and body["messages"]:
-            body["messages"] = body["messages"][-3:]
-            for message in body["messages"]:
-                if isinstance(message, dict) and isinstance(message.get("content"), str):
-                    message["content"] = message["content"][:8]
-        # The Responses API's alike: its input (a text or items) and instructions; and a
-        # previous_response_id the fuzzer makes up is never stored (a 400 whose path
-        # test_stored_responses.py covers). Without these, how many examples reached generation
-        # moved with the rest of the suite (5 of 25 in one run, 14 alone).
-        if isinstance(body.get("input"), str):
-            body["input"] = body["input"][:8]
-        elif isinstance(body.get("input"), list) and body["input"]:
-            body["input"] = body["input"][-3:]
-            for item in body["input"]:
-                if isinstance(item, dict) and isinstance(item.get("content"), str):
-                    item["content"] = item["content"][:8]
-        if isinstance(body.get("instructions"), str):
-            body["instructions"] = body["instructions"][:8]
+        _shorten(body)
+        # A previous_response_id the fuzzer makes up is never stored (a 400 whose path
+        # test_stored_responses.py covers).
         body.pop("previous_response_id", None)
         response = case.call_and_validate(base_url=fuzzed_server.url, timeout=60,
                                           checks=[not_a_server_error, _cross_field_ok])
