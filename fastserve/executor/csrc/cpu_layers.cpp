@@ -86,10 +86,6 @@ void store_rows(const Src* src, Dst* cache, const int64_t* slots, int64_t tokens
 // these, one pass each. Every product and sum is rounded to bfloat16 where torch rounds it
 // (`_mm512_cvtneps_pbh`: to nearest even, as torch's cast); silu's exp is a Cephes polynomial
 // (~1 ulp in float32, as torch's), so its bfloat16 result is torch's but at rare ties.
-inline __m512 round16(__m512 x) {  // to bfloat16 and back
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 inline void store16(BF16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
 }

@@ -36,15 +36,6 @@ namespace {
 
 constexpr int64_t kGrainRows = 16;  // tokens per parallel chunk of the gather and the sum
 
-inline __m512 widen(const BF16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 to_bf16_and_back(__m512 x) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // Each token's sum over its choices j of bf16(y[pos[t, j]] * bf16(w[t, j])), in float32,
 // rounded once to bfloat16.
 void weighted_sum(const BF16* y, const int64_t* pos, const float* w, BF16* out, int64_t tokens,
@@ -56,9 +47,9 @@ void weighted_sum(const BF16* y, const int64_t* pos, const float* w, BF16* out, 
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < top_k; ++j) {
           const float wj = static_cast<float>(static_cast<BF16>(w[t * top_k + j]));
-          const __m512 prod = _mm512_mul_ps(widen(y + pos[t * top_k + j] * hidden + h),
+          const __m512 prod = _mm512_mul_ps(widen16(y + pos[t * top_k + j] * hidden + h),
                                             _mm512_set1_ps(wj));
-          acc = _mm512_add_ps(acc, to_bf16_and_back(prod));
+          acc = _mm512_add_ps(acc, round16(prod));
         }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * hidden + h),
                             (__m256i)_mm512_cvtneps_pbh(acc));

@@ -78,6 +78,12 @@ inline __m512 widen16(const BF16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// x rounded to bfloat16 (to nearest even, as torch's cast) and back to float32.
+inline __m512 round16(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // exp of 16 floats: exp256 on each half (the same polynomial, the same results).
 inline __m512 exp512(__m512 x) {
   const __m256 lo = exp256(_mm512_castps512_ps256(x));
