@@ -15,10 +15,11 @@ compute and later ones.
   reads a block still in flight makes the compute stream wait on the copy's event: the host
   does not block.
 - CPU (`ThreadSwapper`): the same plan carried out by a background copy worker thread (torch
-  copies release the GIL), one task and `threading.Event` per plan. The plan's blocks move in
-  one indexed gather and one scatter each way, every layer at once (the device cache is one
-  tensor, see `PagedAttention`): copying run by run and layer by layer took ~44 us per 64 KiB
-  block of the tiny model on this machine, the indexed ops ~5-8 us.
+  copies release the GIL), one task and `threading.Event` per plan. The plan's blocks move a
+  run of consecutive blocks at a time, every layer at once (the device cache is one tensor,
+  see `PagedAttention`): run by run and layer by layer cost ~44 us per 64 KiB block of the
+  tiny model; one indexed gather and scatter for the whole plan, 2.5-5x these runs' time for
+  the small preset's 0.6-1.1 MiB blocks (`benchmarks/swap_copies.py`).
 - CPU without a spare core (`InlineSwapper`): the plan's copies run on the compute thread when
   the plan is submitted, before the iteration. On a CPU the copies and the compute share the
   same cores and memory bus, so a worker overlaps nothing unless a core is idle; when the
@@ -184,22 +185,30 @@ class KVSwapper(ABC):
 
     def _copy_plan(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]
                    ) -> None:
-        """A whole plan's copies on the CPU, swap-outs first: one gather and one scatter each
-        way, every layer at once (per-run, per-layer copies of a few KiB cost ~44 us a block
-        on this machine, the indexed ops ~5-8 us)."""
-        kv, host = self._raw()
-        if swap_out:
-            dev, hst = _index_pair(swap_out)
-            host.index_copy_(0, hst, kv.index_select(3, dev).permute(_TO_HOST))
-        if swap_in:
-            hst, dev = _index_pair(swap_in)
-            kv.index_copy_(3, dev, host.index_select(0, hst).permute(_TO_DEVICE))
+        """A whole plan's copies on the CPU, swap-outs first, one copy per run of blocks
+        consecutive on both sides (every layer at once). NOTE: not one indexed gather and
+        scatter for the whole plan: over the device cache's block dimension (the fourth)
+        those took 2.5-5x these copies' time for the small preset's 0.6-1.1 MiB blocks, in
+        runs or scattered, and 2-5x for the tiny one's 64 KiB blocks in runs; only scattered
+        tiny blocks were faster that way (1.3x, ~6 us a block). `benchmarks/swap_copies.py`."""
+        host = self.host.blocks
+        for dev, hst, n in _pair_runs(swap_out):
+            self._copy_out(dev, host[hst : hst + n], n)
+        for hst, dev, n in _pair_runs(swap_in):
+            self._copy_in(host[hst : hst + n], dev, n)
 
 
-def _index_pair(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source, destination) block ids of a plan's pairs, as two index tensors."""
-    src, dst = zip(*pairs, strict=True)
-    return torch.tensor(src), torch.tensor(dst)
+def _pair_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, length) of each run of pairs whose
+    source and destination both go up by one (the pools hand out consecutive ids, so often a
+    run per request)."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
 
 
 @dataclass(eq=False)
