@@ -14,7 +14,7 @@ from fastserve.executor.attention import PagedAttention
 from fastserve.executor.backends import attention_backend, backend_classes
 from fastserve.executor.backends.cpu import CpuAttention
 from fastserve.executor.backends.torch_sdpa import TorchAttention, TorchCudaAttention
-from fastserve.executor.cpu_kernels import avx2_kernel_variant, decode_attention_kernel
+from fastserve.executor.cpu_kernels import avx2_kernel_variant, cpu_isa, decode_attention_kernel
 from fastserve.executor.model_runner import flatten
 from fastserve.request import SamplingParams
 
@@ -125,15 +125,16 @@ def test_cpu_backend_keeps_a_half_model_in_a_half_cache(dtype: torch.dtype, prep
     """A half-precision model's K/V go into a cache of its dtype (half a float32 cache's
     bytes) and the C++ kernels read them there: the same mixed iteration matches float32
     attention over the same half values, up to the output's rounding to the model dtype.
-    Prepared for a bfloat16 model where the kernels have AVX-512 BF16, fresh prefills read
-    the cache through the extend kernel too, instead of SDPA, and match as well."""
+    Prepared for a bfloat16 model where the kernels have AVX-512 BF16 and the CPU no AMX,
+    fresh prefills read the cache through the extend kernel too, instead of SDPA, and match
+    as well."""
     attn = CpuAttention(1, 2, 32, num_blocks=40, block_size=4, dtype=dtype,
                         device=torch.device("cpu"))
     assert attn.k_caches[0].dtype == dtype
     if prepared:
         attn.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 64)).to(dtype))
         expected = ("kernel" if dtype == torch.bfloat16 and attn.kernel.isa() == "avx512_bf16"
-                    else "sdpa")
+                    and cpu_isa() != "amx_bf16" else "sdpa")
         assert attn.describe()["prefill_attention"] == expected
     _check_mixed_batch(attn, dtype, tol=1e-2)
 
