@@ -37,14 +37,17 @@ def test_a_half_model_keeps_a_half_cache_where_the_kernels_read_it() -> None:
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("with_residual", [True, False], ids=["add+norm", "norm"])
-def test_norm_kernel_rounds_as_the_layer(dtype: torch.dtype, with_residual: bool) -> None:
+@pytest.mark.parametrize("hidden", [768, 1000])
+def test_norm_kernel_rounds_as_the_layer(dtype: torch.dtype, with_residual: bool,
+                                         hidden: int) -> None:
     """add + RMSNorm in one call: bit for bit the layer's tensor ops in bfloat16 (as the backend
-    uses it), within a few last places in float16 and float32 (only the sum's order differs)."""
+    uses it), within a few last places in float16 and float32 (only the sum's order differs);
+    1000 wide: the vector loops' scalar tail too."""
     assert KERNEL is not None
     torch.manual_seed(0)
-    norm = RMSNorm(768, eps=1e-5).to(dtype)
-    norm.weight.data = (torch.rand(768) + 0.5).to(dtype)
-    x, res = torch.randn(37, 768).to(dtype) * 3, torch.randn(37, 768).to(dtype)
+    norm = RMSNorm(hidden, eps=1e-5).to(dtype)
+    norm.weight.data = (torch.rand(hidden) + 0.5).to(dtype)
+    x, res = torch.randn(37, hidden).to(dtype) * 3, torch.randn(37, hidden).to(dtype)
     residual = res if with_residual else None
     want = norm(x, residual) if with_residual else (norm(x),)
     got = KERNEL.rms_norm(x, residual, norm.weight, norm.eps)

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -33,6 +35,11 @@ void with_model_type(torch::ScalarType dt, const char* op, Fn&& fn) {
   else TORCH_CHECK(false, op, ": float32, bfloat16 or float16 expected, got ", dt);
 }
 
+#ifdef FS_HAVE_AVX512_BF16
+void rms_norm_row_bf16(const BF16* xr, const BF16* rr, const BF16* w, BF16* o, BF16* ro,
+                       float* xf, int64_t hidden, float eps);
+#endif
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* res_out, int64_t rows,
                    int64_t hidden, int64_t sx, int64_t sr, float eps) {
@@ -40,6 +47,14 @@ void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* res_out, int
     std::vector<float> xf(hidden);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * sx;
+#ifdef FS_HAVE_AVX512_BF16
+      if constexpr (std::is_same_v<T, BF16>) {
+        rms_norm_row_bf16(xr, res == nullptr ? nullptr : res + r * sr, w, out + r * hidden,
+                          res_out == nullptr ? nullptr : res_out + r * hidden, xf.data(), hidden,
+                          eps);
+        continue;
+      }
+#endif
       float ss = 0.f;
       if (res != nullptr) {  // residual + x, rounded to the model dtype (kept as the new residual)
         const T* rr = res + r * sr;
@@ -74,6 +89,9 @@ void store_rows(const Src* src, Dst* cache, const int64_t* slots, int64_t tokens
       for (int64_t h = 0; h < heads; ++h) {
         const Src* in = src + t * s0 + h * s1;
         Dst* o = cache + (h * num_slots + slot) * dim;
+        if constexpr (std::is_same_v<Src, Dst>)
+        std::memcpy(o, in, dim * sizeof(Dst));
+      else
         for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<Dst>(static_cast<float>(in[j]));
       }
     }
@@ -88,6 +106,43 @@ void store_rows(const Src* src, Dst* cache, const int64_t* slots, int64_t tokens
 // (~1 ulp in float32, as torch's), so its bfloat16 result is torch's but at rare ties.
 inline void store16(BF16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+// One row of add + RMSNorm (rms_norm_rows' scalar body, the same roundings), sixteen lanes at
+// a time: the scalar casts were 4x slower on a 4096-token prefill's rows (768 wide).
+void rms_norm_row_bf16(const BF16* xr, const BF16* rr, const BF16* w, BF16* o, BF16* ro,
+                       float* xf, int64_t hidden, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= hidden; j += 16) {
+    __m512 s = widen16(xr + j);
+    if (rr != nullptr) {  // residual + x, rounded (kept as the new residual)
+      s = round16(_mm512_add_ps(widen16(rr + j), s));
+      store16(ro + j, s);
+    }
+    _mm512_storeu_ps(xf + j, s);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(s, s));
+  }
+  float ss = _mm512_reduce_add_ps(acc);
+  for (; j < hidden; ++j) {
+    float s = static_cast<float>(xr[j]);
+    if (rr != nullptr) {
+      const BF16 sum = static_cast<BF16>(static_cast<float>(rr[j]) + s);
+      ro[j] = sum;
+      s = static_cast<float>(sum);
+    }
+    xf[j] = s;
+    ss += s * s;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+  const __m512 iv = _mm512_set1_ps(inv);
+  j = 0;
+  for (; j + 16 <= hidden; j += 16)  // weight * (x * rsqrt(var + eps)).to(dtype)
+    store16(o + j, _mm512_mul_ps(widen16(w + j), round16(_mm512_mul_ps(_mm512_loadu_ps(xf + j), iv))));
+  for (; j < hidden; ++j) {
+    const float y = static_cast<float>(static_cast<BF16>(xf[j] * inv));
+    o[j] = static_cast<BF16>(static_cast<float>(w[j]) * y);
+  }
 }
 
 void silu_mul_bf16(const BF16* x, BF16* out, int64_t rows, int64_t inter, int64_t sx) {
