@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # bfloat16 matmul and the sampler's top-p test.
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("decode_attention.cpp", "cpu_layers.cpp", "cpu_gemm.cpp",
-                                       "cpu_moe.cpp", "cpu_sampling.cpp")]
+                                       "cpu_moe.cpp", "cpu_sampling.cpp", "cpu_attention_amx.cpp")]
 _HEADERS = [_CSRC / "vec.h"]
 
 # "0" switches off every CPU-specific fast path: the compiled attention kernels (built with

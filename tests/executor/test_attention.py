@@ -121,30 +121,41 @@ def test_mixed_batch_matches_reference(cls: type[PagedAttention]) -> None:
                     "FASTSERVE_CPU_KERNELS=0)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("prepared", [False, True], ids=["bare", "model-prepared"])
-def test_cpu_backend_keeps_a_half_model_in_a_half_cache(dtype: torch.dtype, prepared: bool) -> None:
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long-prefills"])
+def test_cpu_backend_keeps_a_half_model_in_a_half_cache(dtype: torch.dtype, prepared: bool,
+                                                        long: bool) -> None:
     """A half-precision model's K/V go into a cache of its dtype (half a float32 cache's
     bytes) and the C++ kernels read them there: the same mixed iteration matches float32
     attention over the same half values, up to the output's rounding to the model dtype.
-    Prepared for a bfloat16 model where the kernels have AVX-512 BF16 and the CPU no AMX,
-    fresh prefills read the cache through the extend kernel too, instead of SDPA, and match
-    as well."""
+    Prepared for a bfloat16 model, fresh prefills read the cache through the extend kernel
+    too where the kernels have AVX-512 BF16 and the CPU no AMX; with AMX, prefills of 32
+    tokens or more (`long`: a fresh 40 and 40 after 50 cached) run on the tiles. Both match."""
     attn = CpuAttention(1, 2, 32, num_blocks=40, block_size=4, dtype=dtype,
                         device=torch.device("cpu"))
     assert attn.k_caches[0].dtype == dtype
     if prepared:
         attn.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 64)).to(dtype))
-        expected = ("kernel" if dtype == torch.bfloat16 and attn.kernel.isa() == "avx512_bf16"
-                    and cpu_isa() != "amx_bf16" else "sdpa")
+        is_amx = (dtype == torch.bfloat16 and hasattr(attn.kernel, "extend_attention_amx")
+                  and attn.kernel.amx_ready())
+        expected = ("amx" if is_amx else "kernel" if dtype == torch.bfloat16
+                    and attn.kernel.isa() == "avx512_bf16" and cpu_isa() != "amx_bf16" else "sdpa")
         assert attn.describe()["prefill_attention"] == expected
-    _check_mixed_batch(attn, dtype, tol=1e-2)
+    _check_mixed_batch(attn, dtype, tol=1e-2, long=long)
 
 
-def _check_mixed_batch(attn: PagedAttention, dtype: torch.dtype, tol: float) -> None:
+def _check_mixed_batch(attn: PagedAttention, dtype: torch.dtype, tol: float,
+                       long: bool = False) -> None:
     torch.manual_seed(3)
     heads, kv_heads, dim = 8, 2, 32
     tables = {"d1": [7, 3, 30], "p": [11, 12], "c": [20, 1, 25, 2, 9], "d2": [5]}
     ctx = {"d1": 11, "p": 6, "c": 19, "d2": 3}
     new = {"d1": 1, "p": 6, "c": 12, "d2": 1}
+    if long:  # 37 of the cache's 40 blocks of 4, scattered
+        ctx, new = {"d1": 11, "p": 40, "c": 90, "d2": 3}, {"d1": 1, "p": 40, "c": 40, "d2": 1}
+        ids = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+        tables = {}
+        for r, n in ctx.items():
+            tables[r], ids = ids[: -(-n // 4)], ids[-(-n // 4):]
     k = {r: torch.randn(n, kv_heads, dim).to(dtype) for r, n in ctx.items()}
     v = {r: torch.randn(n, kv_heads, dim).to(dtype) for r, n in ctx.items()}
     # The cached parts first, as one prefill each.
@@ -282,6 +293,44 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
     ref = _causal_reference(q, k_cache[:, slots].transpose(0, 1).float(),
                             v_cache[:, slots].transpose(0, 1).float())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim,heads,kv_heads,bs", [
+    (32, 8, 4, 16),  # the tiny preset's shape: GQA rows (query, head) in a tile
+    (64, 8, 2, 4),   # a group of 4, blocks shorter than a score tile
+    (128, 4, 4, 8),  # MHA; two column groups of the output
+    (64, 12, 12, 16),  # the small preset's
+])
+@pytest.mark.parametrize("start,q_len", [(0, 1), (0, 37), (3, 17), (40, 33), (100, 1),
+                                         (16, 70), (200, 130)])
+def test_amx_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs: int,
+                                        start: int, q_len: int) -> None:
+    """The prefill chunk's attention on AMX tiles (bfloat16 query, cache and output) matches
+    masked SDPA over the gathered context in float32 up to bfloat16 roundings (of P and of the
+    output): fresh prompts and chunks after cached tokens, partial row and key tiles, through
+    a scattered table."""
+    kernel = decode_attention_kernel()
+    if kernel is None or not hasattr(kernel, "extend_attention_amx") or not kernel.amx_ready():
+        pytest.skip("no AMX tiles here (the CPU, the kernels' build or Linux): the backend "
+                    "takes SDPA or extend_attention instead")
+    torch.manual_seed(start * 1000 + q_len)
+    ctx = start + q_len
+    num_blocks = -(-ctx // bs)
+    table = torch.randperm(3 * num_blocks)[:num_blocks]
+    k_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim).to(torch.bfloat16)
+    v_cache = torch.randn(kv_heads, 3 * num_blocks * bs, dim).to(torch.bfloat16)
+    q = torch.randn(q_len, heads, dim).to(torch.bfloat16)
+    out = kernel.extend_attention_amx(q, k_cache, v_cache, table.to(torch.int32), start, bs,
+                                      dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    slots = (table.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]
+    ref = _causal_reference(q.float(), k_cache[:, slots].transpose(0, 1).float(),
+                            v_cache[:, slots].transpose(0, 1).float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 32"):
+        kernel.extend_attention_amx(q[..., :16], k_cache[..., :16].contiguous(),
+                                    v_cache[..., :16].contiguous(), table.to(torch.int32), start,
+                                    bs, 0.25)
 
 
 @pytest.mark.parametrize("cls", CPU_BACKENDS, ids=lambda c: c.__name__)

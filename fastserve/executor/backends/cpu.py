@@ -11,10 +11,10 @@ backend does, except in a bfloat16 model with a bfloat16 cache where the kernels
 AVX-512 BF16 and the CPU has no AMX: there `extend_attention`'s bfloat16 scores beat SDPA at
 every length (0.5x its time at 128-512 tokens, 0.8x at 2000-4000 on 2 Zen 4 cores), and it
 reads the same values back from the cache. With AMX, torch's bfloat16 SDPA (its flash
-attention runs its matmuls on the tiles) is the faster one from 64 tokens up: on 2 Sapphire
-Rapids cores, 12 heads of 64, 0.21 against 0.35 ms at 128 tokens, 3.3 against 4.8 at 512,
-6.3 against 15.1 at 1024, 67 against 235 at 4096 (`extend_attention` 0.02 against 0.05 ms at
-16).
+attention runs its matmuls on the tiles) is faster than `extend_attention` from 64 tokens up,
+and `extend_attention_amx` (cpu_attention_amx.cpp: both products on the tiles) faster than
+both up to 1024 tokens and after cached ones (AMX_MIN_QUERIES): fresh prompts up to 1024
+tokens and chunks of 32 or more after cached tokens run there, longer fresh prompts in SDPA.
 """
 
 from __future__ import annotations
@@ -80,6 +80,17 @@ def _fused_norm(kernel: ModuleType) -> FusedNorm:
 MAX_QUERY_ROWS = 16
 MAX_QUERY_ROWS_CONTEXT = 1024
 
+# Where the CPU has AMX (bfloat16 model and cache), a prefill chunk's attention runs on the
+# tiles (`extend_attention_amx`) from this many queries up, except fresh prompts past
+# AMX_MAX_FRESH tokens, where torch's SDPA (its flash attention on the tiles, keeping its
+# scores in cache) is faster. On 2 Sapphire Rapids cores, 12 heads of 64: fresh 128 / 512 /
+# 1024 / 2048 tokens 0.17 / 1.41 / 5.6 / 21.1 ms against SDPA's 0.21 / 2.0 / 6.2 / 18.8 and
+# `extend_attention`'s 0.46 / 4.6 / 19.6 / 67.6; after cached tokens, 256 after 1024: 3.6
+# against 8.2 ms, 1024 after 3072: 34 against 94, 50 after 1900: 2.7 against 2.8, 16 after
+# 1000: 0.77 against 0.71.
+AMX_MIN_QUERIES = 32
+AMX_MAX_FRESH = 1024
+
 # The cache dtypes the C++ kernels read.
 CPU_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -111,6 +122,8 @@ class CpuAttention(PagedAttention):
         self._info: dict[str, str] = {}  # set by prepare_model (see describe)
         # Fresh prefills through extend_attention too (module docstring); set by prepare_model.
         self._is_prefill_through_cache = False
+        # Prefill chunks on AMX tiles (AMX_MIN_QUERIES); set by prepare_model.
+        self._is_amx_attention = False
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Weights packed once for this CPU's fastest matmul (`cpu_linear`), and the small
@@ -120,9 +133,12 @@ class CpuAttention(PagedAttention):
         torch's). A float32 model keeps torch's layers: a different sum order there moves the
         last place, which could flip a greedy near-tie against HF."""
         dtype = next(model.parameters()).dtype
-        self._is_prefill_through_cache = (dtype == self.kv_cache.dtype == torch.bfloat16
-                                          and self.kernel.isa() == "avx512_bf16"
-                                          and cpu_isa() != "amx_bf16")
+        is_bf16 = dtype == self.kv_cache.dtype == torch.bfloat16
+        self._is_amx_attention = (is_bf16 and self.head_dim % 32 == 0
+                                  and hasattr(self.kernel, "extend_attention_amx")
+                                  and bool(self.kernel.amx_ready()))
+        self._is_prefill_through_cache = self._is_amx_attention or (
+            is_bf16 and self.kernel.isa() == "avx512_bf16" and cpu_isa() != "amx_bf16")
         weights = pack_weights(model)
         fused: dict[type[torch.nn.Module], Callable[..., Any]] = {}
         if dtype in (torch.bfloat16, torch.float16):
@@ -142,7 +158,8 @@ class CpuAttention(PagedAttention):
         self._info = {"cpu_isa": cpu_isa(), "kernels": self.kernel.isa(),
                       "weights": weights,
                       "fused_layers": ",".join(sorted(fused_names)) or "none",
-                      "prefill_attention": "kernel" if self._is_prefill_through_cache else "sdpa"}
+                      "prefill_attention": ("amx" if self._is_amx_attention else "kernel"
+                                            if self._is_prefill_through_cache else "sdpa")}
 
     def describe(self) -> dict[str, str]:
         """The CPU's best instruction set, the kernels' vector path, the weights' layout
@@ -221,7 +238,12 @@ class CpuAttention(PagedAttention):
     def _prefill(self, p: PrefillSlice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [q_len, num_heads, head_dim] -> the same shape."""
-        if p.block_table is not None:
+        fresh = p.start_pos == 0
+        if self._is_amx_attention and p.block_table is not None and p.q_len >= AMX_MIN_QUERIES \
+                and (not fresh or p.q_len <= AMX_MAX_FRESH):
+            return self.kernel.extend_attention_amx(  # type: ignore[no-any-return]
+                q, k_cache, v_cache, p.block_table, p.start_pos, self.block_size, self.scale)
+        if p.block_table is not None and not (fresh and self._is_amx_attention):
             # Block by block through the table: no gathered context, no [q_len, ctx_len] mask.
             return self.kernel.extend_attention(  # type: ignore[no-any-return]
                 q.float(), k_cache, v_cache, p.block_table, p.start_pos, self.block_size,

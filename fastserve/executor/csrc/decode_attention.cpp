@@ -791,6 +791,10 @@ torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
                               c10::optional<torch::Tensor> bias, int64_t n);
 torch::Tensor bf16_grouped_linear_amx(torch::Tensor x, std::vector<torch::Tensor> packed,
                                       std::vector<int64_t> sizes, int64_t n);
+// cpu_attention_amx.cpp
+torch::Tensor extend_attention_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_table, int64_t start_pos,
+                                   int64_t block_size, double scale);
 #endif
 
 // cpu_sampling.cpp
@@ -830,6 +834,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_amx", &bf16_linear_amx, "bf16_linear on AMX tiles (K a multiple of 32)");
   m.def("bf16_grouped_linear_amx", &bf16_grouped_linear_amx,
         "bf16_linear_amx of row groups (multiples of 16), each by its own packed weight");
+  m.def("extend_attention_amx", &extend_attention_amx,
+        "extend_attention on AMX tiles: bfloat16 query and cache, bfloat16 output");
 #endif
   m.def("nucleus_mass", &nucleus_mass,
         "per row, the probability of the tokens ranked before its drawn token (top-p's test)");
