@@ -4,7 +4,8 @@ Run by either engine's python (fastserve's venv or vLLM's), so it imports only t
 It loads the engine, warms it up, prints `ready`, then for every `run` line on stdin generates
 `--batch` prompts of `--input-len` random token ids, `--output-len` tokens each (`ignore_eos`,
 the sampling fields of `--sampling`: greedy by default), and prints `tok_per_s=X` (output tokens over the wall time of `generate`).
-Both engines get the same prompts (numpy, `--seed`) and the same maximum batch.
+Both engines get the same prompts (numpy, `--seed` and the run's number: new prompts every run,
+so that no prefix cache serves them) and the same maximum batch.
 
 NOTE: vLLM spawns its engine core; the work must sit under `if __name__ == "__main__":`.
 """
@@ -22,9 +23,11 @@ from typing import Any
 import numpy as np
 
 
-def prompts_for(args: argparse.Namespace) -> list[list[int]]:
+def prompts_for(args: argparse.Namespace, run: int = 0) -> list[list[int]]:
+    """Run `run`'s prompts (0: the warm-up's): new ones each run, so that neither engine's
+    prefix cache serves a timed run's prompts from an earlier one."""
     vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng([args.seed, run])
     return rng.integers(16, vocab, size=(args.batch, args.input_len)).tolist()
 
 
@@ -100,9 +103,12 @@ def main() -> None:
         profile(generate, prompts, args)
         return
     print("ready", flush=True)
+    runs = 0
     for line in sys.stdin:
         if line.strip() != "run":
             continue
+        runs += 1
+        prompts = prompts_for(args, runs)
         start = time.perf_counter()
         num_tokens = generate(prompts)
         print(f"tok_per_s={num_tokens / (time.perf_counter() - start):.3f}", flush=True)
