@@ -17,7 +17,6 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -49,15 +48,6 @@ def plan(num: int, run: int, num_device: int, num_host: int, rng: random.Random
     starts_h = rng.sample(range(0, num_host - run + 1, run), -(-num // run))
     pairs = [(d + i, h + i) for d, h in zip(starts_d, starts_h, strict=True) for i in range(run)]
     return pairs[:num]
-
-
-def median_us(fn: Callable[[], None], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -101,7 +91,9 @@ def main() -> None:
                 times: dict[str, list[float]] = {name: [] for name in ways}
                 for _ in range(args.reps):  # the ways take turns
                     for name, fn in ways.items():
-                        times[name].append(median_us(fn, 1) / num)
+                        start = time.perf_counter()
+                        fn()
+                        times[name].append((time.perf_counter() - start) * 1e6 / num)
                 med = {name: statistics.median(t) for name, t in times.items()}
                 # Both ways land the same bytes: the host copy of a run way equals the indexed one.
                 swapper._copy_plan(pairs, [])

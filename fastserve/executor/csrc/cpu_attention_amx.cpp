@@ -37,24 +37,8 @@ constexpr int64_t kPairTile = 32;  // keys per P V product (an A tile row: 32 bf
 constexpr int64_t kColTile = 16;   // output dims per C tile
 constexpr int64_t kTileWords = 16 * 16;  // one B tile: 16 rows of 64 bytes, as 32-bit words
 
-struct alignas(64) AttnTileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tiles 0-3: C (16 rows x 16 float32); 4: A (16 rows x 32 bfloat16); 5: B (16 pairs x 16).
-void configure_attention_tiles() {
-  AttnTileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 6; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+constexpr int kNumTiles = 6;
 
 inline uint32_t pair_word(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
@@ -271,7 +255,7 @@ torch::Tensor extend_attention_amx(torch::Tensor q, torch::Tensor k_cache, torch
   // Later row tiles reach more keys: tasks zig-zag (first, last, second, ...) so that the
   // contiguous ranges parallel_for hands the threads carry near-equal work.
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    configure_attention_tiles();  // NOTE: per thread: the tile configuration is a thread's state
+    configure_tiles(kNumTiles);  // NOTE: per thread: the tile configuration is a thread's state
     Buffers b;
     b.ld = (kv_len + kPairTile - 1) / kPairTile * kPairTile;
     b.q.resize(kRows * d);

@@ -290,25 +290,9 @@ constexpr int64_t kStepPairs = 16;  // k pairs per tile product (32 k: an A tile
 constexpr int64_t kStepBytes = kStepPairs * kBlockN * 2 * 2;  // a block's weight per product step
 constexpr int64_t kAmxPrefetchSteps = 2;  // how far ahead the first row tile prefetches (to L1)
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Every tile 16 rows x 64 bytes: C, 16 rows x 16 float32 sums; A, 16 rows x 32 bfloat16 of x;
-// B, 16 k pairs x 16 outputs x 2. How `amx_tile` and `amx_pair` use the eight, see there.
-void configure_tiles() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Every tile 16 rows x 64 bytes (vec.h's configure_tiles(8)): C, 16 rows x 16 float32 sums;
+// A, 16 rows x 32 bfloat16 of x; B, 16 k pairs x 16 outputs x 2. How `amx_tile` and
+// `amx_pair` use the eight, see there.
 
 constexpr int64_t kTileFloats = kTileRows * 16;  // one C tile stored: [16 rows][16 outputs]
 
@@ -436,7 +420,7 @@ torch::Tensor bf16_linear_amx(torch::Tensor x, torch::Tensor packed,
   const int64_t row_tiles = c.x2.size(0) / kTileRows;
   // Block-major as bf16_linear: each block is read from memory by its first row tile.
   at::parallel_for(0, c.blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();  // NOTE: per thread: the tile configuration is a thread's state
+    configure_tiles(8);  // NOTE: per thread: the tile configuration is a thread's state
     alignas(64) float sums[4 * kTileRows * 16];
     for (int64_t nb = begin; nb < end; ++nb) {
       int64_t t = 0;
@@ -460,7 +444,7 @@ torch::Tensor bf16_grouped_linear_amx(torch::Tensor x, std::vector<torch::Tensor
   const int64_t blocks = gs.blocks;
   const int64_t tasks = static_cast<int64_t>(gs.gemms.size()) * blocks;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();  // NOTE: per thread, as in bf16_linear_amx
+    configure_tiles(8);  // NOTE: per thread, as in bf16_linear_amx
     alignas(64) float sums[4 * kTileRows * 16];
     for (int64_t task = begin; task < end; ++task) {
       const Gemm& g = gs.gemms[task / blocks];
