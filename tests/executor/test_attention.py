@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import PagedAttention
 from fastserve.executor.backends import attention_backend, backend_classes
-from fastserve.executor.backends.cpu import CpuAttention
+from fastserve.executor.backends.cpu import AMX_PREFILL_ENV, CpuAttention
 from fastserve.executor.backends.torch_sdpa import TorchAttention, TorchCudaAttention
-from fastserve.executor.cpu_kernels import avx2_kernel_variant, cpu_isa, decode_attention_kernel
+from fastserve.executor.cpu_kernels import avx2_kernel_variant, decode_attention_kernel
 from fastserve.executor.model_runner import flatten
 from fastserve.request import SamplingParams
 
@@ -123,22 +123,26 @@ def test_mixed_batch_matches_reference(cls: type[PagedAttention]) -> None:
 @pytest.mark.parametrize("prepared", [False, True], ids=["bare", "model-prepared"])
 @pytest.mark.parametrize("long", [False, True], ids=["short", "long-prefills"])
 def test_cpu_backend_keeps_a_half_model_in_a_half_cache(dtype: torch.dtype, prepared: bool,
-                                                        long: bool) -> None:
+                                                        long: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A half-precision model's K/V go into a cache of its dtype (half a float32 cache's
     bytes) and the C++ kernels read them there: the same mixed iteration matches float32
     attention over the same half values, up to the output's rounding to the model dtype.
     Prepared for a bfloat16 model, fresh prefills read the cache through the extend kernel
-    too where the kernels have AVX-512 BF16 and the CPU no AMX; with AMX, prefills of 32
-    tokens or more (`long`: a fresh 40 and 40 after 50 cached) run on the tiles. Both match."""
+    too where the kernels have AVX-512 BF16; with AMX and `long` (a fresh 40 and 40 after 50
+    cached), the tiles' kernel is switched on (it is opt-in) and those prefills run there.
+    Every way matches."""
+    if long:
+        monkeypatch.setenv(AMX_PREFILL_ENV, "1")
     attn = CpuAttention(1, 2, 32, num_blocks=40, block_size=4, dtype=dtype,
                         device=torch.device("cpu"))
     assert attn.k_caches[0].dtype == dtype
     if prepared:
         attn.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 64)).to(dtype))
-        is_amx = (dtype == torch.bfloat16 and hasattr(attn.kernel, "extend_attention_amx")
-                  and attn.kernel.amx_ready())
+        is_amx = (long and dtype == torch.bfloat16
+                  and hasattr(attn.kernel, "extend_attention_amx") and attn.kernel.amx_ready())
         expected = ("amx" if is_amx else "kernel" if dtype == torch.bfloat16
-                    and attn.kernel.isa() == "avx512_bf16" and cpu_isa() != "amx_bf16" else "sdpa")
+                    and attn.kernel.isa() == "avx512_bf16" else "sdpa")
         assert attn.describe()["prefill_attention"] == expected
     _check_mixed_batch(attn, dtype, tol=1e-2, long=long)
 

@@ -8,17 +8,18 @@ cached tokens (`extend_attention`); both follow the block tables themselves, so 
 gathered. A short chunk after cached tokens (speculative decoding's drafts) joins the decode
 call, a row per token. A prefill from position 0 attends over its fresh K/V with SDPA, as the portable
 backend does, except in a bfloat16 model with a bfloat16 cache where the kernels have
-AVX-512 BF16 and the CPU has no AMX: there `extend_attention`'s bfloat16 scores beat SDPA at
-every length (0.5x its time at 128-512 tokens, 0.8x at 2000-4000 on 2 Zen 4 cores), and it
-reads the same values back from the cache. With AMX, torch's bfloat16 SDPA (its flash
-attention runs its matmuls on the tiles) is faster than `extend_attention` from 64 tokens up,
-and `extend_attention_amx` (cpu_attention_amx.cpp: both products on the tiles) faster than
-both up to 1024 tokens and after cached ones (AMX_MIN_QUERIES): fresh prompts up to 1024
-tokens and chunks of 32 or more after cached tokens run there, longer fresh prompts in SDPA.
+AVX-512 BF16: there `extend_attention`'s bfloat16 scores beat SDPA at every length on 2 Zen 4
+cores (0.5x its time at 128-512 tokens, 0.8x at 2000-4000), and it reads the same values back
+from the cache, rounding as a prefix-cache hit's rows do. On an AMX CPU torch's bfloat16 SDPA
+is faster from 64 tokens up, and `extend_attention_amx` (cpu_attention_amx.cpp: both products
+on the tiles) faster than both up to 1024 tokens and after cached ones (AMX_MIN_QUERIES); it
+is opt-in (AMX_PREFILL_ENV: see there why), and then takes fresh prompts up to 1024 tokens and
+chunks of 32 or more after cached tokens, longer fresh prompts going to SDPA.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -88,8 +89,14 @@ MAX_QUERY_ROWS_CONTEXT = 1024
 # `extend_attention`'s 0.46 / 4.6 / 19.6 / 67.6; after cached tokens, 256 after 1024: 3.6
 # against 8.2 ms, 1024 after 3072: 34 against 94, 50 after 1900: 2.7 against 2.8, 16 after
 # 1000: 0.77 against 0.71.
+# NOTE: opt-in (`FASTSERVE_CPU_AMX_PREFILL=1`). The tiles round P to bfloat16, which the decode
+# kernel does not: a prompt's last row then differs between a fresh prefill (here) and a
+# prefix-cache hit (its last token a decode row), and greedy tokens can flip at near-ties: the
+# same prompt twice would not answer alike. The default keeps every path on the kernels'
+# shared arithmetic (`extend_attention`, as the decode kernel's).
 AMX_MIN_QUERIES = 32
 AMX_MAX_FRESH = 1024
+AMX_PREFILL_ENV = "FASTSERVE_CPU_AMX_PREFILL"
 
 # The cache dtypes the C++ kernels read.
 CPU_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -135,10 +142,11 @@ class CpuAttention(PagedAttention):
         dtype = next(model.parameters()).dtype
         is_bf16 = dtype == self.kv_cache.dtype == torch.bfloat16
         self._is_amx_attention = (is_bf16 and self.head_dim % 32 == 0
+                                  and os.environ.get(AMX_PREFILL_ENV) == "1"
                                   and hasattr(self.kernel, "extend_attention_amx")
                                   and bool(self.kernel.amx_ready()))
         self._is_prefill_through_cache = self._is_amx_attention or (
-            is_bf16 and self.kernel.isa() == "avx512_bf16" and cpu_isa() != "amx_bf16")
+            is_bf16 and self.kernel.isa() == "avx512_bf16")
         weights = pack_weights(model)
         fused: dict[type[torch.nn.Module], Callable[..., Any]] = {}
         if dtype in (torch.bfloat16, torch.float16):
