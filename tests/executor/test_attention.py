@@ -299,6 +299,33 @@ def test_cpu_extend_kernel_matches_sdpa(dim: int, heads: int, kv_heads: int, bs:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 12, 12), (32, 8, 4), (128, 4, 2), (48, 6, 3)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+def test_cpu_extend_rows_do_not_depend_on_the_chunk(dim: int, heads: int, kv_heads: int,
+                                                   cache_dtype: torch.dtype, variant: str) -> None:
+    """A query's attention output is the same, bit for bit, whichever chunk it comes in: the
+    whole prompt at once, two chunks split mid-tile, or the query alone: wherever chunked
+    prefill's token budget cuts a prompt, every row is added up in one order however the
+    kernel tiles the rows around it."""
+    kernel = _kernel(variant)
+    torch.manual_seed(dim)
+    bs, ctx = 16, 83
+    table = torch.randperm(2 * -(-ctx // bs))[:-(-ctx // bs)].to(torch.int32)
+    k_cache = torch.randn(kv_heads, 2 * table.numel() * bs, dim).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, 2 * table.numel() * bs, dim).to(cache_dtype)
+    q = torch.randn(ctx, heads, dim).to(cache_dtype).float()
+
+    def attend(start: int, end: int) -> torch.Tensor:
+        return kernel.extend_attention(q[start:end].contiguous(), k_cache, v_cache, table, start,
+                                       bs, dim**-0.5)
+
+    whole = attend(0, ctx)
+    assert torch.equal(torch.cat([attend(0, 37), attend(37, ctx)]), whole)
+    for i in (0, 5, 36, 37, 64, 82):
+        assert torch.equal(attend(i, i + 1), whole[i:i + 1]), f"query {i}"
+
+
 @pytest.mark.parametrize("dim,heads,kv_heads,bs", [
     (32, 8, 4, 16),  # the tiny preset's shape: GQA rows (query, head) in a tile
     (64, 8, 2, 4),   # a group of 4, blocks shorter than a score tile
