@@ -100,7 +100,7 @@ def main() -> None:
     prompts = prompts_for(args)
     generate(prompts)  # warm-up: the same shapes as the timed runs
     if args.torch_profile:
-        profile(generate, prompts, args)
+        profile(generate, prompts_for(args, 1), args)  # new prompts: no prefix-cache hits
         return
     print("ready", flush=True)
     runs = 0
