@@ -570,8 +570,13 @@ inline void tile_accumulate(const float* p, const CacheT* vblk, int64_t r0, int6
       const float pt = p[r * kKeys + t];
       const CacheT* vr = vblk + t * d;
       float* orow = o + r * d;
+#ifdef FS_HAVE_AVX2  // fused, as the paired rows (a CPU without FMA would call libm's fma)
 #pragma omp simd
       for (int64_t j = 0; j < d; ++j) orow[j] = std::fma(pt, static_cast<float>(vr[j]), orow[j]);
+#else  // every row takes this path: they round alike
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) orow[j] += pt * static_cast<float>(vr[j]);
+#endif
     }
 }
 
