@@ -200,9 +200,10 @@ def test_engine_started_on_a_wrong_profile_decides_with_a_calibrated_one(
     assert engine.cost == engine.startup_cost.scaled(check.scale)
     assert engine.scheduler.cost is engine.cost
     later = engine.recorder.samples()[check.min_iterations * 2:]
-    # Within 1.5x either way, from 4x off. NOTE: not tighter: the calibration's window and the
-    # later iterations run minutes apart on a shared machine (1.35 was seen once in ~30 runs).
-    assert 0.67 <= in_force_ratio(later) <= 1.5
+    # Within 2x either way, from 4x off (uncalibrated, the later iterations would be 4-5x off).
+    # NOTE: not tighter: the calibration follows the machine with a lag and the machine is
+    # shared (1.35 was seen once in ~30 runs on an AVX2 EPYC, 1.51 once under CI on a Zen 4).
+    assert 0.5 <= in_force_ratio(later) <= 2.0
     assert engine.stats()["cost_model_scale"] == check.scale
     # Off: the engine decides with the profile as given, whatever its iterations take.
     fixed = LLMEngine(dataclasses.replace(
