@@ -531,9 +531,9 @@ inline void tile_scores_dp(const BF16* qh, const uint32_t* kt2, int64_t rows, in
 #endif
 
 // o[r] += sum_t p[r][t] v[t] for the rows in [r0, r1), keys [0, n).
-// NOTE: both paths add each key's product to o in key order as one fused multiply-add: a row
-// rounds alike whichever path takes it, so a query's output does not depend on the chunk (or
-// the position in it) it came in.
+// NOTE: a row rounds alike whichever path takes it (each key's product added in key order, as
+// one fused multiply-add where the build has AVX2 + FMA), so a query's output does not depend
+// on the chunk (or the position in it) it came in.
 template <typename CacheT>
 inline void tile_accumulate(const float* p, const CacheT* vblk, int64_t r0, int64_t r1, int64_t n,
                             int64_t d, float* o) {
