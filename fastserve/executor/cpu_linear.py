@@ -5,12 +5,13 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
 - float32 (AVX2): oneDNN's linear on a packed weight is 1.3-2x faster at 16-64 rows, the
   32000-row LM head 2x, and no gain for prefills of hundreds of rows, which keep the plain
   weight (`F32_PACKED_MAX_ROWS`).
-- bfloat16 with AVX-512 BF16 and no AMX: our kernel (`csrc/cpu_gemm.cpp`) up to 2048 rows
-  (`KERNEL_MAX_ROWS`). On the small preset's 49 matmuls (2-core Zen 4, medians,
-  `benchmarks/cpu_matmul.py`) it is 1.8x oneDNN's packed bf16 at 1-16 rows, 1.35x at 32,
-  1.2x at 64, 1.07x at 256 and 1.0x at 2048: a decode batch's matmuls are bound by reading
-  the weights, which the kernel streams near the memory's speed. At 4096 rows it was 0.91x
-  oneDNN's and 0.94x `F.linear`'s, so larger calls take `F.linear` on the plain weights.
+- bfloat16 with AVX-512 BF16 and no AMX: our kernel (`csrc/cpu_gemm.cpp`), every row count.
+  On the small preset's 49 matmuls (2-core Zen 4, medians, `benchmarks/cpu_matmul.py`) it is
+  1.8x oneDNN's packed bf16 at 1-16 rows, 1.35x at 32, 1.2x at 64, 1.07x at 256 and
+  0.96-1.0x from 2048 to 8192 rows, where it is 1.01-1.05x `F.linear` on the plain weights: a
+  decode batch's matmuls are bound by reading the weights, which the kernel streams near the
+  memory's speed, and a prefill's by the `vdpbf16ps` units. One path for every row count also
+  rounds a row alike in every batch (a prompt's tokens, alone or beside others).
 - bfloat16 with AMX: the same packed layout, read by the kernel's AMX tiles
   (`bf16_linear_amx`), up to 768 rows (`AMX_MAX_ROWS`). On the small preset's 49 matmuls (a
   2-core Xeon with AMX, `benchmarks/cpu_matmul.py`, medians of two runs' figures) it is
@@ -44,12 +45,14 @@ from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
 from fastserve.model.mlp import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
+CPU = torch.device("cpu")
 
 KERNEL_LAYOUT = "avx512bf16-kernel"  # the name of `csrc/cpu_gemm.cpp`'s layout
 AMX_LAYOUT = "amx-bf16-kernel"  # the same layout, read by AMX tiles
-# Up to this many rows the kernel wins; larger calls (prefills of over 2048 tokens: the input
-# no longer stays in cache while each block is read) take the plain weights' F.linear.
-KERNEL_MAX_ROWS = 2048
+# The most rows of one expert that `fused_experts` takes in one call (its grouped kernel runs
+# a group in one pass over the weight, which slows past this; see csrc/cpu_gemm.cpp); a batch
+# with a larger group takes the block's per-expert path, through the same kernel.
+FUSED_MOE_MAX_ROWS = 2048
 # With AMX: the tiles up to here (where oneDNN's and F.linear's blocking overtakes theirs).
 AMX_MAX_ROWS = 768
 
@@ -97,14 +100,14 @@ def _kernel_matmul(kernel: ModuleType, n: int, k: int
 
     def matmul(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
         return kernel.bf16_linear(x, packed, bias, n)
-    return matmul, KERNEL_MAX_ROWS
+    return matmul, sys.maxsize
 
 
-def _kernel_for(weight: Tensor) -> tuple[ModuleType, tuple[Callable[[Tensor, Tensor, Tensor | None],
-                                                                    Tensor], int]] | None:
-    """The kernel and its matmul for `weight`, where `packed_weight` packs it in the kernel's
-    layout; else None."""
-    if weight_layout(weight.dtype, weight.device) not in (KERNEL_LAYOUT, AMX_LAYOUT):
+def _kernel_for(weight: Tensor, device: torch.device | None = None
+                ) -> tuple[ModuleType, tuple[Callable[[Tensor, Tensor, Tensor | None], Tensor], int]] | None:
+    """The kernel and its matmul for `weight` (on `device`, default its own), where
+    `packed_weight` packs it in the kernel's layout; else None."""
+    if weight_layout(weight.dtype, device or weight.device) not in (KERNEL_LAYOUT, AMX_LAYOUT):
         return None
     kernel = _bf16_kernel()
     if kernel is None:
@@ -189,21 +192,22 @@ def fused_experts(block: SparseMoeBlock) -> Callable[[Tensor], Tensor | None] | 
 
     The choices are the same ops', each row is computed as the expert's own packed matmul
     computes it, and the sums round as the torch ops do, so the outputs are the block's own. A
-    batch past the kernel's rows (a long prefill) takes the block's per-expert path."""
+    batch with more rows than `FUSED_MOE_MAX_ROWS` (or, with AMX, than its tiles take) takes the
+    block's per-expert path."""
     kernel = _bf16_kernel()
     if kernel is None or not hasattr(kernel, "bf16_moe_block"):
         return None
     mlps = [block.mlp(i) for i in range(block.num_experts)]
     projections = [block.gate, *(p for e in mlps for p in (e.gate_up_proj, e.down_proj))]
     if block.gate.bias is not None or any(
-            p.packed is None or _kernel_for(p.weight) is None or p.weight.shape[1] % 2
+            p.packed is None or _kernel_for(p.weight, CPU) is None or p.weight.shape[1] % 2
             for p in projections):
         return None
     router = block.gate.packed.weight  # type: ignore[union-attr]
     gate_up = [e.gate_up_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     down = [e.down_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     width, hidden = mlps[0].gate_up_proj.output_size, mlps[0].down_proj.output_size
-    max_rows = min(p.packed.max_rows for p in projections)  # type: ignore[union-attr]
+    max_rows = min(FUSED_MOE_MAX_ROWS, *(p.packed.max_rows for p in projections))  # type: ignore[union-attr]
     top_k, norm, amx = block.top_k, block.norm_topk_prob, _has_amx(kernel)
 
     def run(x: Tensor) -> Tensor | None:

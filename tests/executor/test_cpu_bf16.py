@@ -14,7 +14,7 @@ from fastserve.cli import build_parser
 from fastserve.executor.backends import kv_cache_dtype
 from fastserve.executor.backends.cpu import CpuAttention
 from fastserve.executor.cpu_kernels import decode_attention_kernel
-from fastserve.executor.cpu_linear import pack_weights
+from fastserve.executor.cpu_linear import KERNEL_LAYOUT, pack_weights, packed_weight, weight_layout
 from fastserve.executor.dtype_choice import resolve_dtype
 from fastserve.model.layers import RMSNorm
 from tests.greedy import GreedyReference
@@ -181,6 +181,33 @@ def test_bf16_matmul_kernel_is_the_exact_product_rounded(path: str, n: int, k: i
         linear(wide[:, :k].float(), packed, None, n)
     with pytest.raises(RuntimeError, match="does not fit"):
         linear(wide, packed, None, n)
+
+
+@pytest.mark.skipif(KERNEL is None or not hasattr(KERNEL, "bf16_linear"),
+                    reason="the bfloat16 matmul kernel needs AVX-512 BF16 (the kernels on this "
+                    "CPU are built without it, or are off)")
+def test_bf16_matmul_kernel_rows_do_not_depend_on_the_batch() -> None:
+    """A long prefill's matmul (1,300 rows: the kernel's 512-row passes and a part one) gives
+    each row bit for bit what it gives that row in a call of its own or in any slice of the
+    batch, and the exact product rounded; and on a CPU whose packed weights are the kernel's
+    (AVX-512 BF16, no AMX), the model's layers take it for prefills of any length, so a
+    prompt's rows round alike beside any other prompts."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(11)
+    n, k, rows = 200, 96, 1300
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    packed = KERNEL.bf16_pack_weight(w)
+    got = KERNEL.bf16_linear(x, packed, None, n)
+    exact = x.double() @ w.double().T
+    bound = exact.abs() * 2.0**-8 + 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound).all()
+    for lo, hi in [(0, 1), (1299, 1300), (7, 520), (500, 1300), (511, 1030)]:
+        assert torch.equal(KERNEL.bf16_linear(x[lo:hi], packed, None, n), got[lo:hi]), (lo, hi)
+    layer = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    if weight_layout(torch.bfloat16, CPU) == KERNEL_LAYOUT:
+        pw = packed_weight(layer.weight)
+        assert pw is not None and pw.max_rows >= 1 << 20  # no row count falls back to F.linear
 
 
 @needs_kernels

@@ -5,8 +5,8 @@
 // step of the small preset streams 219 MB of weights, so the matmuls set the step's time.
 // Measured side by side on the small preset's 49 matmuls (2 cores, medians,
 // benchmarks/cpu_matmul.py): 1.8x oneDNN at 1-16 rows, 1.35x at 32, 1.07x at 256 (compute-bound
-// there, ~85% of the `vdpbf16ps` peak), 1.0x at 2048 and 0.91x at 4096 (the input no longer
-// stays in cache; cpu_linear.py sends such calls elsewhere).
+// there, ~85% of the `vdpbf16ps` peak), 0.96-1.0x from 2048 to 8192 rows (in passes of
+// kChunkRows rows), where it is 1.03-1.05x `F.linear` on the plain weight.
 //
 // Where the CPU has AMX (bf16_linear_amx), the same packed weight is read by tiles: 16 k pairs of
 // a block are 16 rows of 256 bytes, and each 64 bytes of them is a B tile of 16 outputs in the
@@ -28,6 +28,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #ifdef __linux__
@@ -43,6 +44,11 @@ namespace {
 constexpr int64_t kBlockN = 64;     // outputs per packed block
 constexpr int kMaxTileRows = 6;     // rows per register tile
 constexpr int64_t kPanelRows = 48;  // rows per parallel task
+// Rows per pass over the weight. Every block is multiplied by all of a pass's rows, so a pass's
+// input must stay in cache while the blocks stream by: unchunked, 8192 rows ran at 0.90x oneDNN's
+// packed matmul and 0.92x F.linear (small preset, 2-core Zen 4); in 512-row passes, 0.96-0.98x
+// and 1.03-1.05x, and 2048 rows as fast as in one pass (benchmarks/cpu_matmul.py, medians).
+constexpr int64_t kChunkRows = 512;
 constexpr int64_t kPrefetchBytes = 2048;  // ahead in the block being read (to L1)
 
 struct Gemm {
@@ -245,17 +251,22 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   const Call c = prepare("bf16_linear", x, packed, bias, n, 1);
   const int64_t m = c.m, blocks = c.blocks;
   if (m == 0) return c.y.view(c.out_shape);
-  const Gemm& g = c.g;
-  const int64_t panels = (m + kPanelRows - 1) / kPanelRows;
-  // Block-major: a thread runs every panel of a block before the next block, so the block is
-  // read from memory once and from L2 for the other panels; the last panel prefetches the next.
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t nb = t / panels, p = t % panels;
-      panel(g, p * kPanelRows, std::min(m, (p + 1) * kPanelRows), nb,
-            p + 1 == panels && t + 1 < end && nb + 1 < blocks);
-    }
-  });
+  // In chunks of kChunkRows rows, each block-major: a thread runs every panel of a block before
+  // the next block, so the block is read from memory once and from L2 for the other panels; the
+  // last panel prefetches the next.
+  for (int64_t r0 = 0; r0 < m; r0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, m - r0), panels = (rows + kPanelRows - 1) / kPanelRows;
+    Gemm g = c.g;
+    g.x += r0 * g.sx;
+    g.y += r0 * g.sy;
+    at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t nb = t / panels, p = t % panels;
+        panel(g, p * kPanelRows, std::min(rows, (p + 1) * kPanelRows), nb,
+              p + 1 == panels && t + 1 < end && nb + 1 < blocks);
+      }
+    });
+  }
   return c.y.view(c.out_shape);
 }
 
