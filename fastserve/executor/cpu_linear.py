@@ -25,8 +25,10 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
 - bfloat16 elsewhere oneDNN supports it (a build of the kernels without AVX-512 BF16, or AMX
   refused by the OS): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
   batches, a few percent for prefills). A CPU without bf16 instructions keeps the plain weights.
-The packed copies double the weights' memory; our kernel's are kept in huge pages
-(`cpu_memory`).
+Where a packed copy serves calls of every row count (the kernel without AMX, oneDNN's bfloat16),
+the plain weight is released once packed, so the weights are held once; elsewhere (float32, AMX)
+the plain copy stays for the larger calls, and the weights are held twice. Our kernel's packed
+weights are kept in huge pages (`cpu_memory`).
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ def packed_shape(weight: Tensor) -> tuple[int, ...]:
 def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
     """Give every linear layer of a CPU model its weight packed by `packed_weight` (for calls
     of up to `max_rows` rows; default per dtype); returns the `weight_layout` used. The
-    kernel's layout is packed straight into one region of huge pages (`cpu_memory`)."""
+    kernel's layout is packed straight into one region of huge pages (`cpu_memory`). A plain
+    weight that no call reads any more is released (`release_plain_weights`)."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
     if not layers:
         return "plain"
@@ -179,7 +182,29 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
         for m in layers:
             m.packed = None
         return "plain"
+    freed = release_plain_weights(model, layers)
+    if freed:
+        logger.info("weights packed as %s; the plain copies released (%.0f MB): the packed ones "
+                    "serve every call", layout, freed / 1e6)
     return layout
+
+
+def release_plain_weights(model: nn.Module, layers: list[LinearBase | ParallelLMHead]) -> int:
+    """Drop the plain copy of each of `layers`' weights whose packed copy serves calls of any
+    row count (the kernel's layout without AMX, oneDNN's bfloat16), so the weights are held
+    once and not twice; a weight another module shares (an LM head tied to the embedding)
+    stays. The weight left in its place is a meta tensor, its shape and dtype without data: a
+    stray read fails loudly instead of reading garbage. Returns the bytes released."""
+    refs: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        refs[id(p)] = refs.get(id(p), 0) + 1
+    freed = 0
+    for m in layers:
+        if m.packed is None or m.packed.max_rows < sys.maxsize or refs.get(id(m.weight), 0) > 1:
+            continue
+        freed += m.weight.numel() * m.weight.element_size()
+        m.weight = nn.Parameter(m.weight.detach().to("meta"), requires_grad=False)
+    return freed
 
 
 def fused_experts(block: SparseMoeBlock) -> Callable[[Tensor], Tensor | None] | None:

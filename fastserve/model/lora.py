@@ -256,7 +256,8 @@ class LoRAWeights:
         self.model = model
         self.arch = arch
         self.max_slots = max_slots  # slot ids are below it
-        param = next(model.parameters())
+        # (a CPU model's packed linear weights leave meta tensors behind: `cpu_linear`)
+        param = next(p for p in model.parameters() if p.device.type != "meta")
         self.dtype, self.device = param.dtype, param.device
         self.batch = LoRABatch(self.dtype)
         self.stacks: dict[tuple[int, str], LoRALinear] = {}

@@ -4,6 +4,7 @@ the float32 model's."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from fastserve.executor.backends.cpu import CpuAttention
 from fastserve.executor.cpu_kernels import decode_attention_kernel
 from fastserve.executor.cpu_linear import KERNEL_LAYOUT, pack_weights, packed_weight, weight_layout
 from fastserve.executor.dtype_choice import resolve_dtype
-from fastserve.model.layers import RMSNorm
+from fastserve.model.layers import LinearBase, RMSNorm
 from tests.greedy import GreedyReference
 
 KERNEL = decode_attention_kernel()
@@ -126,11 +127,25 @@ def test_bf16_packed_weights_give_the_plain_logits(tiny_model_path: Path) -> Non
         with torch.inference_mode():
             return model.compute_logits(model(ids, pos, DenseCausalAttention([30, 10]))).float()
 
-    ref = logits()
+    def held_mb() -> float:  # the model's weights in memory: plain and packed
+        params = [p for p in model.parameters() if p.device.type != "meta"]
+        packed = [m.packed.weight for m in model.modules() if getattr(m, "packed", None) is not None]
+        return sum(t.numel() * t.element_size() for t in params + packed) / 1e6
+
+    ref, before = logits(), held_mb()
     assert pack_weights(model) != "plain" and model.lm_head.packed is not None
     got = logits()
     assert (got - ref).abs().max() < 0.1 * ref.abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    if all(m.packed is not None and m.packed.max_rows == sys.maxsize for m in linears):
+        # the packed weights serve every call: the plain ones are gone, not held twice
+        assert all(m.weight.device.type == "meta" for m in linears)
+        assert held_mb() < 1.1 * before
+        assert torch.equal(logits(), got)
+    else:  # float32 paths or AMX: the plain weights serve the larger calls
+        assert all(m.weight.device.type == "cpu" for m in linears)
+    assert model.model.embed_tokens.weight.device.type == "cpu"  # also where the head is tied
 
 
 @pytest.mark.skipif(KERNEL is None or not hasattr(KERNEL, "bf16_linear"),
