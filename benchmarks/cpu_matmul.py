@@ -5,9 +5,11 @@ QKV, O, gate/up, down, and the LM head; 219 MB of bfloat16 weights) at several r
 bfloat16, three ways: `csrc/cpu_gemm.cpp` on weights packed as the CPU backend packs them (in
 huge pages), oneDNN's linear on its packed weights (what ran before, and what AMX CPUs run), and
 `F.linear` on the plain weights. The ways take turns within each repetition; prints medians,
-the weight bytes read per second and the ratios.
+the weight bytes read per second and the ratios. `--dtype float32`: oneDNN's packed float32
+weights against `F.linear` (the kernel is bfloat16's).
 
     .venv/bin/python benchmarks/cpu_matmul.py [--rows 1,10,16,32,64,256] [--reps 5]
+        [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -43,35 +45,40 @@ def main() -> None:
     ap.add_argument("--rows", default="1,10,16,32,64,256")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     kernel = decode_attention_kernel()
-    if kernel is None or not hasattr(kernel, "bf16_linear"):
+    if dtype == torch.bfloat16 and (kernel is None or not hasattr(kernel, "bf16_linear")):
         raise SystemExit(f"the bfloat16 matmul kernel needs AVX-512 BF16; this CPU: {cpu_isa()}")
     model = Path(args.model) if args.model else cached_model_path("small")
     shapes = layer_shapes(model)
     g = torch.Generator().manual_seed(0)
-    plain = [(torch.randn(o, i, generator=g) * 0.02).to(torch.bfloat16) for o, i in shapes]
-    # NOTE: the kernel's own shape, also on an AMX CPU (where the engine takes oneDNN's).
-    ours = huge_page_views([tuple(kernel.bf16_packed_shape(*w.shape)) for w in plain], torch.bfloat16)
-    for w, dst in zip(plain, ours):
-        kernel.bf16_pack_weight(w, dst)
+    plain = [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes]
     onednn = [pack(w) for w in plain]
-    weight_bytes = sum(o * i * 2 for o, i in shapes)
-    ways: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-        "kernel": lambda x, j: kernel.bf16_linear(x, ours[j], None, shapes[j][0]),
-        "onednn": lambda x, j: onednn_linear(x, onednn[j], None),
-        "F.linear": lambda x, j: torch.nn.functional.linear(x, plain[j]),
-    }
-    if hasattr(kernel, "bf16_linear_amx") and kernel.amx_ready():  # the same packed weights
+    weight_bytes = sum(o * i * dtype.itemsize for o, i in shapes)
+    ways: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {}
+    if dtype == torch.bfloat16:
+        assert kernel is not None
+        # NOTE: the kernel's own shape, also on an AMX CPU (where the engine takes oneDNN's).
+        ours = huge_page_views([tuple(kernel.bf16_packed_shape(*w.shape)) for w in plain], dtype)
+        for w, dst in zip(plain, ours):
+            kernel.bf16_pack_weight(w, dst)
+        ways["kernel"] = lambda x, j: kernel.bf16_linear(x, ours[j], None, shapes[j][0])
+    ways["onednn"] = lambda x, j: onednn_linear(x, onednn[j], None)
+    ways["F.linear"] = lambda x, j: torch.nn.functional.linear(x, plain[j])
+    if kernel is not None and dtype == torch.bfloat16 and hasattr(kernel, "bf16_linear_amx") and kernel.amx_ready():
         ways["amx"] = lambda x, j: kernel.bf16_linear_amx(x, ours[j], None, shapes[j][0])
-    print(f"{model.name}: {len(shapes)} linear layers, {weight_bytes / 1e6:.0f} MB bfloat16, "
+    print(f"{model.name}: {len(shapes)} linear layers, {weight_bytes / 1e6:.0f} MB {args.dtype}, "
           f"{torch.get_num_threads()} threads, CPU {cpu_isa()}; medians of {args.reps} interleaved reps")
+    first = "kernel" if "kernel" in ways else "onednn"
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms (GB/s)':>20}" for name in ways)
-          + "   kernel vs onednn   vs F.linear" + ("   amx vs onednn" if "amx" in ways else ""))
+          + ("   kernel vs onednn" if first == "kernel" else "") + f"   {first} vs F.linear"
+          + ("   amx vs onednn" if "amx" in ways else ""))
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {i: torch.randn(rows, i, generator=g).to(torch.bfloat16) for i in {i for _, i in shapes}}
+        xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in {i for _, i in shapes}}
         times: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(args.reps):
             for name, f in ways.items():
@@ -82,7 +89,8 @@ def main() -> None:
         med = {name: statistics.median(ts) for name, ts in times.items()}
         cells = " ".join(f"{med[n] * 1e3:>10.2f} ({weight_bytes / med[n] / 1e9:>5.1f})   " for n in ways)
         amx = f" {med['onednn'] / med['amx']:>14.2f}x" if "amx" in med else ""
-        print(f"{rows:>5} {cells} {med['onednn'] / med['kernel']:>8.2f}x {med['F.linear'] / med['kernel']:>11.2f}x{amx}")
+        vs_onednn = f" {med['onednn'] / med['kernel']:>8.2f}x" if first == "kernel" else ""
+        print(f"{rows:>5} {cells}{vs_onednn} {med['F.linear'] / med[first]:>11.2f}x{amx}")
 
 
 if __name__ == "__main__":

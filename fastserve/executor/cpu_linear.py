@@ -4,7 +4,8 @@ A general GEMM (MKL behind `F.linear`) re-packs the weight into its blocked layo
 call; a weight packed once at start-up is read as is. Measured on 2 cores:
 - float32 (AVX2): oneDNN's linear on a packed weight is 1.3-2x faster at 16-64 rows, the
   32000-row LM head 2x, and no gain for prefills of hundreds of rows, which keep the plain
-  weight (`F32_PACKED_MAX_ROWS`).
+  weight (`F32_PACKED_MAX_ROWS`). With AVX-512 BF16 (Zen 4), the packed weight won at every
+  row count (`f32_packed_max_rows`).
 - bfloat16 with AVX-512 BF16 and no AMX: our kernel (`csrc/cpu_gemm.cpp`), every row count.
   On the small preset's 49 matmuls (2-core Zen 4, medians, `benchmarks/cpu_matmul.py`) it is
   1.8x oneDNN's packed bf16 at 1-16 rows, 1.35x at 32, 1.2x at 64, 1.07x at 256 and
@@ -25,9 +26,10 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
 - bfloat16 elsewhere oneDNN supports it (a build of the kernels without AVX-512 BF16, or AMX
   refused by the OS): oneDNN's packed bf16, every row count (1.2-1.4x `F.linear` at decode
   batches, a few percent for prefills). A CPU without bf16 instructions keeps the plain weights.
-Where a packed copy serves calls of every row count (the kernel without AMX, oneDNN's bfloat16),
-the plain weight is released once packed, so the weights are held once; elsewhere (float32, AMX)
-the plain copy stays for the larger calls, and the weights are held twice. Our kernel's packed
+Where a packed copy serves calls of every row count (the kernel without AMX, oneDNN's bfloat16,
+float32 with AVX-512 BF16), the plain weight is released once packed, so the weights are held
+once; elsewhere (float32 on other CPUs, AMX) the plain copy stays for the larger calls, and the
+weights are held twice. Our kernel's packed
 weights are kept in huge pages (`cpu_memory`).
 """
 
@@ -148,8 +150,17 @@ def packed_weight(weight: Tensor, max_rows: int | None = None,
         return PackedWeight(packed, matmul, min(max_rows or kernel_rows, kernel_rows))
     if layout == "plain":
         return None
-    rows = F32_PACKED_MAX_ROWS if weight.dtype == torch.float32 else sys.maxsize
+    rows = f32_packed_max_rows() if weight.dtype == torch.float32 else sys.maxsize
     return PackedWeight(pack(weight), onednn_linear, max_rows or rows)
+
+
+def f32_packed_max_rows() -> int:
+    """The most rows a float32 call takes the packed weight for here: every row count on an
+    AVX-512 BF16 CPU, where oneDNN's packed float32 matmul beat `F.linear` at prefills too
+    (small preset's 49 matmuls, 2-core Zen 4, `benchmarks/cpu_matmul.py --dtype float32`:
+    1.64x at 64 rows, 1.21x at 512, 1.14x at 4096); F32_PACKED_MAX_ROWS elsewhere (on AVX2 it
+    was 1.26x slower than `F.linear` at 512 rows)."""
+    return sys.maxsize if cpu_isa() == "avx512_bf16" else F32_PACKED_MAX_ROWS
 
 
 def packed_shape(weight: Tensor) -> tuple[int, ...]:
@@ -191,9 +202,9 @@ def pack_weights(model: nn.Module, max_rows: int | None = None) -> str:
 
 def release_plain_weights(model: nn.Module, layers: list[LinearBase | ParallelLMHead]) -> int:
     """Drop the plain copy of each of `layers`' weights whose packed copy serves calls of any
-    row count (the kernel's layout without AMX, oneDNN's bfloat16), so the weights are held
-    once and not twice; a weight another module shares (an LM head tied to the embedding)
-    stays. The weight left in its place is a meta tensor, its shape and dtype without data: a
+    row count (the kernel's layout without AMX, oneDNN's bfloat16, float32 with AVX-512 BF16),
+    so the weights are held once and not twice; a weight another module shares (an LM head
+    tied to the embedding) stays. The weight left in its place is a meta tensor, its shape and dtype without data: a
     stray read fails loudly instead of reading garbage. Returns the bytes released."""
     refs: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
