@@ -29,8 +29,7 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
 Where a packed copy serves calls of every row count (the kernel without AMX, oneDNN's bfloat16,
 float32 with AVX-512 BF16), the plain weight is released once packed, so the weights are held
 once; elsewhere (float32 on other CPUs, AMX) the plain copy stays for the larger calls, and the
-weights are held twice. Our kernel's packed
-weights are kept in huge pages (`cpu_memory`).
+weights are held twice. Our kernel's packed weights are kept in huge pages (`cpu_memory`).
 """
 
 from __future__ import annotations
@@ -107,8 +106,11 @@ def _kernel_matmul(kernel: ModuleType, n: int, k: int
     return matmul, sys.maxsize
 
 
+Matmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x, packed weight, bias) -> y
+
+
 def _kernel_for(weight: Tensor, device: torch.device | None = None
-                ) -> tuple[ModuleType, tuple[Callable[[Tensor, Tensor, Tensor | None], Tensor], int]] | None:
+                ) -> tuple[ModuleType, tuple[Matmul, int]] | None:
     """The kernel and its matmul for `weight` (on `device`, default its own), where
     `packed_weight` packs it in the kernel's layout; else None."""
     if weight_layout(weight.dtype, device or weight.device) not in (KERNEL_LAYOUT, AMX_LAYOUT):
@@ -204,8 +206,9 @@ def release_plain_weights(model: nn.Module, layers: list[LinearBase | ParallelLM
     """Drop the plain copy of each of `layers`' weights whose packed copy serves calls of any
     row count (the kernel's layout without AMX, oneDNN's bfloat16, float32 with AVX-512 BF16),
     so the weights are held once and not twice; a weight another module shares (an LM head
-    tied to the embedding) stays. The weight left in its place is a meta tensor, its shape and dtype without data: a
-    stray read fails loudly instead of reading garbage. Returns the bytes released."""
+    tied to the embedding) stays. The weight left in its place is a meta tensor, its shape and
+    dtype without data: a stray read fails loudly instead of reading garbage. Returns the bytes
+    released."""
     refs: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         refs[id(p)] = refs.get(id(p), 0) + 1
@@ -243,7 +246,8 @@ def fused_experts(block: SparseMoeBlock) -> Callable[[Tensor], Tensor | None] | 
     gate_up = [e.gate_up_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     down = [e.down_proj.packed.weight for e in mlps]  # type: ignore[union-attr]
     width, hidden = mlps[0].gate_up_proj.output_size, mlps[0].down_proj.output_size
-    max_rows = min(FUSED_MOE_MAX_ROWS, *(p.packed.max_rows for p in projections))  # type: ignore[union-attr]
+    max_rows = min(FUSED_MOE_MAX_ROWS,
+                   *(p.packed.max_rows for p in projections))  # type: ignore[union-attr]
     top_k, norm, amx = block.top_k, block.norm_topk_prob, _has_amx(kernel)
 
     def run(x: Tensor) -> Tensor | None:
