@@ -84,6 +84,30 @@ def test_bf16_silu_and_rotary_kernels_round_as_the_layers(rows: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_f32_rotary_kernel_is_the_layer_bit_for_bit(rows: int) -> None:
+    """float32 rotary in one call (every build of the kernels, the AVX2 one too): bit for bit
+    the layer's tensor ops, from the strided q/k views of the fused QKV output with the
+    cos/sin halves of one cache row, head_dim 64, 128 and 10; bad input named."""
+    from fastserve.executor.cpu_kernels import avx2_kernel_variant
+    from fastserve.model.layers import apply_rotary
+
+    torch.manual_seed(rows)
+    for kernel in (KERNEL, avx2_kernel_variant()):
+        if kernel is None:
+            continue
+        for dim in (64, 128, 10):
+            qkv = torch.randn(rows, 20, dim) * 3
+            cos, sin = torch.randn(rows, dim).unsqueeze(1).chunk(2, dim=-1)
+            for x in (qkv[:, :12], qkv[:, 12:16]):  # q and k: views with the QKV row stride
+                assert torch.equal(kernel.rotary_f32(x, cos, sin), apply_rotary(x, cos, sin))
+        with pytest.raises(RuntimeError, match="float32 x"):
+            kernel.rotary_f32(qkv.double(), cos, sin)
+        with pytest.raises(RuntimeError, match="cos and sin"):
+            kernel.rotary_f32(qkv, cos[:, :, :2], sin)
+
+
+@needs_kernels
 @pytest.mark.parametrize("src,cache", [(torch.bfloat16, torch.bfloat16),
                                        (torch.float32, torch.bfloat16),
                                        (torch.bfloat16, torch.float32),

@@ -137,8 +137,9 @@ class CpuAttention(PagedAttention):
         layers as one C++ call each where they round as the tensor ops do: add + RMSNorm in
         half types (bit for bit in bfloat16, up to a rare last place in float16); SiLU-and-mul
         and rotary in bfloat16 where the kernels have AVX-512 BF16 (bit for bit; elsewhere
-        torch's). A float32 model keeps torch's layers: a different sum order there moves the
-        last place, which could flip a greedy near-tie against HF."""
+        torch's), and rotary in float32 (bit for bit: it sums nothing). A float32 model keeps
+        torch's norm and SiLU: a different sum order or exp there moves the last place, which
+        could flip a greedy near-tie against HF."""
         dtype = next(model.parameters()).dtype
         is_bf16 = dtype == self.kv_cache.dtype == torch.bfloat16
         self._is_amx_attention = (is_bf16 and self.head_dim % 32 == 0
@@ -154,6 +155,8 @@ class CpuAttention(PagedAttention):
         if dtype == torch.bfloat16 and hasattr(self.kernel, "rotary"):
             fused[SiluAndMul] = self.kernel.silu_and_mul
             fused[ApplyRotary] = self.kernel.rotary
+        if dtype == torch.float32 and hasattr(self.kernel, "rotary_f32"):
+            fused[ApplyRotary] = self.kernel.rotary_f32  # products and sums alone: bit for bit
         for m in model.modules():
             if type(m) in fused:
                 m.fused = fused[type(m)]  # type: ignore[assignment]

@@ -8,7 +8,8 @@
 // as torch's CPU kernels for half types); built with -ffp-contract=off, so that no a*b + c is
 // fused into a multiply-add the tensor ops do not make. Only its sum's order differs: the
 // result is bit for bit torch's in bfloat16, within a last place in float16 and float32.
-// With AVX-512 BF16, bfloat16 SiLU-and-mul and rotary too (below; elsewhere torch's ops).
+// With AVX-512 BF16, bfloat16 SiLU-and-mul and rotary too (below; elsewhere torch's ops); and
+// float32 rotary on every CPU.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -93,6 +94,31 @@ void store_rows(const Src* src, Dst* cache, const int64_t* slots, int64_t tokens
         std::memcpy(o, in, dim * sizeof(Dst));
       else
         for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<Dst>(static_cast<float>(in[j]));
+      }
+    }
+  });
+}
+
+// float32 rotary: each product and sum one float32 operation, as the tensor ops compute them
+// (no multiply-add is fused: -ffp-contract=off), so the result is torch's bit for bit; one
+// pass over q or k in place of torch's four products, two sums and a concatenation. The
+// compiler vectorises the inner loop.
+void rotary_f32_rows(const float* x, const float* cos, const float* sin, float* out,
+                     int64_t tokens, int64_t heads, int64_t half, int64_t sx0, int64_t sx1,
+                     int64_t sc) {
+  at::parallel_for(0, tokens, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + t * sc;
+      const float* s = sin + t * sc;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x1 = x + t * sx0 + h * sx1;
+        const float* x2 = x1 + half;
+        float* o = out + (t * heads + h) * 2 * half;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = x1[j], b2 = x2[j];
+          o[j] = a * c[j] - b2 * s[j];
+          o[half + j] = b2 * c[j] + a * s[j];
+        }
       }
     }
   });
@@ -243,6 +269,26 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
       });
     });
   }
+}
+
+// x: [num_tokens, num_heads, head_dim] float32 (unit last stride, head_dim even); cos, sin:
+// [num_tokens, 1, head_dim / 2] float32 (unit last stride). Returns the rotated x, contiguous:
+// apply_rotary's result bit for bit.
+torch::Tensor rotary_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 &&
+                  x.size(2) % 2 == 0,
+              "rotary_f32: float32 x [num_tokens, num_heads, even head_dim], unit stride");
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  cos.size(0) == tokens && sin.size(0) == tokens && cos.size(-1) == half &&
+                  sin.size(-1) == half && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+                  cos.stride(0) == sin.stride(0),
+              "rotary_f32: cos and sin [num_tokens, 1, head_dim / 2] float32, unit stride");
+  auto out = torch::empty(x.sizes(), x.options());
+  rotary_f32_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  out.data_ptr<float>(), tokens, heads, half, x.stride(0), x.stride(1),
+                  cos.stride(0));
+  return out;
 }
 
 #ifdef FS_HAVE_AVX512_BF16

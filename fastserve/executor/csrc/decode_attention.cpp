@@ -774,6 +774,7 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
                                     torch::Tensor weight, double eps);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
+torch::Tensor rotary_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 #ifdef FS_HAVE_AVX512_BF16
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
@@ -823,6 +824,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the vector path this build of the kernels takes");
   m.def("rms_norm", &rms_norm, "add + RMSNorm with the plain layer's roundings");
   m.def("store_kv", &store_kv, "write new tokens' K/V at their cache slots");
+  m.def("rotary_f32", &rotary_f32, "float32 rotary embedding, bit for bit the plain layer's");
 #ifdef FS_HAVE_AVX512_BF16
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up, the plain layer's roundings");
   m.def("rotary", &rotary, "bfloat16 rotary embedding, the plain layer's roundings");
