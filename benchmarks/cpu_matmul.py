@@ -69,7 +69,7 @@ def main() -> None:
         ways["kernel"] = lambda x, j: kernel.bf16_linear(x, ours[j], None, shapes[j][0])
     ways["onednn"] = lambda x, j: onednn_linear(x, onednn[j], None)
     ways["F.linear"] = lambda x, j: torch.nn.functional.linear(x, plain[j])
-    if kernel is not None and dtype == torch.bfloat16 and hasattr(kernel, "bf16_linear_amx") and kernel.amx_ready():
+    if "kernel" in ways and hasattr(kernel, "bf16_linear_amx") and kernel.amx_ready():
         ways["amx"] = lambda x, j: kernel.bf16_linear_amx(x, ours[j], None, shapes[j][0])
     print(f"{model.name}: {len(shapes)} linear layers, {weight_bytes / 1e6:.0f} MB {args.dtype}, "
           f"{torch.get_num_threads()} threads, CPU {cpu_isa()}; medians of {args.reps} interleaved reps")

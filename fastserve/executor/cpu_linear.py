@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
 
@@ -209,12 +210,10 @@ def release_plain_weights(model: nn.Module, layers: list[LinearBase | ParallelLM
     tied to the embedding) stays. The weight left in its place is a meta tensor, its shape and
     dtype without data: a stray read fails loudly instead of reading garbage. Returns the bytes
     released."""
-    refs: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        refs[id(p)] = refs.get(id(p), 0) + 1
+    refs = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     freed = 0
     for m in layers:
-        if m.packed is None or m.packed.max_rows < sys.maxsize or refs.get(id(m.weight), 0) > 1:
+        if m.packed is None or m.packed.max_rows < sys.maxsize or refs[id(m.weight)] > 1:
             continue
         freed += m.weight.numel() * m.weight.element_size()
         m.weight = nn.Parameter(m.weight.detach().to("meta"), requires_grad=False)

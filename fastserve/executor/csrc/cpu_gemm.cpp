@@ -28,7 +28,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #ifdef __linux__
