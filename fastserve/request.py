@@ -515,6 +515,11 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: FinishReason | None = None
+    # The token that stopped it (an EOS or one of `stop_token_ids`): its text is left out of
+    # the output unless `include_stop_str_in_output`, as vLLM leaves it out.
+    stop_token: int | None = None
+    # The stop string its text reached (then the text ends before it, or with it).
+    stop_string: str | None = None
     num_preemptions: int = 0
     # Set by the engine when the request may not exceed the model's context.
     max_model_len: int = 1 << 30
@@ -563,6 +568,20 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended the output
+        (None: an EOS, the length, or it has not stopped)."""
+        if self.stop_string is not None:
+            return self.stop_string
+        return self.stop_token if self.stop_token in self.params.stop_token_ids else None
+
+    @property
+    def num_text_tokens(self) -> int:
+        """The output tokens its text is made of: all but a stop token, unless asked."""
+        hidden = self.stop_token is not None and not self.params.include_stop_str_in_output
+        return self.num_output_tokens - hidden
+
+    @property
     def max_total_tokens(self) -> int:
         """Most tokens this request can ever hold in the KV cache (user-visible limit)."""
         return min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len)
@@ -585,6 +604,8 @@ class RequestOutput:
     # Streaming: tokens/text added since the previous output of this request.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # vLLM's: the stop string or stop token id that ended it (None: an EOS, the length).
+    stop_reason: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
     # Prompt tokens whose KV came from the prefix cache (OpenAI's

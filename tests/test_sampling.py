@@ -59,8 +59,27 @@ def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
     out = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at]))[0]
     first = greedy.token_ids.index(stop_at)
     assert out.token_ids == greedy.token_ids[: first + 1]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12
+    assert greedy.stop_reason is None
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked(llm: LLM) -> None:
+    """As vLLM (and OpenAI's stop sequences): the text ends before the token that stopped it,
+    which stays in token_ids; include_stop_str_in_output keeps its text."""
+    greedy = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    stop_at = greedy.token_ids[4]
+    first = greedy.token_ids.index(stop_at)
+    before = llm.tokenizer.decode(greedy.token_ids[:first])
+    with_stop = llm.tokenizer.decode(greedy.token_ids[: first + 1])
+    assert before != with_stop
+    for final_only in (False, True):  # token by token, or decoded once at the end
+        out = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at],
+                                       final_only=final_only))[0]
+        assert out.token_ids == greedy.token_ids[: first + 1] and out.text == before
+    kept = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at],
+                                    include_stop_str_in_output=True))[0]
+    assert kept.text == with_stop and kept.stop_reason == stop_at
 
 
 def test_min_tokens_defers_stop_tokens(llm: LLM) -> None:
@@ -77,7 +96,7 @@ def test_stop_string_truncates_text(llm: LLM) -> None:
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), "need a visible stop string"
     out = _gen(llm, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
     kept = _gen(llm, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop],
                                     include_stop_str_in_output=True))[0]
@@ -96,6 +115,9 @@ def test_eos_ends_generation_unless_ignored(llm: LLM, tiny_model_path: Path, tmp
     llm2 = LLM(model=str(path), dtype=TEST_DTYPE, warmup=False, startup_profile=False)
     out = llm2.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
     assert out.token_ids == greedy[: greedy.index(eos) + 1] and out.finish_reason == "stop"
+    # An EOS is no stop_reason, and its text is not the output's.
+    assert out.stop_reason is None
+    assert out.text == llm2.tokenizer.decode(greedy[: greedy.index(eos)])
     forced = llm2.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)[0]
     assert forced.token_ids == greedy and forced.finish_reason == "length"

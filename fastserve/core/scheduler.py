@@ -417,7 +417,7 @@ class Scheduler(ABC):
                 req.first_token_s = now
             reason = self._stop_reason(req, token)
             if reason is not None:
-                self.finish(req, reason, now)
+                self._end(req, token, reason, now)
             touched.append(req)
         return touched
 
@@ -446,7 +446,7 @@ class Scheduler(ABC):
         req.num_computed_tokens = sched.start_pos + 1 + min(num_accepted, num_kept)
         self._cache_computed(req)
         if reason is not None:
-            self.finish(req, reason, now)
+            self._end(req, req.output_token_ids[-1], reason, now)
 
     # -- policy hooks ---------------------------------------------------------------------
 
@@ -696,6 +696,12 @@ class Scheduler(ABC):
             copies=copies,
             preempted_ids=preempted,
         )
+
+    def _end(self, req: Request, token: int, reason: FinishReason, now: float) -> None:
+        """Finish a request whose output `token` ended it (`_stop_reason`)."""
+        if reason is FinishReason.STOP:
+            req.stop_token = token
+        self.finish(req, reason, now)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

@@ -180,14 +180,18 @@ class BeamSearches:
         best = sorted([*req.ended, *req.live], key=req.score, reverse=True)[: req.params.n]
         outs = []
         for i, beam in enumerate(best):
-            text = self._decode(beam.token_ids, req.params.skip_special_tokens)
+            # A stop token's text is not the output's (as a sampled output's).
+            text = self._decode(beam.token_ids[:len(beam.token_ids) - beam.ended],
+                                req.params.skip_special_tokens)
             reason = FinishReason.STOP if beam.ended else FinishReason.LENGTH
+            stop = beam.token_ids[-1] if beam.ended else None
             outs.append(RequestOutput(
                 request_id=req.request_id, prompt=req.prompt,
                 prompt_token_ids=req.prompt_token_ids, token_ids=beam.token_ids, text=text,
                 finished=True, finish_reason=reason.value, arrival_s=req.request.arrival_s,
                 first_token_s=req.first_token_s, finish_s=now,
                 new_token_ids=list(beam.token_ids), new_text=text,
+                stop_reason=stop if stop in req.params.stop_token_ids else None,
                 num_cached_tokens=req.num_cached_tokens, index=i,
                 request_finished=i == len(best) - 1))
         return outs

@@ -395,8 +395,11 @@ class LLMEngine:
         NOTE: a failure here fails this request alone; the batch's others keep their tokens.
         """
         try:
-            if self.outputs.detokenize(req) and not req.is_finished:
-                self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+            if self.outputs.detokenize(req):
+                if not req.is_finished:
+                    self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+                elif req.finish_reason is FinishReason.LENGTH:
+                    req.finish_reason = FinishReason.STOP  # its text ends at the stop string
         except Exception as exc:
             logger.exception("detokenizing request %s failed; failing it", req.request_id)
             self._fail(req, f"detokenization failed: {type(exc).__name__}: {exc}")

@@ -64,16 +64,18 @@ class OutputProcessor:
         """Take the request's new tokens into its text; True when a stop string was reached."""
         st = self._streams[req.request_id]
         stops = req.params.stop
+        # NOTE: a stop token is the last and joins the output as the request finishes.
+        num_text = req.num_text_tokens
         if not stops and req.is_finished and st.num_detok_tokens == 0:
             # All of it at once (a final-only request): one decode, the same text (see
             # IncrementalDetokenizer's NOTE).
-            st.text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
-            st.num_detok_tokens = req.num_output_tokens
+            st.text = self.tokenizer.decode(req.output_token_ids[:num_text], req.params.skip_special_tokens)
+            st.num_detok_tokens = num_text
             return False
         start = len(st.text)
-        for tok in req.output_token_ids[st.num_detok_tokens :]:
+        for tok in req.output_token_ids[st.num_detok_tokens : num_text]:
             st.text += st.detok.add(tok)
-        st.num_detok_tokens = req.num_output_tokens
+        st.num_detok_tokens = num_text
         if req.is_finished:
             st.text += st.detok.finish()  # flush a held-back partial character
         if not stops:
@@ -83,6 +85,7 @@ class OutputProcessor:
         if not hits:
             return False
         idx, stop = min(hits)
+        req.stop_string = stop
         st.text = st.text[: idx + len(stop)] if req.params.include_stop_str_in_output else st.text[:idx]
         return True
 
@@ -106,6 +109,7 @@ class OutputProcessor:
             finish_s=req.finish_s,
             new_token_ids=req.output_token_ids[st.num_sent_tokens :],
             new_text=(st.text if req.is_finished else text)[st.num_sent_chars :],
+            stop_reason=req.stop_reason if req.is_finished else None,
             error=req.error,
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens or 0,

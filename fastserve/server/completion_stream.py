@@ -42,7 +42,7 @@ class CompletionChoices:
         logprobs, _ = self.logprobs_of(job, final, len(final.token_ids), echo, 0)
         return replies.CompletionChoice(
             index=final.index if index is None else index, text=(job.echo_text or "") + final.text,
-            logprobs=logprobs, finish_reason=finish_reason(final),
+            logprobs=logprobs, finish_reason=finish_reason(final), stop_reason=final.stop_reason,
             prompt_token_ids=ids_if_asked(job, job.prompt_token_ids),
             token_ids=ids_if_asked(job, final.token_ids),
             prompt_logprobs=self.logprobs.prompt_of(job, final))
@@ -102,6 +102,7 @@ class CompletionChoices:
                     yield chunk(replies.CompletionChoice(
                         index=index, text=text, logprobs=logprobs,
                         finish_reason=finish_reason(out) if out.finished else None,
+                        stop_reason=out.stop_reason,
                         prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if first_of_choice else None,
                         token_ids=ids_if_asked(job, out.new_token_ids)), so_far)
                 num_ended += out.ends_request

@@ -90,14 +90,19 @@ PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 class _TokenIds(BaseModel):
     """vLLM's `return_token_ids` and `prompt_logprobs` fields, in a response only when asked
-    for."""
+    for; and a choice's `stop_reason`, once it has finished (as vLLM sends it)."""
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None or k not in _TOKEN_ID_FIELDS}
+        fields = handler(self)
+        return {k: v for k, v in fields.items()
+                if (v is not None or k not in _TOKEN_ID_FIELDS)
+                and (k != "stop_reason" or fields.get("finish_reason") is not None)}
 
 
 _TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids", "prompt_logprobs")
+# vLLM's: the stop string or stop token id that ended a choice (null: an EOS, the length, ...).
+StopReason = int | str | None
 
 
 class CompletionChoice(_TokenIds):
@@ -105,6 +110,7 @@ class CompletionChoice(_TokenIds):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    stop_reason: StopReason = None
     # return_token_ids: the prompt's (streamed: in the choice's first chunk) and the output's
     # (streamed: the chunk's new ones).
     prompt_token_ids: list[int] | None = None
@@ -144,6 +150,7 @@ class ChatChoice(_TokenIds):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    stop_reason: StopReason = None
     token_ids: list[int] | None = None  # return_token_ids: the output's
 
 
@@ -201,6 +208,7 @@ class ChatChunkChoice(_TokenIds):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
     token_ids: list[int] | None = None  # return_token_ids: the chunk's new tokens
 
 

@@ -101,7 +101,8 @@ class OpenAIServing:
         return await self._respond(
             job, request, "prompt", self._completion_events, replies.CompletionResponse,
             lambda final: replies.CompletionChoice(index=final.index, text=final.text,
-                                                   finish_reason=finish_reason(final)),
+                                                   finish_reason=finish_reason(final),
+                                                   stop_reason=final.stop_reason),
         )
 
     async def _batch_completion(self, body: schemas.CompletionRequest,
@@ -243,7 +244,7 @@ class OpenAIServing:
                 content=message, tool_calls=None if job.as_function_call else calls or None,
                 function_call=function_call, reasoning_content=thinking),
             logprobs=self._chat_logprobs(job, final, len(final.token_ids)), finish_reason=finish,
-            token_ids=ids_if_asked(job, final.token_ids))
+            stop_reason=final.stop_reason, token_ids=ids_if_asked(job, final.token_ids))
 
     # -- validation -----------------------------------------------------------------------
 
@@ -408,9 +409,10 @@ class OpenAIServing:
         exclude = None if job.include_usage else {"usage"}
 
         def chunk(text: str | None, finish: replies.FinishReason | None = None,
-                  usage: replies.Usage | None = None, index: int = 0) -> str:
+                  usage: replies.Usage | None = None, index: int = 0,
+                  stop: replies.StopReason = None) -> str:
             choices = [] if text is None else [
-                replies.CompletionChoice(index=index, text=text, finish_reason=finish)]
+                replies.CompletionChoice(index=index, text=text, finish_reason=finish, stop_reason=stop)]
             resp = replies.CompletionResponse(
                 id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
             )
@@ -431,7 +433,7 @@ class OpenAIServing:
             if out.finished:
                 done.add(out.index)
             if out.finished:
-                yield chunk(out.new_text, finish_reason(out), so_far, out.index)
+                yield chunk(out.new_text, finish_reason(out), so_far, out.index, out.stop_reason)
                 if job.include_usage and out.ends_request:
                     yield chunk(None, usage=job_usage(job, latest.values(), final=True))
             elif so_far is not None:  # a chunk per output, text or not
@@ -449,11 +451,11 @@ class OpenAIServing:
             delta: replies.ChatDelta | None, finish: replies.FinishReason | None = None,
             usage: replies.Usage | None = None, index: int = 0,
             logprobs: replies.ChatLogprobs | None = None, token_ids: list[int] | None = None,
-            prompt_token_ids: list[int] | None = None,
+            prompt_token_ids: list[int] | None = None, stop: replies.StopReason = None,
         ) -> str:
             choices = [] if delta is None else [replies.ChatChunkChoice(
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
-                token_ids=token_ids)]
+                stop_reason=stop, token_ids=token_ids)]
             resp = replies.ChatCompletionChunk(
                 id=job.response_id, created=job.created, model=job.model, choices=choices,
                 usage=usage, prompt_token_ids=prompt_token_ids,
@@ -510,7 +512,8 @@ class OpenAIServing:
             if out.finished:
                 finish = finish_reason(out)
                 finish = finish if tools is None else tools.finish_reason(out, finish)
-                yield chunk(replies.ChatDelta(), finish, so_far, out.index, token_ids=ids)
+                yield chunk(replies.ChatDelta(), finish, so_far, out.index, token_ids=ids,
+                            stop=out.stop_reason)
                 if job.include_usage and out.ends_request:
                     yield chunk(None, usage=job_usage(job, latest.values(), final=True))
             elif ids:  # tokens whose text is held back (a call's start, say): still sent

@@ -70,7 +70,9 @@ def test_beams_are_the_searchs_over_hf_logprobs(llm: LLM, tiny_model_path: Path,
         ended = tokens[-1] == stop
         assert o.finish_reason == ("stop" if ended else "length")
         assert len(tokens) == steps or ended
-        assert o.text == llm.engine.tokenizer.decode(tokens)
+        # The stop token's text is not the output's (as vLLM's beam search leaves out EOS).
+        assert o.text == llm.engine.tokenizer.decode(tokens[:-1] if ended else tokens)
+        assert o.stop_reason == (stop if ended else None)
     if width == 1:  # one beam that keeps the best token each step: greedy decoding
         assert out.outputs[0].token_ids == greedy.token_ids
     assert llm.engine.kv.num_requests == 0

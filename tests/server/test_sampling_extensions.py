@@ -46,6 +46,45 @@ def _holds(tokens: list[int], word: tuple[int, ...]) -> bool:
     return any(tuple(tokens[i:i + n]) == word for i in range(len(tokens) - n + 1))
 
 
+def _stream(server: ServerProcess, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", server.v1 + path, timeout=120,
+                      json={"model": MODEL, "stream": True, **body}) as resp:
+        assert resp.status_code == 200, resp.read()
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+
+# -- stop_reason ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_stop_reason_names_the_stop_token_or_string(server: ServerProcess, tokenizer: Tokenizer,
+                                                    path: str) -> None:
+    """vLLM's `stop_reason`: the stop token id or string that ended a choice, null for the
+    length; the stop token's text is not in the output. Streamed, it comes with the
+    finish_reason only."""
+    body: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+                            "return_token_ids": True}
+    body.update({"prompt": PROMPT_IDS} if path == "/completions" else {"messages": MESSAGES})
+    text_of = (lambda c: c["text"]) if path == "/completions" else (lambda c: c["message"]["content"])
+    free = post(server, path, body)["choices"][0]
+    assert free["finish_reason"] == "length" and "stop_reason" in free and free["stop_reason"] is None
+    ids = free["token_ids"]
+    stop_at = ids[4]
+    first = ids.index(stop_at)
+    by_token = post(server, path, {**body, "stop_token_ids": [stop_at]})["choices"][0]
+    assert by_token["finish_reason"] == "stop" and by_token["stop_reason"] == stop_at
+    assert by_token["token_ids"] == ids[:first + 1]
+    assert text_of(by_token) == tokenizer.decode(ids[:first])
+    stop = text_of(free)[-4:]
+    assert stop.strip(), "need a visible stop string"
+    by_string = post(server, path, {**body, "stop": [stop]})["choices"][0]
+    assert by_string["finish_reason"] == "stop" and by_string["stop_reason"] == stop
+    chunks = [c for chunk in _stream(server, path, {**body, "stop_token_ids": [stop_at]})
+              for c in chunk["choices"]]
+    assert [c["stop_reason"] for c in chunks if "stop_reason" in c] == [stop_at]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == stop_at
+
+
 # -- allowed_token_ids --------------------------------------------------------------------
 
 
