@@ -603,6 +603,10 @@ class _GenerationRequest(BaseModel):
         return bool(self.include_usage and self.stream_options
                     and self.stream_options.continuous_usage_stats)
 
+    def _keeps_special_tokens(self, tool_format: ToolFormat | None) -> bool:
+        """Whether the tool calls' parser needs the special tokens in the text."""
+        return False
+
     def sampling_params(self, max_tokens: int, tool_format: ToolFormat | None = None
                         ) -> SamplingParams:
         """The engine's parameters; raises InvalidRequestError naming the field (-> 400).
@@ -618,7 +622,8 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens or 0,
             ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
-            skip_special_tokens=self.skip_special_tokens is not False,
+            skip_special_tokens=self.skip_special_tokens is not False
+            and not self._keeps_special_tokens(tool_format),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=tuple(self.bad_words or ()),
             **self._logits_params(),
@@ -1174,6 +1179,10 @@ class ChatCompletionRequest(_GenerationRequest):
                 "output", field)
         return StructuredOutputParams("structural_tag", spec,
                                       "functions" if self.uses_functions else "tool_choice")
+
+    def _keeps_special_tokens(self, tool_format: ToolFormat | None) -> bool:
+        # NOTE: over the request's skip_special_tokens, as vLLM's mistral parser has it.
+        return tool_format is not None and tool_format.needs_special_tokens(self.tool_mode)
 
     def _tool_grammar(self, tool_format: ToolFormat) -> str | None:
         mode, given = self.tool_mode, self.all_tools

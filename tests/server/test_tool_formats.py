@@ -16,7 +16,12 @@ import pytest
 from fastserve.server import tools
 from fastserve.server.tools.base import CallDelta, FunctionSpec
 from fastserve.server.tools.llama3_json import LLAMA3_JSON, Llama3JsonParser
-from fastserve.server.tools.mistral import MISTRAL, MistralParser
+from fastserve.server.tools.mistral import (
+    MISTRAL,
+    MISTRAL_NAME_ARGS,
+    MistralNameArgsParser,
+    MistralParser,
+)
 from fastserve.server.tools.pythonic import PYTHONIC, PythonicParser
 from tests.server.helpers import ServerProcess, managed, start_server, with_template
 from tests.server.test_tool_calls import ADD_SCHEMA, check_grammar, parse
@@ -101,7 +106,28 @@ PYTHONIC_CASES = {
 }
 
 
-PARSED = {Llama3JsonParser: CASES, MistralParser: MISTRAL_CASES, PythonicParser: PYTHONIC_CASES}
+MISTRAL_V11_CASES = {
+    "one call": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [PARIS]),
+    "two calls": ('[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]f[ARGS]{}', "",
+                  [("add", '{"a": 1}'), ("f", "{}")]),
+    "text, then calls on lines of their own": (
+        'Sure.\n[TOOL_CALLS]add[ARGS]{"a": 1}\n[TOOL_CALLS]f[ARGS]{}\n', "Sure.",
+        [("add", '{"a": 1}'), ("f", "{}")]),
+    "text after a call stays": ('[TOOL_CALLS]f[ARGS]{"s": "}"} Done.', "Done.", [("f", '{"s": "}"}')]),
+    "arguments as written": ('[TOOL_CALLS]f[ARGS]{"a":1,  "b" : [2, {}]}', "",
+                             [("f", '{"a":1,  "b" : [2, {}]}')]),
+    "a call id (v13) is not the name": ('[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}', "",
+                                        [("f", '{"a": 1}')]),
+    "[ARGS] dropped: the name ends at the brace": ('[TOOL_CALLS]f{"a": 1}', "", [("f", '{"a": 1}')]),
+    "arguments cut short are still a call": ('[TOOL_CALLS]f[ARGS]{"a": "x', "", [("f", '{"a": "x')]),
+    "no arguments: text as written": ("Hi [TOOL_CALLS]f", "Hi [TOOL_CALLS]f", []),
+    "no calls: text as is, trailing space kept": ("a [TOOL b ", "a [TOOL b ", []),
+    "a tag's start at the end is text": ("see [TOOL_CA", "see [TOOL_CA", []),
+}
+
+
+PARSED = {Llama3JsonParser: CASES, MistralParser: MISTRAL_CASES, PythonicParser: PYTHONIC_CASES,
+          MistralNameArgsParser: MISTRAL_V11_CASES}
 
 
 @pytest.mark.parametrize(("parser_type", "name"), [(p, n) for p, cases in PARSED.items() for n in cases],
@@ -124,6 +150,42 @@ def test_pythonic_forced_calls_are_llama3_json() -> None:
     assert isinstance(PYTHONIC.parser_for("named"), Llama3JsonParser)
     assert isinstance(PYTHONIC.parser_for("auto"), PythonicParser)
     assert tools.choose("auto", "Respond as [func_name1(params_name1=params_value1)]")[0] is PYTHONIC
+
+
+def test_mistral_v11_calls_stream_and_forced_ones_are_the_json_list() -> None:
+    """v11's calls: a call's name once its arguments begin, then their text as it comes.
+    No grammar holds them: under auto they are free and the text keeps its special tokens
+    (the parser reads `[TOOL_CALLS]` and `[ARGS]`); a forced output is Mistral's JSON list,
+    which needs no special token."""
+    parser = MistralNameArgsParser()
+    assert parser.feed("[TOOL_CALLS]get_wea").pieces == []
+    assert parser.feed("ther[ARGS]").calls == [CallDelta(0, "get_weather", "")]
+    assert parser.feed('{"city": ').calls == [CallDelta(0, None, '{"city": ')]
+    assert parser.feed('"Paris"}[TOOL_CALLS]f[ARGS]{').calls == [
+        CallDelta(0, None, '"Paris"}'), CallDelta(1, "f", ""), CallDelta(1, None, "{")]
+    assert parser.feed("}").calls == [CallDelta(1, None, "}")]
+    assert parser.finish().pieces == [] and parser.num_calls == 2
+    functions = [FunctionSpec("add", ADD_SCHEMA, True)]
+    assert MISTRAL_NAME_ARGS.grammar_spec(functions, "auto", parallel=True) is None
+    assert MISTRAL_NAME_ARGS.grammar_spec(functions, "required", True) == MISTRAL.grammar_spec(
+        functions, "required", True)
+    assert isinstance(MISTRAL_NAME_ARGS.parser_for("named"), MistralParser)
+    assert MISTRAL_NAME_ARGS.needs_special_tokens("auto")
+    assert not any(MISTRAL_NAME_ARGS.needs_special_tokens(m) for m in ("none", "required", "named"))
+    assert not MISTRAL.needs_special_tokens("auto")
+
+
+MISTRAL_V11_TEMPLATE = """{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}{%- for tool in message.tool_calls %}
+{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' + tool.function.arguments|tojson }}
+{%- endfor %}{{- '</s>' }}
+{%- else %}{{- message.role + ': ' + message.content + '\n' }}{%- endif %}{%- endfor %}"""
+
+
+@pytest.mark.parametrize("asked", ["auto", "mistral"])
+def test_a_v11_mistral_template_gets_the_name_args_form(asked: str) -> None:
+    assert tools.choose(asked, MISTRAL_V11_TEMPLATE)[0] is MISTRAL_NAME_ARGS
+    assert tools.choose(asked, MISTRAL_TEMPLATE)[0] is MISTRAL
 
 
 MISTRAL_TEMPLATE = """{%- for message in messages %}
@@ -300,4 +362,98 @@ def test_a_pythonic_server_reads_python_calls_and_forces_json(tiny_model_ready: 
         == [("add", '{"a": 1, "b": 2}')]
     (call,) = forced["message"]["tool_calls"]
     assert call["function"]["name"] == "add" and forced["finish_reason"] == "tool_calls"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ADD_SCHEMA)
+
+
+# -- Mistral's v11 form on a checkpoint whose tokenizer has its special tokens ---------------
+
+V11_TAGS = {"[TOOL_CALLS]": 4094, "[ARGS]": 4095}  # the tiny vocabulary's last two ids
+
+
+def mistral_v11_checkpoint(tmp_dir: Path, model: Path) -> Path:
+    """The tiny checkpoint with a v11 chat template, and `[TOOL_CALLS]` and `[ARGS]` special
+    tokens in place of its vocabulary's last two tokens (the model's width stays)."""
+    out = with_template(tmp_dir, model, "tiny-mistral-v11", MISTRAL_V11_TEMPLATE)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    for tag, idx in V11_TAGS.items():
+        old = next(token for token, i in vocab.items() if i == idx)
+        del vocab[old]
+        vocab[tag] = idx
+        spec["model"]["merges"] = [m for m in spec["model"]["merges"]
+                                   if "".join(m.split(" ") if isinstance(m, str) else m) != old]
+        spec["added_tokens"].append({"id": idx, "content": tag, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    (out / "tokenizer.json").unlink()
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
+
+
+def test_v11_calls_are_read_from_special_tokens_kept_in_the_text(tmp_path: Path,
+                                                                 tiny_model_ready: Path) -> None:
+    """`[TOOL_CALLS]` and `[ARGS]` are special tokens: the text has them only when it keeps
+    special tokens, and then the parser reads the calls out of it, token by token."""
+    from fastserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tokenizer = Tokenizer(mistral_v11_checkpoint(tmp_path, tiny_model_ready))
+    written = 'Sure.[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]f[ARGS]{}'
+    ids = tokenizer.encode(written, add_special_tokens=False)
+    assert ids.count(V11_TAGS["[TOOL_CALLS]"]) == 2 and ids.count(V11_TAGS["[ARGS]"]) == 2
+    texts = {}
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        texts[skip] = [detok.add(i) for i in ids] + [detok.finish()]
+    assert "".join(texts[False]) == written
+    assert parse(texts[False], MistralNameArgsParser) == ("Sure.", [("add", '{"a": 1, "b": 2}'), ("f", "{}")])
+    assert parse(texts[True], MistralNameArgsParser) == ('Sure.add{"a": 1, "b": 2}f{}', [])
+
+
+def test_a_v11_server_keeps_special_tokens_for_free_calls_and_forces_the_json_list(
+        tmp_path: Path, tiny_model_ready: Path) -> None:
+    """Read off the chat template: under auto the output keeps its special tokens (a lone
+    `[TOOL_CALLS]` token shows in the content; without tools it is dropped, as usual); a
+    forced call is held to, and read in, the JSON list; the call goes back to the model in
+    the template's `[TOOL_CALLS]name[ARGS]{...}`."""
+    pytest.importorskip("xgrammar")
+    import asyncio
+
+    from fastserve.args import engine_config
+    from fastserve.engine.async_llm import AsyncLLM
+    from fastserve.server.app import build_app
+    from tests.conftest import TEST_DTYPE
+
+    model = mistral_v11_checkpoint(tmp_path, tiny_model_ready)
+    llm = AsyncLLM(engine_config(model=str(model), dtype=TEST_DTYPE, warmup=False,
+                                 startup_profile=False))
+    app = build_app(llm, "tiny")
+    body = {"model": "tiny", "messages": ASK, "tools": [ADD_TOOL]}
+    marker = {"max_tokens": 1, "logit_bias": {str(V11_TAGS["[TOOL_CALLS]"]): 100}}
+
+    async def run() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://fastserve", timeout=120) as http:
+            first = [await http.post("/v1/chat/completions", json=b) for b in (
+                {**body, **marker}, {**body, **marker, "tool_choice": "none"},
+                {**body, "tool_choice": "required", "parallel_tool_calls": False, "seed": 3,
+                 "max_tokens": 60, "logprobs": True})]
+            assert all(r.status_code == 200 for r in first), [r.text for r in first]
+            call = first[2].json()["choices"][0]["message"]["tool_calls"][0]
+            followup = await http.post("/v1/chat/completions", json={
+                **body, "max_tokens": 2, "messages": [
+                    *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": "3"}]})
+            assert followup.status_code == 200, followup.text
+            return [r.json()["choices"][0] for r in first]
+
+    try:
+        kept, dropped, forced = asyncio.run(run())
+    finally:
+        asyncio.run(llm.shutdown(grace_s=0))
+    assert kept["message"]["content"] == "[TOOL_CALLS]" and "tool_calls" not in kept["message"]
+    assert dropped["message"]["content"] == ""
+    raw = b"".join(bytes(t["bytes"]) for t in forced["logprobs"]["content"]).decode()
+    assert raw.startswith('[{"name": "add", "arguments": {'), raw
+    (call,) = forced["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and forced["finish_reason"] == "tool_calls"
+    assert len(call["id"]) == 9 and call["id"].isalnum()
     jsonschema.validate(json.loads(call["function"]["arguments"]), ADD_SCHEMA)

@@ -2,8 +2,9 @@
 the parser that reads calls out of the text), and which one a chat template uses.
 
 `hermes` (Hermes 2/3, Qwen 2.5/3, the built-in template), `llama3_json` (Llama 3.1-3.3),
-`mistral` (Mistral 7B v0.3, Nemo, Small) and `pythonic` (Llama 3.2's pythonic template,
-Llama 4), as vLLM's `--tool-call-parser` names them.
+`mistral` (Mistral 7B v0.3, Nemo, Small; from tokenizer v11 its `name[ARGS]{...}` form, which
+the chat template shows) and `pythonic` (Llama 3.2's pythonic template, Llama 4), as vLLM's
+`--tool-call-parser` names them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from fastserve.server.tools.base import FunctionSpec, ToolFormat, template_arguments
 from fastserve.server.tools.hermes import HERMES
 from fastserve.server.tools.llama3_json import LLAMA3_JSON
-from fastserve.server.tools.mistral import MISTRAL
+from fastserve.server.tools.mistral import ARGS_TAG, MISTRAL, MISTRAL_NAME_ARGS
 from fastserve.server.tools.pythonic import PYTHONIC
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC)}
@@ -26,9 +27,13 @@ def choose(name: str, chat_template: str) -> tuple[ToolFormat, str]:
     if name != AUTO:
         if name not in FORMATS:
             raise ValueError(f"tool call parser: {name!r} is not one of {AUTO}, {', '.join(FORMATS)}")
+        if FORMATS[name] is MISTRAL and ARGS_TAG in chat_template:
+            return MISTRAL_NAME_ARGS, "as asked; the chat template writes name[ARGS]{...} (v11)"
         return FORMATS[name], "as asked"
     if "<tool_call>" in chat_template:
         return HERMES, "the chat template writes <tool_call> blocks"
+    if "[TOOL_CALLS]" in chat_template and ARGS_TAG in chat_template:
+        return MISTRAL_NAME_ARGS, "the chat template writes Mistral's [TOOL_CALLS]name[ARGS] (v11)"
     if "[TOOL_CALLS]" in chat_template:
         return MISTRAL, "the chat template writes Mistral's [TOOL_CALLS]"
     if "<|python_start|>" in chat_template or "func_name1(" in chat_template:

@@ -108,12 +108,21 @@ class ToolFormat:
     # A format with no grammar of its own (pythonic): its calls are free under auto, and a
     # forced output (required, a named function) is written and read in this format.
     forced: ToolFormat | None = None
+    # Its calls' markers are special tokens (Mistral's v11 `[TOOL_CALLS]`, `[ARGS]`), which the
+    # parser must see: the text keeps special tokens when this format's parser reads it.
+    keeps_special_tokens: bool = False
 
     def parser_for(self, mode: str) -> ToolCallParser:
         """A parser for an output under `tool_choice` `mode`."""
-        if self.forced is not None and mode != "auto":
-            return self.forced.parser()
-        return self.parser()
+        return self._read_as(mode).parser()
+
+    def needs_special_tokens(self, mode: str) -> bool:
+        """Whether an output under `tool_choice` `mode` must keep its special tokens."""
+        return mode != "none" and self._read_as(mode).keeps_special_tokens
+
+    def _read_as(self, mode: str) -> ToolFormat:
+        """The format an output under `mode` is written in."""
+        return self.forced if self.forced is not None and mode != "auto" else self
 
     def grammar_spec(self, functions: Sequence[FunctionSpec], mode: str, parallel: bool,
                      named: str | None = None) -> str | None:
