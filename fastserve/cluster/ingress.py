@@ -60,7 +60,8 @@ class RouteHints:
     tokenizer: Encoder
     block_size: int
     # LoRA adapters' names: their requests' cached blocks are hashed with the adapter as salt,
-    # which differs between processes, so the router is given their length only.
+    # which differs between processes, so the router is given their length only (and so for
+    # a request with a `cache_salt` of its own).
     lora_names: frozenset[str] = frozenset()
 
     async def route(self, path: str, body: bytes) -> RouteRequest | None:
@@ -77,7 +78,7 @@ class RouteHints:
         if type(keep) is int and 0 < keep < len(ids):  # NOTE: -1 (fit the context) is not mirrored
             ids = ids[len(ids) - keep:]
         request_id = f"route-{uuid.uuid4().hex}"
-        if data.get("model") in self.lora_names:
+        if data.get("model") in self.lora_names or data.get("cache_salt") is not None:
             return RouteRequest(request_id, len(ids))
         return RouteRequest.from_tokens(request_id, ids, self.block_size)
 

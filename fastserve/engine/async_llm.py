@@ -131,6 +131,7 @@ class AsyncLLM:
         coalesce: bool = False,
         priority: int = 0,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as tokens come; the last has `finished=True`. With
         `n` or `best_of` > 1 the sequences' outputs interleave, each with its `index` and its
@@ -141,7 +142,8 @@ class AsyncLLM:
         one socket write instead of several); a caller that keeps up still gets one per token.
 
         `priority`: lower runs first, over the scheduling policy's order (vLLM's). `lora`: the
-        LoRA adapter it runs with (a name of `lora_modules`).
+        LoRA adapter it runs with (a name of `lora_modules`). `cache_salt`: it shares cached
+        prefix blocks only with requests of the same salt (vLLM's).
 
         Raises ValueError for bad input and QueueFullError when the queue is full. Closing the
         iterator early (a client that went away) aborts the request and frees its blocks.
@@ -155,7 +157,7 @@ class AsyncLLM:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting)")
             req = self.engine.add_request(prompt, params, request_id,
                                           oracle_output_len=oracle_output_len, priority=priority,
-                                          lora=lora)
+                                          lora=lora, cache_salt=cache_salt)
             self._streams[req.request_id] = stream
             return req.request_id
 

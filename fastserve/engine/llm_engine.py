@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 from pathlib import Path
 
@@ -188,10 +189,12 @@ class LLMEngine:
         oracle_output_len: int | None = None,
         priority: int = 0,
         lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong. `priority`:
         lower runs first (vLLM's), over the scheduling policy's order. `lora`: the name of a
-        LoRA adapter to run with (`lora_modules`)."""
+        LoRA adapter to run with (`lora_modules`). `cache_salt`: the prefix cache finds for it
+        only blocks computed for requests of the same salt (vLLM's)."""
         params = self._tokenize_texts(params or SamplingParams()).for_vocab(self.arch.vocab_size)
         params.check_allows_a_token(self.eos_token_ids)
         adapter = None
@@ -220,7 +223,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             priority=priority,
             lora_id=adapter.slot if adapter else 0,
-            cache_salt=adapter.cache_salt if adapter else None,
+            cache_salt=_salt(adapter.cache_salt if adapter else None, cache_salt),
         )
         text = prompt if isinstance(prompt, str) else None
         if params.use_beam_search:  # its steps are requests of their own (`BeamSearches`)
@@ -526,3 +529,13 @@ class LLMEngine:
         for scheduled in plans:
             self.runner.execute(SchedulerOutput(scheduled=scheduled))
         self.runner.execute(SchedulerOutput(scheduled=[], finished_ids=[f"warmup-{i}" for i in range(num)]))
+
+
+def _salt(adapter_salt: str | None, cache_salt: str | None) -> str | None:
+    """A request's prefix-cache salt: its adapter's and its own. NOTE: as JSON, so no own salt
+    reads as an adapter's (whose blocks hold other weights' KV)."""
+    if cache_salt is None:
+        return adapter_salt
+    if not cache_salt:
+        raise InvalidRequestError("cache_salt: must be a non-empty string", "cache_salt")
+    return json.dumps([adapter_salt, cache_salt])

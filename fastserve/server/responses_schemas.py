@@ -288,6 +288,9 @@ class ResponsesRequest(BaseModel):
     top_logprobs: schemas.NumLogprobs | None = Field(
         None, description="The most likely alternatives to each output token, returned with "
         "include message.output_text.logprobs.")
+    cache_salt: schemas.Text | None = Field(
+        None, min_length=1, description="Extension (vLLM's): requests with different salts "
+        "share no prefix-cache blocks. Non-empty.")
     max_tool_calls: schemas.Count | None = Field(
         None, description="Accepted: it bounds the calls of built-in tools, and this server has "
         "none (function calls come back to the caller, in the output).")
@@ -321,6 +324,7 @@ class ResponsesRequest(BaseModel):
             "service_tier": self.service_tier,
             "logprobs": True if self.wants_logprobs else None,
             "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
+            "cache_salt": self.cache_salt,
         })
 
     def _messages(self) -> list[dict[str, Any]]:

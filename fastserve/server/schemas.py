@@ -9,7 +9,7 @@ integer), as in the OpenAI API.
 Extensions: vLLM's names, as the load tools that benchmark servers send them (guidellm, aiperf,
 `vllm bench serve`). Implemented: `top_k`, `min_tokens`, `ignore_eos` (generate exactly
 `max_tokens` tokens, for benchmarks), `stop_token_ids`, `include_stop_str_in_output`,
-`request_id`, `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
+`request_id`, `cache_salt`, `chat_template_kwargs`, `stream_options.continuous_usage_stats`,
 `repetition_penalty`, `min_p`, `allowed_token_ids`, `bad_words`, `prompt_logprobs`,
 `return_tokens_as_token_ids`, and structured output's `structured_outputs` (json, regex,
 choice, grammar, json_object) and its older form `guided_json`, `guided_regex`,
@@ -499,6 +499,10 @@ class _GenerationRequest(BaseModel):
         None, description="Extension: keep the stop string at the end of the text.")
     request_id: Text | None = Field(
         None, description="Extension: the response `id` is built from it (for tracing).")
+    cache_salt: Text | None = Field(
+        None, min_length=1, description="Extension: requests with different salts share no "
+        "prefix-cache blocks (in a server shared by several users, no one learns from the "
+        "timing what another's prompts began with). Non-empty.")
     # vLLM's extensions, accepted only at the values that mean "not used".
     use_beam_search: StrictBool | None = Field(
         None, description="Extension: the n best of n beams (at most 10), ranked by the model's "

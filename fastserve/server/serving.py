@@ -339,6 +339,7 @@ class OpenAIServing:
             prompt_logprobs=body.prompt_logprobs,
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
             priority=priority,
+            cache_salt=body.cache_salt,
             model=body.model,
             lora=self.check_model(body.model),
         )
@@ -380,7 +381,7 @@ class OpenAIServing:
         """
         outputs = self.llm.generate(
             job.prompt_token_ids, job.params, request_id=job.response_id, coalesce=True,
-            priority=job.priority, lora=job.lora,
+            priority=job.priority, lora=job.lora, cache_salt=job.cache_salt,
         )
         try:
             first = await (anext(outputs) if request is None

@@ -123,6 +123,34 @@ def test_usage_reports_cached_prompt_tokens_and_metrics_count_them(server: Serve
     assert metric(after, 'fastserve_prefix_cache_blocks{tier="device"}') >= 2
 
 
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions", "/responses"])
+def test_cache_salt_keeps_cached_prefixes_apart(server: ServerProcess, path: str) -> None:
+    """vLLM's `cache_salt`: a prompt's cached blocks are found again only under its salt."""
+    text = " ".join(f"{path} salted words {i}" for i in range(12))  # several full blocks
+    body: dict[str, Any] = {"model": MODEL}
+    if path == "/completions":
+        body.update(prompt=text, max_tokens=2)
+    elif path == "/chat/completions":
+        body.update(messages=[{"role": "user", "content": text}], max_tokens=2)
+    else:
+        body.update(input=text, max_output_tokens=2, store=False)
+
+    def cached(salt: str | None) -> int:
+        resp = post(server, path, {**body, "cache_salt": salt} if salt else body)
+        assert resp.status_code == 200, resp.text
+        usage = resp.json()["usage"]
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        return int(details["cached_tokens"])
+
+    assert cached("alice") == 0
+    assert cached("alice") > 0
+    assert cached("bob") == 0  # another salt finds none of alice's blocks
+    assert cached(None) == 0  # nor does a request without one
+    assert cached(None) > 0
+    resp = post(server, path, {**body, "cache_salt": ""})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
+
+
 def test_completion_with_openai_client(client: openai.OpenAI, tokenizer: Any) -> None:
     prompt = "The quick brown fox"
     done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
