@@ -228,7 +228,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 IncludeItem = Literal["message.output_text.logprobs", "reasoning.encrypted_content"]
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(schemas.SamplingExtensions):
     """`POST /v1/responses`."""
 
     model_config = ConfigDict(extra="forbid")
@@ -288,6 +288,8 @@ class ResponsesRequest(BaseModel):
     top_logprobs: schemas.NumLogprobs | None = Field(
         None, description="The most likely alternatives to each output token, returned with "
         "include message.output_text.logprobs.")
+    chat_template_kwargs: schemas.TemplateKwargs = Field(
+        None, description="Extension (vLLM's): more variables for the chat template, as chat's.")
     cache_salt: schemas.Text | None = Field(
         None, min_length=1, description="Extension (vLLM's): requests with different salts "
         "share no prefix-cache blocks. Non-empty.")
@@ -325,6 +327,8 @@ class ResponsesRequest(BaseModel):
             "logprobs": True if self.wants_logprobs else None,
             "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
             "cache_salt": self.cache_salt,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            **{name: getattr(self, name) for name in schemas.SamplingExtensions.model_fields},
         })
 
     def _messages(self) -> list[dict[str, Any]]:

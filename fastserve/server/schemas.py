@@ -461,7 +461,42 @@ GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choic
                  "structured_outputs")
 
 
-class _GenerationRequest(BaseModel):
+class SamplingExtensions(BaseModel):
+    """Sampling fields the Responses API takes too (as vLLM's does): `stop`, and vLLM's
+    extensions and OpenAI's chat penalties, which a response passes on to the chat completion
+    it runs as."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stop: Stop = Field(None, description="A string or up to 4 strings; text stops before them.")
+    top_k: Count | None = Field(
+        None, description="Extension: 0 disables top-k; beyond the vocabulary means none.")
+    ignore_eos: StrictBool | None = Field(None, description="Extension: don't stop at EOS.")
+    stop_token_ids: list[Count] | None = Field(
+        None, description="Extension: token ids of the model's vocabulary that end the output.")
+    include_stop_str_in_output: StrictBool | None = Field(
+        None, description="Extension: keep the stop string at the end of the text.")
+    skip_special_tokens: StrictBool | None = Field(
+        None, description="Extension: false keeps special tokens (EOS, template markers) in the "
+        "text. Default true.")
+    priority: Priority | None = Field(
+        None, description="Extension: a request with a lower value runs first, strictly (it "
+        "preempts running ones between tokens); requests of one priority are scheduled by the "
+        "server's policy. Default 0.")
+    presence_penalty: StrictFloat | None = Field(
+        None, ge=-2, le=2, description="Subtracted from the logit of each token the output has.")
+    frequency_penalty: StrictFloat | None = Field(
+        None, ge=-2, le=2, description="Subtracted from a token's logit once per time the output has it.")
+    logit_bias: LogitBias = Field(
+        None, description="Token id (a string of digits) -> bias in [-100, 100], added to its logit.")
+    repetition_penalty: StrictFloat | None = Field(
+        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], description="Extension (Hugging Face's): a logit of a token of the prompt or "
+                                "the output is divided by it (multiplied when negative); 1 is off.")
+    min_p: StrictFloat | None = Field(
+        None, ge=0, le=1, description="Extension: drop tokens less likely than min_p times the most likely.")
+
+
+class _GenerationRequest(SamplingExtensions):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="forbid")
@@ -470,7 +505,6 @@ class _GenerationRequest(BaseModel):
     temperature: StrictFloat | None = Field(None, ge=0, le=2)
     top_p: StrictFloat | None = Field(None, gt=0, le=1)
     seed: Seed | None = None
-    stop: Stop = Field(None, description="A string or up to 4 strings; text stops before them.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = Field(None, description="Used only when stream is true.")
     user: Text | None = None
@@ -488,15 +522,8 @@ class _GenerationRequest(BaseModel):
         "after it (priority 1); auto, default: priority 0. Not with `priority`.")
     n: NumSequences | None = Field(
         None, description="Choices to return, each a sequence of its own sampled from the prompt.")
-    # vLLM's extensions, implemented.
-    top_k: Count | None = Field(
-        None, description="Extension: 0 disables top-k; beyond the vocabulary means none.")
+    # vLLM's extensions, implemented (and those of SamplingExtensions).
     min_tokens: Count | None = Field(None, description="Extension: at most max_tokens.")
-    ignore_eos: StrictBool | None = Field(None, description="Extension: don't stop at EOS.")
-    stop_token_ids: list[Count] | None = Field(
-        None, description="Extension: token ids of the model's vocabulary that end the output.")
-    include_stop_str_in_output: StrictBool | None = Field(
-        None, description="Extension: keep the stop string at the end of the text.")
     request_id: Text | None = Field(
         None, description="Extension: the response `id` is built from it (for tracing).")
     cache_salt: Text | None = Field(
@@ -511,33 +538,15 @@ class _GenerationRequest(BaseModel):
     length_penalty: StrictFloat | None = Field(
         None, ge=LENGTH_PENALTY_RANGE[0], le=LENGTH_PENALTY_RANGE[1], description="Extension, with use_beam_search: a beam's summed log-probability is "
         "divided by its length (prompt included) to this power. Default 1.")
-    skip_special_tokens: StrictBool | None = Field(
-        None, description="Extension: false keeps special tokens (EOS, template markers) in the "
-        "text. Default true.")
     spaces_between_special_tokens: Annotated[Any, Only((True,))] = Field(
         None, description="Extension: only true.")
     truncate_prompt_tokens: TruncatePrompt | None = Field(
         None, description="Extension: keep only the prompt's last k tokens; -1 keeps the most "
         "that leave room for the output (max_tokens, else completions' default 16, else 1).")
-    priority: Priority | None = Field(
-        None, description="Extension: a request with a lower value runs first, strictly (it "
-        "preempts running ones between tokens); requests of one priority are scheduled by the "
-        "server's policy. Default 0.")
     return_token_ids: StrictBool | None = Field(
         None, description="Extension: the prompt's and the output's token ids in the response "
         "(streamed: the prompt's in the first chunk, each chunk's new tokens in it).")
-    # Penalties, bias and min_p (issue 27): OpenAI's, then vLLM's extensions.
-    presence_penalty: StrictFloat | None = Field(
-        None, ge=-2, le=2, description="Subtracted from the logit of each token the output has.")
-    frequency_penalty: StrictFloat | None = Field(
-        None, ge=-2, le=2, description="Subtracted from a token's logit once per time the output has it.")
-    logit_bias: LogitBias = Field(
-        None, description="Token id (a string of digits) -> bias in [-100, 100], added to its logit.")
-    repetition_penalty: StrictFloat | None = Field(
-        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], description="Extension (Hugging Face's): a logit of a token of the prompt or "
-                                "the output is divided by it (multiplied when negative); 1 is off.")
-    min_p: StrictFloat | None = Field(
-        None, ge=0, le=1, description="Extension: drop tokens less likely than min_p times the most likely.")
+    # (Penalties, bias and min_p: in SamplingExtensions.)
     # Tokens barred (vLLM's extensions): before bias and penalties, as vLLM applies them.
     allowed_token_ids: list[Count] | None = Field(
         None, min_length=1, description="Extension: only these token ids (of the model's "

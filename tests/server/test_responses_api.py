@@ -78,6 +78,27 @@ def test_a_response_is_the_chat_completion_it_amounts_to(server: ServerProcess,
     assert resp["output"][0]["status"] == "incomplete"
 
 
+def test_vllms_sampling_fields_pass_to_the_chat_completion(server: ServerProcess) -> None:
+    """vLLM's Responses extensions (top_k, ignore_eos, penalties, stop, ...) act as they do
+    on the chat completion the response runs as."""
+    fields = {"top_k": 1, "temperature": 1.0, "ignore_eos": True, "repetition_penalty": 1.3,
+              "logit_bias": {"7": -100}, "min_p": 0.01}
+    resp = create(server, {"input": "Tell me about rivers.", "max_output_tokens": 12, **fields})
+    chat = httpx.post(server.v1 + "/chat/completions", timeout=120, json={
+        "model": MODEL, "max_completion_tokens": 12, **fields,
+        "messages": [{"role": "user", "content": "Tell me about rivers."}]}).json()
+    text = text_of(resp)
+    assert text == chat["choices"][0]["message"]["content"] and resp["usage"]["output_tokens"] == 12
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), "need a visible stop string"
+    stopped = create(server, {"input": "Tell me about rivers.", "max_output_tokens": 12, **fields,
+                              "stop": [stop]})
+    assert text_of(stopped) == text[:text.index(stop)] and stopped["status"] == "completed"
+    bad = httpx.post(server.v1 + "/responses", timeout=60,
+                     json={"model": MODEL, "input": "hi", "top_k": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k", bad.text
+
+
 def test_the_stream_builds_the_same_response(server: ServerProcess) -> None:
     body = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
             "max_output_tokens": 10, "seed": 1}
