@@ -76,7 +76,7 @@ class RouteHints:
             return None
         keep = data.get("truncate_prompt_tokens")  # the replica reads only the prompt's end
         if type(keep) is int and 0 < keep < len(ids):  # NOTE: -1 (fit the context) is not mirrored
-            ids = ids[len(ids) - keep:]
+            ids = ids[:keep] if data.get("truncation_side") == "right" else ids[len(ids) - keep:]
         request_id = f"route-{uuid.uuid4().hex}"
         if data.get("model") in self.lora_names or data.get("cache_salt") is not None:
             return RouteRequest(request_id, len(ids))

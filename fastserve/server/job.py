@@ -48,6 +48,7 @@ class Job:
     # Reasoning models: the output is split into thinking and answer, and whether it begins
     # inside the thinking (None: not split; see `reasoning.py`).
     reasoning_inside: bool | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out of the response
     # ... and how many of an output's tokens are thinking (usage's reasoning_tokens).
     count_reasoning: Callable[[Sequence[int]], int] | None = None
 

@@ -435,7 +435,8 @@ def _read(job: Job, items: OutputItems, readers: _Readers, out: RequestOutput) -
     text = out.text if job.params.final_only else out.new_text
     if readers.thoughts is not None:
         thinking, text = readers.thoughts.read(out.index, text, out.finished)
-        items.reasoning(thinking)
+        if job.include_reasoning:
+            items.reasoning(thinking)
     if job.tool_mode == "none":
         items.text(text, readers.token_logprobs(job, out))
         return

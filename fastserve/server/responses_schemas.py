@@ -288,6 +288,9 @@ class ResponsesRequest(schemas.SamplingExtensions):
     top_logprobs: schemas.NumLogprobs | None = Field(
         None, description="The most likely alternatives to each output token, returned with "
         "include message.output_text.logprobs.")
+    include_reasoning: StrictBool | None = Field(
+        None, description="Extension (vLLM's): false leaves out the reasoning item of a "
+        "reasoning model's thinking. Default true.")
     chat_template_kwargs: schemas.TemplateKwargs = Field(
         None, description="Extension (vLLM's): more variables for the chat template, as chat's.")
     cache_salt: schemas.Text | None = Field(
@@ -328,6 +331,7 @@ class ResponsesRequest(schemas.SamplingExtensions):
             "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
             "cache_salt": self.cache_salt,
             "chat_template_kwargs": self.chat_template_kwargs,
+            "include_reasoning": self.include_reasoning,
             **{name: getattr(self, name) for name in schemas.SamplingExtensions.model_fields},
         })
 

@@ -543,6 +543,9 @@ class _GenerationRequest(SamplingExtensions):
     truncate_prompt_tokens: TruncatePrompt | None = Field(
         None, description="Extension: keep only the prompt's last k tokens; -1 keeps the most "
         "that leave room for the output (max_tokens, else completions' default 16, else 1).")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="Extension, with truncate_prompt_tokens: left (the default) drops the "
+        "prompt's beginning, keeping its last k tokens; right drops its end, keeping its first k.")
     return_token_ids: StrictBool | None = Field(
         None, description="Extension: the prompt's and the output's token ids in the response "
         "(streamed: the prompt's in the first chunk, each chunk's new tokens in it).")
@@ -1046,6 +1049,13 @@ class ChatCompletionRequest(_GenerationRequest):
         "of that function.")
     modalities: Annotated[Any, Only((["text"],))] = Field(None, description="Only ['text'] is supported.")
     store: Annotated[Any, Only((False,))] = Field(None, description="Only false is supported.")
+    include_reasoning: StrictBool | None = Field(
+        None, description="Extension: false leaves a reasoning model's thinking out of the "
+        "response (its tokens still count in the usage). Default true.")
+    documents: list[dict[Text, Text]] | None = Field(
+        None, description="Extension: documents for retrieval-augmented generation, given to the "
+        "chat template as `documents` (each best with `title` and `text`); a template that "
+        "reads none ignores them. Over chat_template_kwargs' `documents`.")
     reasoning_effort: ReasoningEffort | None = Field(
         None, description="Given to the chat template as `reasoning_effort` (gpt-oss's reads "
         "it); a 400 when the served model's template does not read it.")
@@ -1082,6 +1092,8 @@ class ChatCompletionRequest(_GenerationRequest):
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
         if self.all_tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.all_tools]
         kwargs["add_generation_prompt"], kwargs["continue_final_message"] = self._prompt_ending()

@@ -157,7 +157,7 @@ class OpenAIServing:
                if isinstance(prompt, str) else list(prompt))
         num_given = len(ids)
         ids = self._truncate(ids, body.truncate_prompt_tokens, body.max_tokens,
-                             DEFAULT_COMPLETION_MAX_TOKENS)
+                             DEFAULT_COMPLETION_MAX_TOKENS, body.truncation_side)
         max_tokens = self._max_tokens(
             "max_tokens", body.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt",
             allow_zero=bool(body.echo),
@@ -184,7 +184,7 @@ class OpenAIServing:
         self.check_model(body.model)
         text, ids = await self.render_chat(body)
         field, requested = body.requested_max_tokens
-        ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1)
+        ids = self._truncate(ids, body.truncate_prompt_tokens, requested, 1, body.truncation_side)
         max_tokens = self._max_tokens(field, requested, len(ids), None, "messages")
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
                                   tool_mode=body.tool_mode, tool_format=self.tool_format,
@@ -201,7 +201,8 @@ class OpenAIServing:
                 job = dataclasses.replace(job, params=params)
             count = functools.partial(reasoning.count_tokens, inside=inside,
                                       decode=self._decode_special)
-            job = dataclasses.replace(job, reasoning_inside=inside, count_reasoning=count)
+            job = dataclasses.replace(job, reasoning_inside=inside, count_reasoning=count,
+                                      include_reasoning=body.include_reasoning is not False)
         return job
 
     async def render_chat(self, body: schemas.ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -229,6 +230,7 @@ class OpenAIServing:
         content, calls, finish, thinking = final.text, None, finish_reason(final), None
         if job.reasoning_inside is not None:
             thinking, content = reasoning.ReasoningParser(job.reasoning_inside).split(content)
+            thinking = thinking if job.include_reasoning else None
         if job.tool_mode != "none":
             tools = chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format, job.as_function_call)
             content, deltas = chat_tools.split(tools.read(final.index, content, finished=True))
@@ -262,12 +264,15 @@ class OpenAIServing:
             raise bad_input(exc, param) from exc
 
     def _truncate(self, ids: list[int], keep: int | None, requested: int | None,
-                  default_max_tokens: int) -> list[int]:
-        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens; -1 keeps the most
-        that leave room for the output (the requested max tokens, else the default)."""
+                  default_max_tokens: int, side: str | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (its first with
+        `side` "right"); -1 keeps the most that leave room for the output (the requested max
+        tokens, else the default)."""
         if keep == -1:
             keep = max(1, self.max_model_len - max(requested or default_max_tokens, 1))
-        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+        if keep is None or len(ids) <= keep:
+            return ids
+        return ids[:keep] if side == "right" else ids[len(ids) - keep:]
 
     def _max_tokens(
         self, field: str, requested: int | None, num_prompt: int, default: int | None, prompt_param: str,
@@ -489,6 +494,7 @@ class OpenAIServing:
             text, calls, thinking = out.new_text, None, ""
             if thoughts is not None:
                 thinking, text = thoughts.read(out.index, text, out.finished)
+                thinking = thinking if job.include_reasoning else ""
             if tools is not None:
                 text, calls = chat_tools.split(tools.read(out.index, text, out.finished))
             # return_token_ids: the output's new tokens, in the first chunk it makes

@@ -380,6 +380,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess, max
     assert cut.status_code == 200 and alone.status_code == 200, cut.text
     assert cut.json()["usage"]["prompt_tokens"] == 8
     assert cut.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    # truncation_side right: the prompt's first k tokens.
+    head = post(server, CMPL, {**greedy, "prompt": prompt, "truncate_prompt_tokens": 8,
+                               "truncation_side": "right"})
+    head_alone = post(server, CMPL, {**greedy, "prompt": prompt[:8]})
+    assert head.status_code == 200, head.text
+    assert head.json()["usage"]["prompt_tokens"] == 8
+    assert head.json()["choices"][0]["text"] == head_alone.json()["choices"][0]["text"]
     untouched = post(server, CMPL, {**greedy, "prompt": prompt, "truncate_prompt_tokens": 100})
     assert untouched.json()["usage"]["prompt_tokens"] == len(prompt)
 
@@ -420,6 +427,15 @@ def test_the_fleet_router_reads_the_truncated_prompt(tokenizer: Any) -> None:
     body = {"model": MODEL, "prompt": list(range(3, 43)), "truncate_prompt_tokens": 8}
     routed = asyncio.run(hints.route("/v1/completions", json.dumps(body).encode()))
     assert routed is not None and routed.num_prompt_tokens == 8
+    # Its blocks' hashes are those of the tokens kept: the last 8, or the first with "right".
+    head = asyncio.run(hints.route("/v1/completions", json.dumps(
+        {**body, "truncate_prompt_tokens": 16, "truncation_side": "right"}).encode()))
+    tail = asyncio.run(hints.route("/v1/completions", json.dumps(
+        {**body, "truncate_prompt_tokens": 16}).encode()))
+    first = asyncio.run(hints.route("/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": list(range(3, 19))}).encode()))
+    assert head is not None and tail is not None and first is not None
+    assert head.block_hashes == first.block_hashes != tail.block_hashes
 
 
 def test_malformed_json(server: ServerProcess) -> None:

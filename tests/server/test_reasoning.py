@@ -75,6 +75,7 @@ def test_auto_splits_when_the_template_thinks(asked: str, template: str, splits:
 # -- served: a Qwen3-like template (`open`: DeepSeek-R1's, which leaves <think> open) ------------
 
 TEMPLATE = """{%- if reasoning_effort is defined %}{{- 'Reasoning: ' + reasoning_effort + '\\n' }}{%- endif %}
+{%- for doc in documents or [] %}{{- 'Document ' + doc.title + ': ' + doc.text + '\\n' }}{%- endfor %}
 {%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}
 {%- if message.role == 'assistant' and message.reasoning_content %}
 {{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}
@@ -221,6 +222,40 @@ def test_the_effort_reaches_a_template_that_reads_it(thinking_server: ServerProc
     resp = client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=1,
                                    reasoning={"effort": "high"})
     assert resp.usage is not None and resp.usage.input_tokens == high
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(thinking_server: ServerProcess) -> None:
+    """vLLM's include_reasoning: false answers without the thinking (whole, streamed, and the
+    Responses API's reasoning item); its tokens still count as reasoning tokens."""
+    pytest.importorskip("xgrammar")
+    forced = {"guided_regex": THOUGHT, "max_tokens": 60}
+    whole = _whole(thinking_server, **forced, include_reasoning=False)
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "Five." and "reasoning_content" not in message
+    assert _reasoning_tokens(whole["usage"]) > 0
+    assert _streamed(thinking_server, **forced, include_reasoning=False) == ("", "Five.")
+    # A prompt left inside <think>, cut short: all thinking, so no item at all.
+    resp = httpx.post(thinking_server.v1 + "/responses", timeout=120, json={
+        "model": "tiny", "input": "What is 2 + 3? /think", "max_output_tokens": 6,
+        "temperature": 0, "include_reasoning": False})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert all(item["type"] != "reasoning" for item in body["output"]), body
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == 6
+
+
+def test_documents_reach_the_chat_template(thinking_server: ServerProcess) -> None:
+    """vLLM's documents (retrieval-augmented generation): the template's `documents`."""
+    docs = [{"title": "Rivers", "text": "The Nile is long."}]
+    whole = _whole(thinking_server, max_tokens=1, documents=docs, return_token_ids=True)
+    prompt = httpx.post(thinking_server.url + "/detokenize", timeout=60, json={
+        "model": "tiny", "tokens": whole["prompt_token_ids"]}).json()["prompt"]
+    assert "Document Rivers: The Nile is long." in prompt
+    plain = _whole(thinking_server, max_tokens=1)["usage"]["prompt_tokens"]
+    assert whole["usage"]["prompt_tokens"] > plain
+    bad = httpx.post(thinking_server.v1 + "/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": ASK, "documents": [{"title": 3}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("documents"), bad.text
 
 
 @pytest.mark.parametrize(("path", "fields", "param"), [
