@@ -62,6 +62,7 @@ class FleetOptions:
     cpus_per_replica: float = 1.0  # Ray's CPU reservation for each replica
     tool_call_parser: str = "auto"  # as one server's
     reasoning_parser: str = "auto"  # as one server's
+    trust_request_chat_template: bool = False  # as one server's
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -111,7 +112,8 @@ class Fleet:
                            api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
                            grace_period_s=opts.grace_period_s,
                            tool_call_parser=opts.tool_call_parser,
-                           reasoning_parser=opts.reasoning_parser)
+                           reasoning_parser=opts.reasoning_parser,
+                           trust_request_chat_template=opts.trust_request_chat_template)
         app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
                          opts.stats_period_s)
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)

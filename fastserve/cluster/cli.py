@@ -49,6 +49,7 @@ def _serve_fleet(args: argparse.Namespace) -> int:
         grace_period_s=args.grace_period_s, log_level=args.log_level,
         access_log=args.access_log, ray_address=args.ray_address, router=args.router,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
         cpus_per_replica=args.cpus_per_replica or float(getattr(args, "num_threads", None) or 1),
     )
     return serve_fleet(opts, args)

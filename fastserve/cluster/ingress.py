@@ -93,6 +93,8 @@ class RouteHints:
             return await _off_loop(lambda: list(self.tokenizer.encode(prompt, bos)), len(prompt))
         chat = (ResponsesRequest.model_validate(data).to_chat() if path == "/v1/responses"
                 else ChatCompletionRequest.model_validate(data))
+        if chat.chat_template is not None:  # the client's code: the replica decides to run it
+            return None
         messages, kwargs = chat.template_args()
 
         def render() -> list[int]:

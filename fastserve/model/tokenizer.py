@@ -8,6 +8,7 @@ configured like transformers' (trim_blocks, lstrip_blocks, raise_exception).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -144,9 +145,12 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) to prompt text.
+        """Render `messages` ([{"role": ..., "content": ...}]) to prompt text, with the
+        checkpoint's chat template or `chat_template` (a request's own; a TemplateError when it
+        does not compile).
 
         `continue_final_message`: the text ends right after the last message's content, left
         open for the model to continue (a prefill), as transformers' `apply_chat_template`
@@ -156,9 +160,13 @@ class Tokenizer:
         NOTE: the text usually starts with the BOS token already; `encode` does not
         add a second one.
         """
-        if self._compiled_template is None:
-            self._compiled_template = _jinja_env().from_string(self.chat_template)
-        text = self._compiled_template.render(
+        if chat_template is not None:
+            template = _compiled(chat_template)
+        else:
+            if self._compiled_template is None:
+                self._compiled_template = _jinja_env().from_string(self.chat_template)
+            template = self._compiled_template
+        text = template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -169,12 +177,22 @@ class Tokenizer:
             text = _open_final_message(text, messages[-1]["content"] if messages else "")
         return text
 
-    def template_reads(self, name: str) -> bool:
-        """Whether the chat template reads the variable `name` (one it does not read cannot
-        change the prompt)."""
+    @staticmethod
+    def check_chat_template(chat_template: str) -> None:
+        """Raises InvalidRequestError naming `chat_template` when it does not compile."""
+        try:
+            _compiled(chat_template)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat_template: does not compile: {exc}",
+                                      "chat_template") from exc
+
+    def template_reads(self, name: str, chat_template: str | None = None) -> bool:
+        """Whether the chat template (or `chat_template`, a request's own) reads the variable
+        `name` (one it does not read cannot change the prompt)."""
+        if chat_template is not None:
+            return name in _variables(chat_template)
         if self._template_variables is None:
-            self._template_variables = frozenset(
-                jinja2.meta.find_undeclared_variables(_jinja_env().parse(self.chat_template)))
+            self._template_variables = _variables(self.chat_template)
         return name in self._template_variables
 
     def detokenizer(
@@ -347,6 +365,17 @@ def _raise_exception(message: str) -> None:
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(chat_template: str) -> jinja2.Template:
+    """A request's own chat template, compiled once while it keeps coming."""
+    return _jinja_env().from_string(chat_template)
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(chat_template: str) -> frozenset[str]:
+    return frozenset(jinja2.meta.find_undeclared_variables(_jinja_env().parse(chat_template)))
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:

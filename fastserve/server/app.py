@@ -68,6 +68,7 @@ def build_app(
     tool_call_parser: str = tools.AUTO,
     responses_store_mib: float = DEFAULT_RESPONSES_STORE_MIB,
     reasoning_parser: str = "auto",
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `llm` under `served_model_name`.
 
@@ -77,6 +78,7 @@ def build_app(
     (read off its chat template). `responses_store_mib`: the memory stored responses may take
     (0: none are stored). `reasoning_parser`: whether chat outputs are split into thinking and
     answer (`reasoning.NAMES`; "auto": when the chat template has `<think>` blocks).
+    `trust_request_chat_template`: chat requests may bring their own chat template.
     """
     tool_format, why = tools.choose(tool_call_parser, llm.tokenizer.chat_template)
     logger.info("tool calls: the %s format (%s)", tool_format.name, why)
@@ -89,7 +91,8 @@ def build_app(
         version="0.1.0",
     )
     metrics = ServerMetrics(llm)
-    serving = OpenAIServing(llm, served_model_name, metrics, tool_format, thinks)
+    serving = OpenAIServing(llm, served_model_name, metrics, tool_format, thinks,
+                            trust_request_chat_template)
     app.state.serving = serving
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     add_error_handlers(app, metrics)

@@ -52,6 +52,7 @@ class ServeOptions:
     tool_call_parser: str = "auto"  # the format of the model's tool calls (server/tools)
     responses_store_mib: float = 64.0  # the Responses API's stored responses (0: none)
     reasoning_parser: str = "auto"  # split <think> blocks from the answer (server/reasoning)
+    trust_request_chat_template: bool = False  # chat requests may bring their own template
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -107,6 +108,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                    help="reasoning models: return the <think> block as reasoning_content "
                    "(deepseek_r1 and qwen3 read the same blocks); auto: when the chat template "
                    "has them (default); none: the thinking stays in the content")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests bring their own Jinja chat template (chat_template); "
+                   "rendering runs a client's template, sandboxed but unbounded in time "
+                   "(default: refused with a 400)")
     add_engine_args(p, skip=("model",))
     # A server runs the faster dtype for its machine unless told (measured on a CPU:
     # executor/dtype_choice.py); the Python API stays float32 unless asked.
@@ -126,6 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         responses_store_mib=args.responses_store_mib,
         reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     return serve(opts, args)
 
@@ -145,7 +151,8 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
         app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
                         tool_call_parser=opts.tool_call_parser,
                         responses_store_mib=opts.responses_store_mib,
-                        reasoning_parser=opts.reasoning_parser)
+                        reasoning_parser=opts.reasoning_parser,
+                        trust_request_chat_template=opts.trust_request_chat_template)
         return _run(_main_loop(app, llm, sock, name, opts))
     finally:
         sock.close()

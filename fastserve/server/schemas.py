@@ -1001,7 +1001,7 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 # What the chat template is given by the server (`tools`: from the request's field);
 # chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_ARGS = ("messages", "add_generation_prompt", "continue_final_message",
-                          "bos_token", "eos_token", "tools")
+                          "bos_token", "eos_token", "tools", "chat_template")
 
 
 def _check_template_kwargs(value: Any) -> Any:
@@ -1052,6 +1052,10 @@ class ChatCompletionRequest(_GenerationRequest):
     include_reasoning: StrictBool | None = Field(
         None, description="Extension: false leaves a reasoning model's thinking out of the "
         "response (its tokens still count in the usage). Default true.")
+    chat_template: Text | None = Field(
+        None, description="Extension: the Jinja chat template to render this conversation with, "
+        "instead of the model's; only where the server runs with --trust-request-chat-template "
+        "(else a 400).")
     documents: list[dict[Text, Text]] | None = Field(
         None, description="Extension: documents for retrieval-augmented generation, given to the "
         "chat template as `documents` (each best with `title` and `text`); a template that "
@@ -1094,6 +1098,8 @@ class ChatCompletionRequest(_GenerationRequest):
             kwargs["reasoning_effort"] = self.reasoning_effort
         if self.documents is not None:
             kwargs["documents"] = self.documents
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         if self.all_tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.all_tools]
         kwargs["add_generation_prompt"], kwargs["continue_final_message"] = self._prompt_ending()

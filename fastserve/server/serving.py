@@ -53,12 +53,16 @@ class OpenAIServing:
     """The `/v1` handlers' logic, shared by completions and chat completions."""
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, metrics: ServerMetrics,
-                 tool_format: ToolFormat = HERMES, reasoning: bool = False) -> None:
+                 tool_format: ToolFormat = HERMES, reasoning: bool = False,
+                 trust_request_chat_template: bool = False) -> None:
         self.llm = llm
         self.model_name = served_model_name
         self.metrics = metrics
         self.tool_format = tool_format  # how the served model writes tool calls
         self.reasoning = reasoning  # split chat outputs into thinking and answer
+        # A request may bring its own chat template (vLLM's flag of the same name): rendering
+        # runs the client's code (sandboxed, but as long as it likes).
+        self.trust_request_chat_template = trust_request_chat_template
         self.max_model_len: int = llm.engine.max_model_len
         self.created = replies.now_s()
         self.logprobs = LogprobsFormatter(llm.tokenizer)
@@ -211,7 +215,18 @@ class OpenAIServing:
             messages, kwargs = body.template_args()
         except InvalidRequestError as exc:  # e.g. continue_final_message after a user message
             raise bad_input(exc, "messages") from exc
-        if body.reasoning_effort is not None and not self.llm.tokenizer.template_reads("reasoning_effort"):
+        own = body.chat_template
+        if own is not None:
+            if not self.trust_request_chat_template:
+                raise schemas.APIError(
+                    400, "chat_template: a request's own chat template is refused: the server "
+                    "runs without --trust-request-chat-template", param="chat_template")
+            try:
+                self.llm.tokenizer.check_chat_template(own)
+            except InvalidRequestError as exc:
+                raise bad_input(exc, "messages") from exc
+        if body.reasoning_effort is not None and not self.llm.tokenizer.template_reads(
+                "reasoning_effort", own):
             raise schemas.APIError(400, "reasoning_effort: not supported with this model (its chat "
                                    "template does not read the effort)", param="reasoning_effort")
         render = functools.partial(self.llm.tokenizer.apply_chat_template, messages, **kwargs)
