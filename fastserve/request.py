@@ -10,7 +10,7 @@ import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 # Below this a temperature would overflow the logits it divides: it samples greedily instead.
 MIN_TEMPERATURE = 1e-5
@@ -79,7 +79,56 @@ class FinishReason(str, enum.Enum):
 
 
 # What a structured output's `spec` holds, by kind (see `StructuredOutputParams`).
+# vLLM's stop_reason of an output that `repetition_detection` stopped.
+REPETITION_STOP_REASON = "repetition_detected"
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class RepetitionDetection:
+    """vLLM's `repetition_detection`: the output stops (stop_reason "repetition_detected") once
+    its last tokens are a pattern of `min_pattern_size` to `max_pattern_size` tokens written
+    `min_count` times in a row: a model caught in a loop stops there instead of at its length.
+    """
+
+    max_pattern_size: int
+    min_count: int
+    min_pattern_size: int = 1
+
+    # NOTE: each token of each request checks every size: bounded, so the check stays cheap.
+    MAX_SPAN: ClassVar[int] = 1024
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_pattern_size, self.min_pattern_size, self.min_count)
+        if not all(_is_int(v) for v in sizes):
+            raise InvalidRequestError(f"repetition_detection: integers only, got {sizes}",
+                                      "repetition_detection")
+        if not 1 <= self.min_pattern_size <= self.max_pattern_size:
+            raise InvalidRequestError(
+                "repetition_detection: need 1 <= min_pattern_size <= max_pattern_size, got "
+                f"{self.min_pattern_size} and {self.max_pattern_size}", "repetition_detection")
+        if self.min_count < 2:
+            raise InvalidRequestError(
+                f"repetition_detection: min_count must be >= 2, got {self.min_count}",
+                "repetition_detection")
+        if self.max_pattern_size * self.min_count > self.MAX_SPAN:
+            raise InvalidRequestError(
+                "repetition_detection: max_pattern_size * min_count must be at most "
+                f"{self.MAX_SPAN}, got {self.max_pattern_size * self.min_count}",
+                "repetition_detection")
+
+    def repeats(self, token_ids: Sequence[int]) -> bool:
+        """Whether `token_ids` ends in a pattern written `min_count` times in a row."""
+        n = len(token_ids)
+        for size in range(self.min_pattern_size, self.max_pattern_size + 1):
+            span = size * self.min_count
+            if span > n:
+                return False
+            # The last `span` tokens have period `size` (no copies: this runs every token,
+            # and most sizes fail at their first comparison).
+            if all(token_ids[n - j] == token_ids[n - j - size] for j in range(1, span - size + 1)):
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -204,6 +253,8 @@ class SamplingParams:
     # seed change nothing; the fields that change which token is drawn are refused with it.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: stop once the output repeats a pattern (stop_reason "repetition_detected").
+    repetition_detection: RepetitionDetection | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -254,6 +305,10 @@ class SamplingParams:
         object.__setattr__(self, "prediction_token_ids",
                            _token_ids(self.prediction_token_ids, "prediction_token_ids"))
         self._check_beam_search()
+        if self.repetition_detection is not None and not isinstance(
+                self.repetition_detection, RepetitionDetection):
+            raise InvalidRequestError("repetition_detection must be a RepetitionDetection",
+                                      "repetition_detection")
 
     def _check_beam_search(self) -> None:
         if not isinstance(self.use_beam_search, bool):
@@ -520,6 +575,8 @@ class Request:
     stop_token: int | None = None
     # The stop string its text reached (then the text ends before it, or with it).
     stop_string: str | None = None
+    # It stopped repeating itself (`SamplingParams.repetition_detection`).
+    is_repetitive: bool = False
     num_preemptions: int = 0
     # Set by the engine when the request may not exceed the model's context.
     max_model_len: int = 1 << 30
@@ -573,6 +630,8 @@ class Request:
         (None: an EOS, the length, or it has not stopped)."""
         if self.stop_string is not None:
             return self.stop_string
+        if self.is_repetitive:
+            return REPETITION_STOP_REASON
         return self.stop_token if self.stop_token in self.params.stop_token_ids else None
 
     @property

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from fastserve import LLM, SamplingParams
+from fastserve.request import InvalidRequestError, RepetitionDetection
 from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
 
 
@@ -88,6 +92,43 @@ def test_min_tokens_defers_stop_tokens(llm: LLM) -> None:
     out = _gen(llm, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at], min_tokens=5))[0]
     assert len(out.token_ids) >= 5
     assert stop_at not in out.token_ids[:5]
+
+
+def _forced(pattern: list[int]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """A logits processor that makes the output `pattern`, over and over."""
+    def force(num_output: int, logits: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(logits, -1e9)
+        out[pattern[num_output % len(pattern)]] = 0.0
+        return out
+    return force
+
+
+def test_repetition_detection_stops_a_loop(llm: LLM) -> None:
+    """vLLM's repetition_detection: a pattern of 1 to 3 tokens written 3 times in a row ends
+    the output there (stop_reason "repetition_detected"), its text whole; not before
+    min_tokens; a pattern longer than looked for runs on."""
+    watch = RepetitionDetection(max_pattern_size=3, min_count=3)
+
+    def run(pattern: list[int], **extra: Any) -> Any:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                logits_processors=(_forced(pattern),), **extra)
+        return _gen(llm, params)[0]
+
+    pair = run([500, 600], repetition_detection=watch)
+    assert pair.token_ids == [500, 600] * 3 and pair.finish_reason == "stop"
+    assert pair.stop_reason == "repetition_detected"
+    assert pair.text == llm.tokenizer.decode(pair.token_ids)
+    late = run([500, 600], repetition_detection=watch, min_tokens=9)
+    assert late.token_ids == [500, 600] * 4 + [500]  # the first check after min_tokens
+    long = run([500, 600, 700, 800], repetition_detection=watch)
+    assert len(long.token_ids) == 24 and long.finish_reason == "length" and long.stop_reason is None
+    assert RepetitionDetection(2, 2, min_pattern_size=2).repeats([1, 2, 1, 2])
+    assert not RepetitionDetection(2, 2, min_pattern_size=2).repeats([1, 1, 2, 1])
+    for bad in ({"max_pattern_size": 2, "min_count": 1}, {"max_pattern_size": 1, "min_count": 2,
+                                                         "min_pattern_size": 2},
+                {"max_pattern_size": 600, "min_count": 2}):
+        with pytest.raises(InvalidRequestError, match="repetition_detection"):
+            RepetitionDetection(**bad)
 
 
 def test_stop_string_truncates_text(llm: LLM) -> None:

@@ -700,18 +700,27 @@ class Scheduler(ABC):
     def _end(self, req: Request, token: int, reason: FinishReason, now: float) -> None:
         """Finish a request whose output `token` ended it (`_stop_reason`)."""
         if reason is FinishReason.STOP:
-            req.stop_token = token
+            if self._is_stop_token(req, token):
+                req.stop_token = token
+            else:
+                req.is_repetitive = True
         self.finish(req, reason, now)
+
+    def _is_stop_token(self, req: Request, token: int) -> bool:
+        p = req.params
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
         num_output = len(req.output_token_ids)
-        if num_output >= p.min_tokens and (
-            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
-        ):
+        if num_output >= p.min_tokens and self._is_stop_token(req, token):
             return FinishReason.STOP
         if num_output >= p.max_tokens or len(req.prompt_token_ids) + num_output >= req.max_model_len:
             return FinishReason.LENGTH
+        repetition = p.repetition_detection
+        if repetition is not None and num_output >= p.min_tokens and repetition.repeats(
+                req.output_token_ids):
+            return FinishReason.STOP
         return None
 
 

@@ -28,6 +28,7 @@ class Job:
     # Echo: the text returned before each choice's output (None: no echo): completions' the
     # prompt's, chat's the assistant's last message (the one the model continues).
     echo_text: str | None = None
+    prompt_text: str | None = None  # vLLM's return_prompt_text: the rendered chat prompt
     # Chat's tool_choice: "none" (the output is all content), "auto", "required" or "named"
     # (calls are read out of the output, in the served model's format).
     tool_mode: str = "none"

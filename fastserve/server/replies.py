@@ -89,8 +89,9 @@ PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class _TokenIds(BaseModel):
-    """vLLM's `return_token_ids` and `prompt_logprobs` fields, in a response only when asked
-    for; and a choice's `stop_reason`, once it has finished (as vLLM sends it)."""
+    """vLLM's `return_token_ids`, `prompt_logprobs` and `return_prompt_text` fields, in a
+    response only when asked for; and a choice's `stop_reason`, once it has finished (as vLLM
+    sends it)."""
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -100,7 +101,7 @@ class _TokenIds(BaseModel):
                 and (k != "stop_reason" or fields.get("finish_reason") is not None)}
 
 
-_TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids", "prompt_logprobs")
+_TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids", "prompt_logprobs", "prompt_text")
 # vLLM's: the stop string or stop token id that ended a choice (null: an EOS, the length, ...).
 StopReason = int | str | None
 
@@ -163,6 +164,7 @@ class ChatCompletionResponse(_TokenIds):
     usage: Usage
     prompt_token_ids: list[int] | None = None  # return_token_ids
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's prompt_logprobs
+    prompt_text: str | None = None  # vLLM's return_prompt_text: the rendered prompt
 
 
 class FunctionCallDelta(BaseModel):
@@ -220,6 +222,7 @@ class ChatCompletionChunk(_TokenIds):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
+    prompt_text: str | None = None  # vLLM's return_prompt_text: in the first chunk
 
 
 class ModelCard(BaseModel):

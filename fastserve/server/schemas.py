@@ -59,6 +59,7 @@ from fastserve.request import (
     MAX_SEQUENCES,
     REPETITION_PENALTY_RANGE,
     InvalidRequestError,
+    RepetitionDetection,
     SamplingParams,
     StructuredOutputParams,
 )
@@ -275,6 +276,24 @@ class StreamOptions(BaseModel):
     # vLLM's extension: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: StrictBool | None = None
     include_obfuscation: StrictBool | None = None  # no-op: nothing is obfuscated here
+
+
+class RepetitionDetectionParams(BaseModel):
+    """vLLM's `repetition_detection`: stop once the output's last tokens repeat a pattern."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_pattern_size: Count = Field(description="The longest pattern looked for, in tokens; 0 "
+                                    "turns the detection off.")
+    min_pattern_size: Count | None = Field(None, description="The shortest (default 1; 0 is 1).")
+    min_count: Count = Field(description="How many times in a row the pattern must come; >= 2.")
+
+    def params(self) -> RepetitionDetection | None:
+        """The engine's form (None: off); raises InvalidRequestError naming the field."""
+        if self.max_pattern_size == 0:
+            return None
+        return RepetitionDetection(self.max_pattern_size, self.min_count,
+                                   self.min_pattern_size or 1)
 
 
 # -- structured output ---------------------------------------------------------------------
@@ -546,6 +565,10 @@ class _GenerationRequest(SamplingExtensions):
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="Extension, with truncate_prompt_tokens: left (the default) drops the "
         "prompt's beginning, keeping its last k tokens; right drops its end, keeping its first k.")
+    repetition_detection: RepetitionDetectionParams | None = Field(
+        None, description="Extension: the output stops (stop_reason \"repetition_detected\") once "
+        "its last tokens are a pattern of min_pattern_size to max_pattern_size tokens written "
+        "min_count times in a row (max_pattern_size * min_count at most 1024).")
     return_token_ids: StrictBool | None = Field(
         None, description="Extension: the prompt's and the output's token ids in the response "
         "(streamed: the prompt's in the first chunk, each chunk's new tokens in it).")
@@ -647,6 +670,8 @@ class _GenerationRequest(SamplingExtensions):
             structured_output=self.structured_output(tool_format),
             prediction=self.predicted_text,
             use_beam_search=bool(self.use_beam_search),
+            repetition_detection=(self.repetition_detection.params()
+                                  if self.repetition_detection is not None else None),
             length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
         )
 
@@ -1052,6 +1077,9 @@ class ChatCompletionRequest(_GenerationRequest):
     include_reasoning: StrictBool | None = Field(
         None, description="Extension: false leaves a reasoning model's thinking out of the "
         "response (its tokens still count in the usage). Default true.")
+    return_prompt_text: StrictBool | None = Field(
+        None, description="Extension: the prompt the chat template rendered, as `prompt_text` "
+        "in the response (streamed: in the first chunk).")
     chat_template: Text | None = Field(
         None, description="Extension: the Jinja chat template to render this conversation with, "
         "instead of the model's; only where the server runs with --trust-request-chat-template "

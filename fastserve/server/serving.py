@@ -176,7 +176,8 @@ class OpenAIServing:
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
         job = await self.chat_job(body, "chatcmpl")
         response = functools.partial(replies.ChatCompletionResponse,
-                                     prompt_token_ids=ids_if_asked(job, job.prompt_token_ids))
+                                     prompt_token_ids=ids_if_asked(job, job.prompt_token_ids),
+                                     prompt_text=job.prompt_text)
         return await self._respond(
             job, request, "messages", self._chat_events, response,
             lambda final: self._chat_choice(job, final),
@@ -193,7 +194,8 @@ class OpenAIServing:
         job = dataclasses.replace(self._job(prefix, body, ids, max_tokens),
                                   tool_mode=body.tool_mode, tool_format=self.tool_format,
                                   as_function_call=body.uses_functions,
-                                  echo_text=body.echoed or None)
+                                  echo_text=body.echoed or None,
+                                  prompt_text=text if body.return_prompt_text else None)
         structured = job.params.structured_output
         if structured is not None and structured.param in ("tool_choice", "functions"):
             chat_tools.check_schemas(body)
@@ -473,13 +475,14 @@ class OpenAIServing:
             usage: replies.Usage | None = None, index: int = 0,
             logprobs: replies.ChatLogprobs | None = None, token_ids: list[int] | None = None,
             prompt_token_ids: list[int] | None = None, stop: replies.StopReason = None,
+            prompt_text: str | None = None,
         ) -> str:
             choices = [] if delta is None else [replies.ChatChunkChoice(
                 index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
                 stop_reason=stop, token_ids=token_ids)]
             resp = replies.ChatCompletionChunk(
                 id=job.response_id, created=job.created, model=job.model, choices=choices,
-                usage=usage, prompt_token_ids=prompt_token_ids,
+                usage=usage, prompt_token_ids=prompt_token_ids, prompt_text=prompt_text,
             )
             return streaming.sse_data(resp.model_dump(exclude=exclude))
 
@@ -488,7 +491,8 @@ class OpenAIServing:
         for i in range(job.params.n):  # each choice's role first, as OpenAI sends it (and echo)
             yield chunk(replies.ChatDelta(role="assistant", content=job.echo_text or ""),
                         usage=job_usage(job, ()) if job.continuous_usage else None, index=i,
-                        prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if i == 0 else None)
+                        prompt_token_ids=ids_if_asked(job, job.prompt_token_ids) if i == 0 else None,
+                        prompt_text=job.prompt_text if i == 0 else None)
         latest: dict[int, RequestOutput] = {}  # each sequence's latest output, for usage
         done: set[int] = set()  # the choices that have sent their finish_reason
         tools = (chat_tools.ChoiceToolCalls(job.tool_mode, job.tool_format, job.as_function_call)

@@ -85,6 +85,36 @@ def test_stop_reason_names_the_stop_token_or_string(server: ServerProcess, token
     assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["stop_reason"] == stop_at
 
 
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_repetition_detection_stops_a_loop(server: ServerProcess, path: str) -> None:
+    """vLLM's repetition_detection: one allowed token makes a loop, which stops once written
+    min_count times (stop_reason "repetition_detected"); bad sizes are a 400 naming it."""
+    body: dict[str, Any] = {"max_tokens": 12, "ignore_eos": True, "return_token_ids": True,
+                            "allowed_token_ids": [7],
+                            "repetition_detection": {"max_pattern_size": 2, "min_count": 4}}
+    body.update({"prompt": PROMPT_IDS} if path == "/completions" else {"messages": MESSAGES})
+    choice = post(server, path, body)["choices"][0]
+    assert choice["token_ids"] == [7] * 4
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "repetition_detected"
+    off = post(server, path, {**body, "repetition_detection": {"max_pattern_size": 0, "min_count": 0}})
+    assert len(off["choices"][0]["token_ids"]) == 12
+    bad = call(server, path, {**body, "repetition_detection": {"max_pattern_size": 2, "min_count": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_detection", bad.text
+
+
+def test_return_prompt_text_is_the_rendered_prompt(server: ServerProcess, tokenizer: Tokenizer) -> None:
+    """vLLM's return_prompt_text: the chat template's output, whole or in the first chunk."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "return_token_ids": True}
+    plain = post(server, "/chat/completions", body)
+    assert "prompt_text" not in plain
+    whole = post(server, "/chat/completions", {**body, "return_prompt_text": True})
+    text = whole["prompt_text"]
+    assert MESSAGES[0]["content"] in text
+    assert tokenizer.encode(text) == whole["prompt_token_ids"]
+    chunks = _stream(server, "/chat/completions", {**body, "return_prompt_text": True})
+    assert chunks[0]["prompt_text"] == text and all("prompt_text" not in c for c in chunks[1:])
+
+
 # -- allowed_token_ids --------------------------------------------------------------------
 
 
