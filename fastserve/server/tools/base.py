@@ -160,6 +160,54 @@ def alphanumeric_id(length: int = 9) -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(length))
 
 
+class CallsParser:
+    """What the streaming parsers share: text comes in (`feed`) and is read in states, from
+    "text" on, as far as it allows (`_step`); `finish` reads the rest once the output is
+    complete. The content's trailing whitespace is held (dropped before a call, and at the end
+    of an output that made calls)."""
+
+    def __init__(self) -> None:
+        self._pending = ""  # text not classified yet
+        self._state = "text"  # "text", or the subclass's states of a call
+        self._held = HeldSpace()
+        self._space_before_call = ""  # put back if the call's start turns out to be none
+        self._after_call = False  # what separates calls is dropped after one
+        self.num_calls = 0
+
+    def feed(self, text: str) -> Parsed:
+        self._pending += text
+        out = Parsed()
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> Parsed:
+        """The rest, once the output is complete: a call whose arguments began is a call, cut
+        short or not; a call's start whose arguments never began is content, as written."""
+        out = Parsed()
+        start = self._unfinished_start()
+        if self._state == "text":
+            out.text(self._held.send(self._pending))
+        elif start is not None:
+            out.text(self._held.send(self._space_before_call + start))
+        else:
+            self.num_calls += 1
+        self._pending, self._state = "", "text"
+        space = self._held.take()
+        if self.num_calls == 0:
+            out.text(space)
+        return out
+
+    def _step(self, out: Parsed) -> bool:
+        """Read what the pending text allows in the current state; True to go on reading."""
+        raise NotImplementedError
+
+    def _unfinished_start(self) -> str | None:
+        """Out of the text state: the text of a call's start whose arguments have not begun
+        (None: they have)."""
+        raise NotImplementedError
+
+
 class ObjectScanner:
     """Follows a JSON object's text to its closing brace: strings and escapes, nesting depth.
     It does not check the JSON otherwise (a grammar does that, where one holds the output).

@@ -13,7 +13,7 @@ import re
 
 from fastserve.server.tools.base import (
     CallDelta,
-    HeldSpace,
+    CallsParser,
     ObjectScanner,
     Parsed,
     ToolFormat,
@@ -28,7 +28,7 @@ _ARGUMENTS_KEYS = ("parameters", "arguments")
 _CALL_HEAD = re.compile(r'\{"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*\{')
 
 
-class JsonCallsParser:
+class JsonCallsParser(CallsParser):
     """Splits one sequence's output into content and calls written as bare JSON objects
     (`{"name": ..., "parameters" or "arguments": {...}}`), as the text arrives. A format sets
     where a call may begin (`STARTS`; a start's text before the object's `{` is dropped) and
@@ -47,41 +47,15 @@ class JsonCallsParser:
     SEPARATORS = " \t\r\n;"
 
     def __init__(self) -> None:
-        self._pending = ""  # text not classified yet
-        self._state = "text"  # "text", "head" (a call's start), "arguments", "tail" (after them)
+        super().__init__()  # states: "text", "head" (a call's start), "arguments", "tail"
         self._object = ObjectScanner()  # in "head": the object, until its head is known
         self._num_scanned = 0  # in "head": the characters of `_pending` it has read
         self._scanner = ObjectScanner()  # in "arguments" and "tail"
-        self._held = HeldSpace()
-        self._space_before_call = ""  # put back if the object turns out to be no call
-        self._after_call = False  # the separators that follow a call are dropped
-        self.num_calls = 0
 
-    def feed(self, text: str) -> Parsed:
-        self._pending += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        return out
-
-    def finish(self) -> Parsed:
-        """The rest, once the output is complete: a call whose arguments began is a call, cut
-        short or not; an unclosed object that never named its arguments is content."""
-        out = Parsed()
-        if self._state == "text":
-            out.text(self._held.send(self._pending))
-        elif self._state == "head":
-            out.text(self._held.send(self._space_before_call + self._pending))
-        else:
-            self.num_calls += 1
-        self._pending, self._state = "", "text"
-        space = self._held.take()
-        if self.num_calls == 0:
-            out.text(space)
-        return out
+    def _unfinished_start(self) -> str | None:
+        return self._pending if self._state == "head" else None  # an unclosed object
 
     def _step(self, out: Parsed) -> bool:
-        """Read what the pending text allows in the current state; True to go on reading."""
         if self._state == "text":
             return self._read_text(out)
         if self._state == "head":

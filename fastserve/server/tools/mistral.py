@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from fastserve.server.tools.base import (
     CallDelta,
-    HeldSpace,
+    CallsParser,
     ObjectScanner,
     Parsed,
     ToolFormat,
@@ -49,7 +49,7 @@ class MistralParser(JsonCallsParser):
     SEPARATORS = " \t\r\n,]"
 
 
-class MistralNameArgsParser:
+class MistralNameArgsParser(CallsParser):
     """Splits one sequence's output into content and v11 calls (`[TOOL_CALLS]name[ARGS]{...}`),
     as the text arrives: a call's name once its arguments begin (at `[ARGS]`, or at their `{`
     where `[ARGS]` is not in the text), then the arguments' text as it comes, up to their
@@ -57,39 +57,13 @@ class MistralNameArgsParser:
     output that made calls; other text is content, as written."""
 
     def __init__(self) -> None:
-        self._pending = ""  # text not classified yet
-        self._state = "text"  # "text", "name" (after `[TOOL_CALLS]`), "arguments"
+        super().__init__()  # states: "text", "name" (after `[TOOL_CALLS]`), "arguments"
         self._scanner = ObjectScanner()
-        self._held = HeldSpace()
-        self._space_before_call = ""  # put back if the call turns out to be none
-        self._after_call = False  # the whitespace that follows a call is dropped
-        self.num_calls = 0
 
-    def feed(self, text: str) -> Parsed:
-        self._pending += text
-        out = Parsed()
-        while self._step(out):
-            pass
-        return out
-
-    def finish(self) -> Parsed:
-        """The rest, once the output is complete: a call whose arguments began is a call, cut
-        short or not; a `[TOOL_CALLS]` whose arguments never began is content."""
-        out = Parsed()
-        if self._state == "text":
-            out.text(self._held.send(self._pending))
-        elif self._state == "name":
-            out.text(self._held.send(self._space_before_call + CALLS_TAG + self._pending))
-        else:
-            self.num_calls += 1
-        self._pending, self._state = "", "text"
-        space = self._held.take()
-        if self.num_calls == 0:
-            out.text(space)
-        return out
+    def _unfinished_start(self) -> str | None:
+        return CALLS_TAG + self._pending if self._state == "name" else None
 
     def _step(self, out: Parsed) -> bool:
-        """Read what the pending text allows in the current state; True to go on reading."""
         if self._state == "text":
             return self._read_text(out)
         if self._state == "name":
