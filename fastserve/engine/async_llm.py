@@ -132,6 +132,7 @@ class AsyncLLM:
         priority: int = 0,
         lora: str | None = None,
         cache_salt: str | None = None,
+        stream_interval: int = 1,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as tokens come; the last has `finished=True`. With
         `n` or `best_of` > 1 the sequences' outputs interleave, each with its `index` and its
@@ -140,6 +141,8 @@ class AsyncLLM:
         With `coalesce`, outputs that queued up while the caller was busy come as one output
         carrying all their new tokens and text (what a saturated server wants: one chunk and
         one socket write instead of several); a caller that keeps up still gets one per token.
+        `stream_interval` (vLLM's): after a sequence's first output, each of its outputs
+        carries at least this many new tokens (its last may carry fewer).
 
         `priority`: lower runs first, over the scheduling policy's order (vLLM's). `lora`: the
         LoRA adapter it runs with (a name of `lora_modules`). `cache_salt`: it shares cached
@@ -171,6 +174,8 @@ class AsyncLLM:
             raise
         finished = False
         held: RequestOutput | BaseException | None = None  # read while coalescing, not merged
+        started: set[int] = set()  # the sequences that have had an output
+        short: dict[int, RequestOutput] = {}  # a sequence's output held for stream_interval
         try:
             while True:
                 item, held = (held, None) if held is not None else (await stream.queue.get(), None)
@@ -187,7 +192,17 @@ class AsyncLLM:
                     item = _merged(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
+                before = short.pop(item.index, None)
+                if before is not None and item.is_failure:
+                    yield before  # its tokens first, as a fast reader would have had them
+                elif before is not None:
+                    item = _merged(before, item)
+                if (stream_interval > 1 and item.index in started and not item.finished
+                        and len(item.new_token_ids) < stream_interval):
+                    short[item.index] = item
+                    continue
                 finished = item.ends_request
+                started.add(item.index)
                 yield item
                 if finished:
                     return

@@ -44,6 +44,7 @@ class Job:
     tokens_as_ids: bool = False
     priority: int = 0  # vLLM's: lower runs first
     cache_salt: str | None = None  # vLLM's: requests share cached blocks only with their salt
+    stream_interval: int = 1  # vLLM's: tokens per streamed chunk, after the first
     model: str = ""  # the request's `model`: what the response names
     lora: str | None = None  # the LoRA adapter `model` names (None: the served model itself)
     # Reasoning models: the output is split into thinking and answer, and whether it begins

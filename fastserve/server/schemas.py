@@ -171,6 +171,8 @@ def _integral(value: Any) -> Any:
 # stay in the JSON schema (placed after, pydantic writes them as unknown keywords).
 Count = Annotated[StrictInt, annotated_types.Ge(0), BeforeValidator(_integral)]
 PositiveInt = Annotated[StrictInt, annotated_types.Ge(1), BeforeValidator(_integral)]
+# vLLM's stream_interval: tokens per streamed chunk at most (a chunk's text is held that long).
+MAX_STREAM_INTERVAL = 1024
 # `n` and `best_of`: how many sequences one request may run.
 NumSequences = Annotated[StrictInt, annotated_types.Ge(1), annotated_types.Le(MAX_SEQUENCES),
                          BeforeValidator(_integral)]
@@ -565,6 +567,9 @@ class _GenerationRequest(SamplingExtensions):
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="Extension, with truncate_prompt_tokens: left (the default) drops the "
         "prompt's beginning, keeping its last k tokens; right drops its end, keeping its first k.")
+    stream_interval: Annotated[PositiveInt, annotated_types.Le(MAX_STREAM_INTERVAL)] | None = Field(
+        None, description="Extension: streamed, each chunk after a choice's first carries at "
+        "least this many tokens (the last may carry fewer). Default 1.")
     repetition_detection: RepetitionDetectionParams | None = Field(
         None, description="Extension: the output stops (stop_reason \"repetition_detected\") once "
         "its last tokens are a pattern of min_pattern_size to max_pattern_size tokens written "

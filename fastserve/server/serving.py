@@ -362,6 +362,7 @@ class OpenAIServing:
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
             priority=priority,
             cache_salt=body.cache_salt,
+            stream_interval=body.stream_interval or 1,
             model=body.model,
             lora=self.check_model(body.model),
         )
@@ -404,6 +405,7 @@ class OpenAIServing:
         outputs = self.llm.generate(
             job.prompt_token_ids, job.params, request_id=job.response_id, coalesce=True,
             priority=job.priority, lora=job.lora, cache_salt=job.cache_salt,
+            stream_interval=job.stream_interval if job.stream else 1,
         )
         try:
             first = await (anext(outputs) if request is None

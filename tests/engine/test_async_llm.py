@@ -128,6 +128,23 @@ def test_a_slow_reader_gets_queued_tokens_merged_only_when_asked(llm: AsyncLLM, 
         assert [len(o.new_token_ids) for o in outs] == [1] * 40
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_interval_groups_tokens_after_the_first(llm: AsyncLLM, n: int) -> None:
+    """A fast reader with stream_interval 5 (no coalescing): each sequence's first output
+    at once, then groups of 5, then the rest; every token once, in order, each sequence's
+    groups apart from the other's."""
+    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, n=n)
+
+    async def run() -> list[RequestOutput]:
+        return [o async for o in llm.generate(list(range(5, 25)), params, stream_interval=5)]
+
+    outs = asyncio.run(run())
+    for index in range(n):
+        mine = [o for o in outs if o.index == index]
+        assert mine[-1].finished and [t for o in mine for t in o.new_token_ids] == mine[-1].token_ids
+        assert [len(o.new_token_ids) for o in mine] == [1, 5, 5, 2]
+
+
 # -- a caller cancelled at each point where it can be --------------------------------------------
 
 

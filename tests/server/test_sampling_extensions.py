@@ -115,6 +115,27 @@ def test_return_prompt_text_is_the_rendered_prompt(server: ServerProcess, tokeni
     assert chunks[0]["prompt_text"] == text and all("prompt_text" not in c for c in chunks[1:])
 
 
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_stream_interval_sends_tokens_in_groups(server: ServerProcess, path: str) -> None:
+    """vLLM's stream_interval: after a choice's first chunk, each carries at least that many
+    tokens (the last may carry fewer); the tokens are those of a plain stream."""
+    body: dict[str, Any] = {"max_tokens": 11, "ignore_eos": True, "temperature": 0.0,
+                            "return_token_ids": True}
+    body.update({"prompt": PROMPT_IDS} if path == "/completions" else {"messages": MESSAGES})
+
+    def groups(**extra: Any) -> list[list[int]]:
+        return [c["token_ids"] for chunk in _stream(server, path, {**body, **extra})
+                for c in chunk["choices"] if c.get("token_ids")]
+
+    plain, grouped = groups(), groups(stream_interval=4)
+    assert sum(plain, []) == sum(grouped, [])
+    # (The first comes at once; a busy server may have coalesced more tokens into it.)
+    assert all(len(g) >= 4 for g in grouped[1:-1]), grouped
+    assert len(grouped) <= 4  # the first, at least 4, at least 4, the rest
+    bad = call(server, path, {**body, "stream": True, "stream_interval": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_interval", bad.text
+
+
 # -- allowed_token_ids --------------------------------------------------------------------
 
 
