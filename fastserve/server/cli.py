@@ -98,7 +98,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     p.add_argument("--tool-call-parser", default="auto", choices=[AUTO, *FORMATS],
                    help="how the model writes tool calls: hermes (<tool_call> blocks: Hermes, "
                    "Qwen 2.5/3), llama3_json (Llama 3.1-3.3), mistral (Mistral 7B v0.3, Nemo, "
-                   "Small), pythonic (Llama 3.2's pythonic template, Llama 4), or auto: read off the chat "
+                   "Small; the v11 name[ARGS] form where the template writes it), pythonic (Llama 3.2's pythonic template, Llama 4), or auto: read off the chat "
                    "template (default)")
     p.add_argument("--responses-store-mib", type=float, default=64.0,
                    help="memory for the Responses API's stored responses (previous_response_id, "
