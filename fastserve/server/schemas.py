@@ -173,6 +173,9 @@ Count = Annotated[StrictInt, annotated_types.Ge(0), BeforeValidator(_integral)]
 PositiveInt = Annotated[StrictInt, annotated_types.Ge(1), BeforeValidator(_integral)]
 # vLLM's stream_interval: tokens per streamed chunk at most (a chunk's text is held that long).
 MAX_STREAM_INTERVAL = 1024
+# NOTE: the bounds before the validator, or they leave the JSON schema.
+StreamInterval = Annotated[StrictInt, annotated_types.Ge(1), annotated_types.Le(MAX_STREAM_INTERVAL),
+                           BeforeValidator(_integral)]
 # `n` and `best_of`: how many sequences one request may run.
 NumSequences = Annotated[StrictInt, annotated_types.Ge(1), annotated_types.Le(MAX_SEQUENCES),
                          BeforeValidator(_integral)]
@@ -567,7 +570,7 @@ class _GenerationRequest(SamplingExtensions):
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="Extension, with truncate_prompt_tokens: left (the default) drops the "
         "prompt's beginning, keeping its last k tokens; right drops its end, keeping its first k.")
-    stream_interval: Annotated[PositiveInt, annotated_types.Le(MAX_STREAM_INTERVAL)] | None = Field(
+    stream_interval: StreamInterval | None = Field(
         None, description="Extension: streamed, each chunk after a choice's first carries at "
         "least this many tokens (the last may carry fewer). Default 1.")
     repetition_detection: RepetitionDetectionParams | None = Field(
