@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,37 @@ def greedy_reference(tiny_model_path: Path) -> GreedyReference:
     from tests.greedy import GreedyReference
 
     return GreedyReference(tiny_model_path)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _free_dropped_engines() -> Iterator[None]:
+    """Free the engines a test dropped before the next test builds its own.
+
+    An engine hands its own bound methods to its parts (the engine core, the request groups, the
+    beam searches), so a dropped engine is a reference cycle that holds its KV pool until the
+    cyclic collector runs, and tensors do not count towards the collector's thresholds: a test
+    module that builds an engine per test would otherwise hold a pool for each. A full collection
+    costs tens of milliseconds, so it runs only after a test that grew the process.
+    """
+    yield from _collect_if_grown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_dropped_module_engines() -> Iterator[None]:
+    """The same after a module, whose own fixtures may have held an engine for all its tests."""
+    yield from _collect_if_grown()
+
+
+def _collect_if_grown() -> Iterator[None]:
+    before = _resident_bytes()
+    yield
+    if _resident_bytes() - before > 64 << 20:
+        gc.collect()
 
 
 @pytest.fixture

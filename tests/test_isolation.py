@@ -3,6 +3,8 @@ request's sampling or detokenization fails that request while its batch gets its
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from fastserve import LLM, SamplingParams
@@ -15,8 +17,9 @@ NUM_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype=TEST_DTYPE, max_batch_size=8, warmup=False)
+def llm() -> Iterator[LLM]:
+    with LLM(dtype=TEST_DTYPE, max_batch_size=8, warmup=False) as llm:
+        yield llm
 
 
 def _greedy(**kwargs: object) -> SamplingParams:

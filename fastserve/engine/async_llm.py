@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -248,6 +249,11 @@ class AsyncLLM:
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)
         await asyncio.to_thread(self.engine.shutdown)  # distributed workers, if any
+        if not self._thread.is_alive():
+            # NOTE: the model and the KV pool go with the engine, even while something outside
+            # keeps this object (FastAPI caches every app's route functions, which hold it).
+            del self.engine
+            gc.collect()  # the engine's parts hold its bound methods: a reference cycle
 
     # -- engine thread ------------------------------------------------------------------------
 

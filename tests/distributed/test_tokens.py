@@ -60,9 +60,11 @@ def _generate(tp: int, pp: int, pool: str, async_scheduling: bool = False,
                     tokens[out.request_id] = out.token_ids
         return [tokens[i] for i in ids], engine.stats()
     finally:
-        engine.shutdown()
-        if isinstance(engine.runner, DistributedExecutor):
-            assert all(p.returncode == 0 for p in engine.runner.processes.values())
+        runner = engine.runner
+        del engine
+        llm.shutdown()  # frees the model and the KV pool for the next test
+        if isinstance(runner, DistributedExecutor):
+            assert all(p.returncode == 0 for p in runner.processes.values())
 
 
 @pytest.fixture(scope="module")

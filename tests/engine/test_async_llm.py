@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,11 @@ from tests.conftest import TEST_DTYPE
 
 
 @pytest.fixture(scope="module")
-def llm() -> AsyncLLM:
-    return AsyncLLM(engine_config(dtype=TEST_DTYPE, max_batch_size=4, policy="skip-join-mlfq"))
+def llm() -> Iterator[AsyncLLM]:
+    llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, max_batch_size=4, policy="skip-join-mlfq",
+                                 kv_cache_gib=0.125))
+    yield llm
+    asyncio.run(llm.shutdown(grace_s=0))
 
 
 async def _collect(llm: AsyncLLM, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
@@ -180,15 +184,16 @@ class _Held:
 
 
 @pytest.fixture(scope="module")
-def held() -> _Held:
-    llm = AsyncLLM(engine_config(dtype="float32", max_batch_size=4, warmup=False))
+def held() -> Iterator[_Held]:
+    llm = AsyncLLM(engine_config(dtype="float32", max_batch_size=4, warmup=False, kv_cache_gib=0.125))
     executor = llm.engine.core.executor
     execute, add = _Hold(executor.execute), _Hold(llm.engine.add_request)
     executor.execute = execute  # type: ignore[method-assign]
     llm.engine.add_request = add  # type: ignore[method-assign]
     finished: dict[str, RequestOutput] = {}
     llm.on_finish.append(lambda out: finished.__setitem__(out.request_id, out))
-    return _Held(llm, execute, add, finished)
+    yield _Held(llm, execute, add, finished)
+    asyncio.run(llm.shutdown(grace_s=0))
 
 
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)  # never ends by itself here
@@ -340,7 +345,10 @@ def test_priority_orders_requests_over_the_policy() -> None:
                 finished.append("long")
         await asyncio.gather(*tasks)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(llm.shutdown(grace_s=0))
     assert finished == ["urgent", "long", "later"]
 
 

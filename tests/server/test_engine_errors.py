@@ -46,10 +46,11 @@ class _FailingExecutor:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_ready: Any) -> AsyncLLM:
+def llm(tiny_model_ready: Any) -> Iterator[AsyncLLM]:
     llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, warmup=False))
     llm.engine.core.executor = _FailingExecutor(llm.engine.core.executor)  # type: ignore[assignment]
-    return llm
+    yield llm
+    asyncio.run(llm.shutdown(grace_s=0))
 
 
 @pytest.fixture(scope="module")

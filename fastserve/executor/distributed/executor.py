@@ -276,6 +276,7 @@ class DistributedExecutor:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)  # the registry would hold this executor, its KV pool too
         if self.dead_reason is None:
             try:
                 while self._in_flight:  # their last sends wait for the driver to take them
