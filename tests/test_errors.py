@@ -16,7 +16,8 @@ from tests.conftest import TEST_DTYPE
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(engine_config(dtype=TEST_DTYPE, max_batch_size=4, warmup=False))
+    return LLMEngine(engine_config(dtype=TEST_DTYPE, max_batch_size=4, warmup=False,
+                                   kv_cache_gib=0.125))
 
 
 def test_bad_requests_do_not_disturb_running_ones(engine: LLMEngine) -> None:

@@ -18,7 +18,7 @@ NUM_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    with LLM(dtype=TEST_DTYPE, max_batch_size=8, warmup=False) as llm:
+    with LLM(dtype=TEST_DTYPE, max_batch_size=8, warmup=False, kv_cache_gib=0.125) as llm:
         yield llm
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,9 @@ from tests.conftest import IS_EXACT_DTYPE, TEST_DTYPE
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype=TEST_DTYPE, max_batch_size=8, warmup=False)
+def llm() -> Iterator[LLM]:
+    with LLM(dtype=TEST_DTYPE, max_batch_size=8, warmup=False, kv_cache_gib=0.125) as llm:
+        yield llm
 
 
 PROMPT = [1, 400, 401, 402, 403, 404]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from fastserve.request import InvalidRequestError, StructuredOutputParams  # noq
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
+def llm() -> Iterator[LLM]:
     # One wave for the 100 requests: fewer iterations than batches of 16.
-    return LLM(dtype="float32", max_batch_size=100, warmup=False, startup_profile=False)
+    with LLM(dtype="float32", max_batch_size=100, warmup=False, startup_profile=False,
+             kv_cache_gib=0.125) as llm:
+        yield llm
 
 
 PROMPT = "Answer in JSON:"

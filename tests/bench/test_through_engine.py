@@ -175,7 +175,8 @@ def test_engine_started_on_a_wrong_profile_decides_with_a_calibrated_one(
     from fastserve.profiling.fit import in_force_ratio
 
     config = engine_config(model=str(tiny_model_path), warmup=False, startup_profile=False,
-                           record_iterations=10_000, policy="skip-join-mlfq", num_threads=1)
+                           record_iterations=10_000, policy="skip-join-mlfq", num_threads=1,
+                           kv_cache_gib=0.125)
     probe = LLMEngine(config)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 

@@ -47,7 +47,7 @@ class _FailingExecutor:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_ready: Any) -> Iterator[AsyncLLM]:
-    llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, warmup=False))
+    llm = AsyncLLM(engine_config(dtype=TEST_DTYPE, warmup=False, kv_cache_gib=0.125))
     llm.engine.core.executor = _FailingExecutor(llm.engine.core.executor)  # type: ignore[assignment]
     yield llm
     asyncio.run(llm.shutdown(grace_s=0))
