@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-variants install lint bench clean
+.PHONY: serve test test-variants install lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,5 +43,13 @@ lint: install
 	$(VENV)/bin/mypy fastserve
 	$(VENV)/bin/lint-imports --no-cache
 
+# The documentation site (mkdocs.yml, docs/), strict: a broken link or anchor fails the build.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site
