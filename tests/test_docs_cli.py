@@ -9,7 +9,8 @@ benchmark script's are not fastserve's):
 - on a line (a code block's lines joined at a trailing backslash, or a line of prose) after
   `fastserve <command>` (also `.venv/bin/fastserve` and `python -m fastserve.cli`), up to a shell
   separator (`|`, `&&`, `;`) in code; each flag belongs to the nearest command before it;
-- anywhere in a section whose heading names `fastserve <command>` (docs/cli.md's tables).
+- in the first cell of a table row in a section whose heading names `fastserve <command>`
+  (docs/cli.md's tables).
 """
 
 from __future__ import annotations
@@ -247,14 +248,13 @@ def _line_mentions(text: str) -> list[tuple[str, str]]:
 
 
 def _section_flags(text: str) -> list[str]:
-    """The flags a line under a command's heading names for that command: a table row's first
-    cell (its flag column; a description may name another command's flags), or a line of prose
-    up to its first `fastserve <command>` (after which `_line_mentions` has them)."""
-    if text.lstrip().startswith("|"):
-        text = re.split(r"(?<!\\)\|", text.strip())[1]
-    elif cmd := CMD.search(text):
-        text = text[:cmd.start()]
-    return [f.group(0) for f in FLAG.finditer(text)]
+    """The flags a table row under a command's heading names for that command: those of its
+    first cell (the flag column; a description may name other commands' flags). Prose under
+    such a heading is read line by line only: it may well speak of another command."""
+    if not text.lstrip().startswith("|"):
+        return []
+    first = re.split(r"(?<!\\)\|", text.strip())[1]
+    return [f.group(0) for f in FLAG.finditer(first)]
 
 
 def mentions(path: Path) -> list[Mention]:
