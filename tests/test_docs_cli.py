@@ -121,10 +121,13 @@ def _code(value: str) -> str:
 def _describe(action: argparse.Action) -> tuple[str, str]:
     """(description, default) of one flag; an engine flag's default is its config field's."""
     help_ = action.help or ""
-    default = _default(action)
-    m = re.search(r"\s*\(default: (.*)\)$", help_)
-    if m:  # the engine's flags: "(default: X)" is the config default, the parser's is None
-        help_, default = help_[:m.start()], _code(m.group(1)) if m.group(1) != "None" else ""
+    default = "required" if action.required else _default(action)
+    # The engine's flags end in "(default: X)", X the config field's default (the parser's is
+    # None); other flags may say theirs in words the same way.
+    while m := re.search(r"\s*\(default: ((?:[^()]|\(\))*)\)$", help_):
+        help_ = help_[:m.start()]
+        if default in ("", "`None`") or m.group(1) not in ("None",):
+            default = {"True": "on", "False": "off", "None": "", "()": ""}.get(m.group(1), _code(m.group(1)))
     flag = next(s for s in action.option_strings if s.startswith("--"))
     if flag in DESCRIBE and (not help_ or help_.replace(" ", "-") == flag.lstrip("-")):
         help_ = DESCRIBE[flag]
