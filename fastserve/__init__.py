@@ -18,7 +18,7 @@ from fastserve.request import RequestOutput, SamplingParams, StructuredOutputPar
 # matmul took 2.1 and 13.8 ms with it, 3.5 and 13.8 ms passive. Set either yourself to override.
 #
 # What importing fastserve set in this process's environment (a benchmark gives a peer engine
-# it starts its own defaults back: `benchmarks/vs_vllm.py`).
+# it starts its own defaults back: `benchmarks/peers/vs_vllm.py`).
 OPENMP_DEFAULTS: dict[str, str] = {}
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     OPENMP_DEFAULTS["GOMP_SPINCOUNT"] = "10000"

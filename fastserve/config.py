@@ -59,7 +59,7 @@ class ModelConfig:
     # are shared, since oversubscribed OpenMP threads spin and stall each other.
     num_threads: int = 0
     # Keep the batch shape and wall time of the last N engine iterations (a ring buffer read
-    # by `fastserve profile --through-engine` and benchmarks/sim_vs_real.py); 0 = off.
+    # by `fastserve profile --through-engine` and benchmarks/scheduling/sim_vs_real.py); 0 = off.
     record_iterations: int = 0
     # Rescale the cost model the engine decides with (skip-join placement, ENST, the KV
     # policy's copy budget) when its iterations take a steady multiple of the start-up

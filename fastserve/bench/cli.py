@@ -77,7 +77,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     fleet.add_argument("--record-trace", default=None,
                        help="write the first router's recorded trace (JSON) here")
     p.add_argument("--out", required=True, help="results JSON")
-    p.add_argument("--plot", default=None, help="PNG: average JCT per policy (vs the sweep)")
+    p.add_argument("--plot", default=None, help="PNG: average and p99 JCT per policy (vs the sweep)")
     add_engine_args(p)  # includes --seed, which also seeds the workload
     p.set_defaults(func=run_bench)
 

@@ -125,7 +125,7 @@ class FleetIngress:
         # Ray Serve's gRPC transport between the ingress and the replicas
         # (`_by_reference=False`), not Ray's actor calls: through the latter a replica's first
         # chunk reached the ingress ~5 ms after it was yielded, through gRPC ~1 ms (the
-        # fleet's added TTFT went from 10.6-12.1 ms to 5.4-6.8 ms, benchmarks/fleet_real.py).
+        # fleet's added TTFT went from 10.6-12.1 ms to 5.4-6.8 ms, benchmarks/fleet/fleet_real.py).
         self.stream = handle.options(stream=True, _by_reference=False)
         self.metrics = metrics
         self.hints = hints

@@ -52,19 +52,19 @@ from fastserve.request import Request
 HORIZON_ITERATIONS = 2.0
 # Copies inline (no idle core): the most a new or swapped job's moves may add to an
 # iteration, as a share of its predicted compute. Measured in the simulator
-# (benchmarks/kv_defaults.py cells with this machine's profile, copies at ~8 us and ~630 us a
+# (benchmarks/kv/kv_defaults.py cells with this machine's profile, copies at ~8 us and ~630 us a
 # block): 0.1 stays within 5% of `defer` where copies are dear and near `reactive` where they
 # are cheap; 0.25 let dear copies cost up to 9% over `defer`.
 INLINE_COPY_SHARE = 0.1
 # `proactive`'s default reserve K: this share of the device pool, rounded up (vLLM keeps a
-# similar watermark of 1% free). Measured in the simulator (benchmarks/kv_policies.py, parts 1
+# similar watermark of 1% free). Measured in the simulator (benchmarks/kv/kv_policies.py, parts 1
 # and 2, robust variant): shares from 2% to 15% beat no reserve in most cells; 5% did in all
 # 14, by 2-18% on average JCT.
 DEFAULT_RESERVE_FRACTION = 0.05
 # The burst prediction keeps room for at most this share of the device pool (beyond the
 # batch's own growth). On a pool about the size of one large job, room for a batch of
 # predicted arrivals was most of the device: jobs a few tokens from done were offloaded for
-# arrivals and waited on the host behind them (benchmarks/kv_defaults.py, A100 profile, Zipf
+# arrivals and waited on the host behind them (benchmarks/kv/kv_defaults.py, A100 profile, Zipf
 # 1.5, CV 1, a 32-block pool: 1.082x defer; capped at half, 1.028x; larger pools unchanged).
 BURST_MAX_SHARE = 0.5
 
@@ -440,7 +440,7 @@ class ProactivePolicy(ReactivePolicy):
             # move ahead of need (a job's KV, or a host-tier prefix, which is uploaded when its
             # job starts anyway) costs what the same move costs when needed, and may be wasted.
             # The prefetch walk alone, fetching nothing, cost 70 us an iteration on the real
-            # CPU engine (a third of the scheduler's time; benchmarks/kv_policies.py --part real).
+            # CPU engine (a third of the scheduler's time; benchmarks/kv/kv_policies.py --part real).
             return
         self._move_jobs(sched, order, batch, deferred)
         # 3. Then the prefix cache's host tier, with what room and copy time are left.

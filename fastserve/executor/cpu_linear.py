@@ -7,7 +7,7 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
   weight (`F32_PACKED_MAX_ROWS`). With AVX-512 BF16 (Zen 4), the packed weight won at every
   row count (`f32_packed_max_rows`).
 - bfloat16 with AVX-512 BF16 and no AMX: our kernel (`csrc/cpu_gemm.cpp`), every row count.
-  On the small preset's 49 matmuls (2-core Zen 4, medians, `benchmarks/cpu_matmul.py`) it is
+  On the small preset's 49 matmuls (2-core Zen 4, medians, `benchmarks/cpu/cpu_matmul.py`) it is
   1.8x oneDNN's packed bf16 at 1-16 rows, 1.35x at 32, 1.2x at 64, 1.07x at 256 and
   0.96-1.0x from 2048 to 8192 rows, where it is 1.01-1.05x `F.linear` on the plain weights: a
   decode batch's matmuls are bound by reading the weights, which the kernel streams near the
@@ -15,7 +15,7 @@ call; a weight packed once at start-up is read as is. Measured on 2 cores:
   rounds a row alike in every batch (a prompt's tokens, alone or beside others).
 - bfloat16 with AMX: the same packed layout, read by the kernel's AMX tiles
   (`bf16_linear_amx`), up to 768 rows (`AMX_MAX_ROWS`). On the small preset's 49 matmuls (a
-  2-core Xeon with AMX, `benchmarks/cpu_matmul.py`, medians of two runs' figures) it is
+  2-core Xeon with AMX, `benchmarks/cpu/cpu_matmul.py`, medians of two runs' figures) it is
   1.4-1.7x oneDNN's AMX matmul at 1 row, 1.55-1.8x at 16, 1.5-1.6x at 32 (it streams the
   weights at 25-37 GB/s where oneDNN reached 17-21), 1.4x at 64, 1.1-1.2x at 128, 0.8-1.1x
   at 256-512 (oneDNN's own figures move most there), 0.99x at 1024 and 0.7x at 1536; it
@@ -160,7 +160,7 @@ def packed_weight(weight: Tensor, max_rows: int | None = None,
 def f32_packed_max_rows() -> int:
     """The most rows a float32 call takes the packed weight for here: every row count on an
     AVX-512 BF16 CPU, where oneDNN's packed float32 matmul beat `F.linear` at prefills too
-    (small preset's 49 matmuls, 2-core Zen 4, `benchmarks/cpu_matmul.py --dtype float32`:
+    (small preset's 49 matmuls, 2-core Zen 4, `benchmarks/cpu/cpu_matmul.py --dtype float32`:
     1.64x at 64 rows, 1.21x at 512, 1.14x at 4096); F32_PACKED_MAX_ROWS elsewhere (on AVX2 it
     was 1.26x slower than `F.linear` at 512 rows)."""
     return sys.maxsize if cpu_isa() == "avx512_bf16" else F32_PACKED_MAX_ROWS

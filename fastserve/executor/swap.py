@@ -19,12 +19,12 @@ compute and later ones.
   run of consecutive blocks at a time, every layer at once (the device cache is one tensor,
   see `PagedAttention`): run by run and layer by layer cost ~44 us per 64 KiB block of the
   tiny model; one indexed gather and scatter for the whole plan, 2.5-5x these runs' time for
-  the small preset's 0.6-1.1 MiB blocks (`benchmarks/swap_copies.py`).
+  the small preset's 0.6-1.1 MiB blocks (`benchmarks/kv/swap_copies.py`).
 - CPU without a spare core (`InlineSwapper`): the plan's copies run on the compute thread when
   the plan is submitted, before the iteration. On a CPU the copies and the compute share the
   same cores and memory bus, so a worker overlaps nothing unless a core is idle; when the
   compute's threads fill every core, the worker's wake-ups preempt them instead. Measured on
-  this 2-core machine (`benchmarks/kv_policies.py --part real --variants robust --reps 3
+  this 2-core machine (`benchmarks/kv/kv_policies.py --part real --variants robust --reps 3
   --copy-workers inline,thread`: 1,000 requests, proactive at 25% of peak KV, the two modes
   interleaved): iterations ran 1.06/1.24/1.13x the cost model's prediction for their shapes
   inline against 1.11/1.35/1.29x with the worker, and median average JCT was 2.53 s against
@@ -190,7 +190,7 @@ class KVSwapper(ABC):
         scatter for the whole plan: over the device cache's block dimension (the fourth)
         those took 2.5-5x these copies' time for the small preset's 0.6-1.1 MiB blocks, in
         runs or scattered, and 2-5x for the tiny one's 64 KiB blocks in runs; only scattered
-        tiny blocks were faster that way (1.3x, ~6 us a block). `benchmarks/swap_copies.py`."""
+        tiny blocks were faster that way (1.3x, ~6 us a block). `benchmarks/kv/swap_copies.py`."""
         host = self.host.blocks
         for dev, hst, n in _pair_runs(swap_out):
             self._copy_out(dev, host[hst : hst + n], n)
@@ -350,7 +350,7 @@ class ThreadSwapper(KVSwapper):
         # NOTE: one intra-op thread for this thread's copies (the setting is per thread: the
         # compute keeps its own). The copies are memory-bound, and a second OpenMP team here
         # competes with the compute's for the same cores: on a 2-core machine, interleaved
-        # real runs (benchmarks/kv_policies.py part 3) had median average JCT 0.87 s with a
+        # real runs (benchmarks/kv/kv_policies.py part 3) had median average JCT 0.87 s with a
         # full team here and 0.71 s with one thread.
         torch.set_num_threads(1)
         with torch.inference_mode():

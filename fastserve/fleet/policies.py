@@ -91,7 +91,7 @@ class FastServeRouter(Router):
 
     name = "fastserve"
 
-    # Defaults from benchmarks/fleet_sim.py (16 replicas, load 0.9): a bound of 8 requests
+    # Defaults from benchmarks/fleet/fleet_sim.py (16 replicas, load 0.9): a bound of 8 requests
     # made mean JCT on the Zipf trace 1.6% worse than power of two's (4: even), and 4 costs
     # 1% of it on Mooncake against 8; weighting the deeper levels evened p99 on Zipf.
     def __init__(self, seed: int = 0, max_imbalance: float = 4, load_weight: float = 0.0,

@@ -238,7 +238,7 @@ def test_startup_profile_predicts_whole_engine_iterations(
         engine.step()
     samples = engine.recorder.samples()
     # NOTE: no bound on the ratio itself: on the shared machine the load during the start-up
-    # profile and during these iterations differ (benchmarks/sim_vs_real.py measures it).
+    # profile and during these iterations differ (benchmarks/scheduling/sim_vs_real.py measures it).
     assert engine.cost_check.num_iterations == engine.core.num_iterations
     assert engine.cost_check.ratio == pytest.approx(total_ratio(engine.cost, samples), rel=0.2)
 

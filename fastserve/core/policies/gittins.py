@@ -22,11 +22,11 @@ is refitted every `REFIT_EVERY` finishes over the last `WINDOW` lengths. Ages an
 horizons b lie on a grid (every age to 16 tokens, then 15% steps), so a job moves in the
 order only when its age crosses a grid point; a refit re-ranks every unfinished job (measured: 0.7 ms to
 fit 4,096 lengths, 7.6 ms to rank 1,000 new jobs, once per 64 finishes; schedule() itself
-47 us at 1,000 waiting, benchmarks/sched_overhead.py). A job older than every observed length
+47 us at 1,000 waiting, benchmarks/scheduling/sched_overhead.py). A job older than every observed length
 keeps the rank of the oldest observed age. NOTE: the lengths are those of finished jobs only (jobs still
 running are not counted), which leans the estimate short early in a run.
 
-A reference, not the default. In benchmarks/sim_sweep.py's grid (GPU-class cost model, batch
+A reference, not the default. In benchmarks/scheduling/sim_sweep.py's grid (GPU-class cost model, batch
 16, ample KV) it is the closest of our policies to `srpt-oracle` on Zipf lengths (worst cell
 2.07x the oracle's mean JCT; skip-join-mlfq's worst Zipf cell 2.37x, 3.00x with 4 fixed
 levels), but the index starves: a long prompt or a long-running job keeps a poor rank while

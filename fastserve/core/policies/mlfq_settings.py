@@ -17,7 +17,7 @@ Two variants share one mechanism (`mlfq.py`):
   heavy-tailed bursty loads without that loss. In the lowest level, started-first is bounded
   (`max_overtakes`): a long prompt skip-joins that level unstarted, and without the bound
   every later job that ran its way down would pass it, so under sustained load it waited
-  without limit (p99 JCT up to 1.6x FCFS's in benchmarks/sim_sweep.py; 1.15x with the bound).
+  without limit (p99 JCT up to 1.6x FCFS's in benchmarks/scheduling/sim_sweep.py; 1.15x with the bound).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fastserve.core.policies.finished_lengths import FinishedLengths
 
 ROBUST_LEVELS = 4
 # robust's levels when the finished jobs' lengths are heavy-tailed: the lowest is then reached
-# after 4 + 8 + ... + 64 = 124 steps. benchmarks/oracle_gap.py over sim_sweep.py's grid: 6
+# after 4 + 8 + ... + 64 = 124 steps. benchmarks/scheduling/oracle_gap.py over sim_sweep.py's grid: 6
 # fixed levels cut mean JCT on Zipf lengths (theta 0.9-1.5) by up to 36% against 4 but raise
 # p99 JCT to up to 1.6x FCFS's on the Azure trace and on Zipf 0.6, whose lengths are not
 # heavy-tailed; 8 levels raised p99 to 7.8x FCFS's.
@@ -52,7 +52,7 @@ PAPER_QUANTUM_STEPS = 1.0
 # The paper's lowest quantum must outlast the longest job: 2^15 decode steps covers any output.
 PAPER_LONGEST_JOB_STEPS = 1 << 15
 PAPER_STARVE_LIMIT_S = 10.0
-# robust's default `max_overtakes`, in batches. benchmarks/sim_sweep.py at batch 16, worst
+# robust's default `max_overtakes`, in batches. benchmarks/scheduling/sim_sweep.py at batch 16, worst
 # p99 JCT / FCFS's over the grid: 1.61 unbounded, 1.23 at 6 batches, 1.15 at 4. The bound
 # costs mean JCT mostly on the overloaded Azure windows (load 1.1: 0.69-0.83 of FCFS's
 # unbounded, 0.95-1.00 at 4 batches), where every long prompt was passed by the rest, and a

@@ -74,7 +74,7 @@ def _fused_norm(kernel: ModuleType) -> FusedNorm:
 # A chunk of at most this many tokens after cached ones runs as decode rows, one per token
 # (`build_metadata`), while its context is at most this long: the decode call then takes a
 # batch of speculative decoding's verifications at once instead of a call per request per
-# layer, at the cost of reading the context once per row. benchmarks/verify_attention.py
+# layer, at the cost of reading the context once per row. benchmarks/cpu/verify_attention.py
 # (small, float32, 1 + 5 tokens per request, 2-core AVX2 EPYC): at contexts 128 and 512 a
 # verification iteration took 0.89-0.94x the per-request calls' time at batch 8 and
 # 0.85-0.94x at batch 32 (the same at batch 1); at 2000, 1.10-1.14x (batches 1 and 8).

@@ -6,7 +6,7 @@ program (its occupancy) and the instructions of its main loop by kind. A decode 
 K/V from HBM, so its loop should spend few instructions per byte, read shared memory in wide
 loads and convert nothing it need not. That is how the float8 decode kernel's bottleneck was
 found (64 one-byte shared loads per tile) without a GPU, and how `tests/executor/test_kernel_sass.py`
-keeps it from coming back. `benchmarks/triton_sass.py` prints these reports.
+keeps it from coming back. `benchmarks/gpu/triton_sass.py` prints these reports.
 
 The kernels are compiled with exactly the arguments their wrappers (`triton_ops.paged_decode`
 and the rest) pass: a wrapper is called on tensors on the meta device with its kernel swapped

@@ -1,6 +1,6 @@
 """Launch configs of the Triton decode kernel, tuned per GPU model and decode batch size.
 
-`benchmarks/triton_decode_sweep.py` times every config on this GPU and writes the fastest to
+`benchmarks/gpu/triton_decode_sweep.py` times every config on this GPU and writes the fastest to
 `$FASTSERVE_CACHE/triton/decode-<GPU>.json` (as vLLM ships fused-MoE configs per device); the
 package's `configs/` folder is read first. A file maps keys to configs:
 

@@ -4,7 +4,7 @@
 // decode batches on a 2-core Zen 4, where a plain sum over memory reaches 28-36 GB/s; a decode
 // step of the small preset streams 219 MB of weights, so the matmuls set the step's time.
 // Measured side by side on the small preset's 49 matmuls (2 cores, medians,
-// benchmarks/cpu_matmul.py): 1.8x oneDNN at 1-16 rows, 1.35x at 32, 1.07x at 256 (compute-bound
+// benchmarks/cpu/cpu_matmul.py): 1.8x oneDNN at 1-16 rows, 1.35x at 32, 1.07x at 256 (compute-bound
 // there, ~85% of the `vdpbf16ps` peak), 0.96-1.0x from 2048 to 8192 rows (in passes of
 // kChunkRows rows), where it is 1.03-1.05x `F.linear` on the plain weight.
 //
@@ -46,7 +46,7 @@ constexpr int64_t kPanelRows = 48;  // rows per parallel task
 // Rows per pass over the weight. Every block is multiplied by all of a pass's rows, so a pass's
 // input must stay in cache while the blocks stream by: unchunked, 8192 rows ran at 0.90x oneDNN's
 // packed matmul and 0.92x F.linear (small preset, 2-core Zen 4); in 512-row passes, 0.96-0.98x
-// and 1.03-1.05x, and 2048 rows as fast as in one pass (benchmarks/cpu_matmul.py, medians).
+// and 1.03-1.05x, and 2048 rows as fast as in one pass (benchmarks/cpu/cpu_matmul.py, medians).
 constexpr int64_t kChunkRows = 512;
 constexpr int64_t kPrefetchBytes = 2048;  // ahead in the block being read (to L1)
 
