@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastser
 DEFAULT_HOST = "127.0.0.1"  # NOTE: never all interfaces unless asked (`--host 0.0.0.0`)
 DEFAULT_PORT = 8000
 API_KEY_ENV = "FASTSERVE_API_KEY"
+_BACKLOG = 2048  # uvicorn's default
 # How long uvicorn waits, after the drain, for the streams the engine has just ended.
 _CLOSE_MARGIN_S = 5.0
 
@@ -252,18 +254,27 @@ async def _shutdown_on_exit(server: uvicorn.Server, drain: _Drain, llm: AsyncLLM
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket's address, bound now (uvicorn listens on it once the model is up)."""
+    """The listening socket, bound and listening now; uvicorn accepts on it once the model is
+    up (connections made meanwhile wait in the backlog).
+
+    NOTE: listen, not only bind: with SO_REUSEADDR two sockets may bind one port while
+    neither listens, so a second server started at once would load its model and only then
+    fail. Only one socket can listen on it."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc}") from None
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(_BACKLOG)
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        taken = " (another server is listening there? pick another --port)" \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): "
+                         f"{exc.strerror}{taken}") from None
     return sock
 
 
