@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -34,6 +34,7 @@ from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, RouterBoard
 from fastserve.model.make_model import resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.server.cli import start_serving
+from fastserve.server.http_limits import HTTPLimits, fit_open_files, limited_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class FleetOptions:
     tool_call_parser: str = "auto"  # as one server's
     reasoning_parser: str = "auto"  # as one server's
     trust_request_chat_template: bool = False  # as one server's
+    http_limits: HTTPLimits = field(default_factory=HTTPLimits)  # as one server's
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -152,6 +154,7 @@ def serve_fleet(opts: FleetOptions, engine_args: argparse.Namespace) -> int:
     """Start-up, main loop, shutdown. Returns the process exit code."""
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     sock = _bind(opts.host, opts.port)
+    fit_open_files(opts.http_limits.max_connections)
     fleet: Fleet | None = None
     try:
         where = opts.ray_address or "a local Ray cluster"
@@ -170,6 +173,7 @@ async def _main_loop(fleet: Fleet, sock: socket.socket) -> int:
     opts = fleet.opts
     server = uvicorn.Server(uvicorn.Config(
         fleet.ingress(), log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
+        http=limited_protocol(opts.http_limits),
         timeout_graceful_shutdown=opts.grace_period_s + 5.0))  # type: ignore[arg-type]
     # As `fastserve serve`: uvicorn re-raises the signal after serving; a no-op handler then
     # makes a graceful stop exit 0.
