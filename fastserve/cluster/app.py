@@ -64,6 +64,7 @@ class FleetOptions:
     tool_call_parser: str = "auto"  # as one server's
     reasoning_parser: str = "auto"  # as one server's
     trust_request_chat_template: bool = False  # as one server's
+    metrics_require_key: bool = False  # as one server's
     http_limits: HTTPLimits = field(default_factory=HTTPLimits)  # as one server's
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class FleetOptions:
                              f"{', '.join(ROUTER_NAMES)}")
         if self.stats_period_s <= 0:
             raise ValueError(f"stats_period_s must be > 0, got {self.stats_period_s}")
+        if self.metrics_require_key and self.api_key is None:
+            raise ValueError("--metrics-require-key needs a key: --api-key or $FASTSERVE_API_KEY")
 
 
 class Fleet:
@@ -115,7 +118,8 @@ class Fleet:
                            grace_period_s=opts.grace_period_s,
                            tool_call_parser=opts.tool_call_parser,
                            reasoning_parser=opts.reasoning_parser,
-                           trust_request_chat_template=opts.trust_request_chat_template)
+                           trust_request_chat_template=opts.trust_request_chat_template,
+                           metrics_require_key=opts.metrics_require_key)
         app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
                          opts.stats_period_s)
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)
@@ -134,7 +138,9 @@ class Fleet:
         self.handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, self.opts.app_name)
         self.handle._init(_run_router_in_separate_loop=False)
         return FleetIngress(self.handle, self.metrics, self.hints, self.opts.max_body_bytes,
-                            max_attempts=self.opts.num_replicas + 3)
+                            max_attempts=self.opts.num_replicas + 3,
+                            metrics_key=self.opts.api_key if self.opts.metrics_require_key
+                            else None)
 
     def _replica_samples(self) -> dict[str, Any]:
         return {rid: samples_of(stats, METRICS_KEY)

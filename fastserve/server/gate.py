@@ -61,6 +61,22 @@ def engine_dead(exc: Exception) -> APIError:
     return APIError(503, f"engine is not running: {exc}", "server_error", code="engine_dead")
 
 
+def check_key(given: list[bytes], expected: bytes) -> APIError | None:
+    """The error for a request whose Authorization headers (`given`, all of them) do not
+    carry `Bearer <expected>`; None when they do. The key is compared in constant time."""
+    if len(given) > 1:  # NOTE: which one would count is up to each proxy on the way
+        return APIError(400, f"the request has {len(given)} Authorization headers: send "
+                        "one, 'Authorization: Bearer <key>'", code="invalid_api_key")
+    scheme, _, token = (given[0] if given else b"").partition(b" ")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if scheme.lower() != b"bearer" or not token.strip():
+        return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                        code="invalid_api_key", headers=challenge)
+    if not hmac.compare_digest(token.strip(), expected):
+        return APIError(401, "incorrect API key provided", code="invalid_api_key", headers=challenge)
+    return None
+
+
 class RequestGate:
     """ASGI middleware: the API key and the body-size limit, checked before any parsing.
 
@@ -124,17 +140,7 @@ class RequestGate:
 
     def _check_key(self, given: list[bytes]) -> APIError | None:
         assert self.expected_key is not None
-        if len(given) > 1:  # NOTE: which one would count is up to each proxy on the way
-            return APIError(400, f"the request has {len(given)} Authorization headers: send "
-                            "one, 'Authorization: Bearer <key>'", code="invalid_api_key")
-        scheme, _, token = (given[0] if given else b"").partition(b" ")
-        challenge = {"WWW-Authenticate": "Bearer"}
-        if scheme.lower() != b"bearer" or not token.strip():
-            return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                            code="invalid_api_key", headers=challenge)
-        if not hmac.compare_digest(token.strip(), self.expected_key):
-            return APIError(401, "incorrect API key provided", code="invalid_api_key", headers=challenge)
-        return None
+        return check_key(given, self.expected_key)
 
     def _too_large(self, close: bool = False) -> APIError:
         return APIError(
