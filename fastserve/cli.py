@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 
 from fastserve.args import add_engine_args, engine_config_from_args
@@ -136,7 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_torchrun_worker(args)
         return int(args.func(args))
-    except ValueError as exc:  # bad input: a clear message, no traceback
+    except ValueError as exc:  # bad input: a clear message, no traceback unless asked
+        if getattr(args, "log_level", None) == "debug":
+            traceback.print_exc()
         print(f"fastserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -34,6 +34,7 @@ from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, RouterBoard
 from fastserve.model.make_model import resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.server.cli import start_serving
+from fastserve.server.http_limits import HTTPLimits, fit_open_files, limited_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class FleetOptions:
     tool_call_parser: str = "auto"  # as one server's
     reasoning_parser: str = "auto"  # as one server's
     trust_request_chat_template: bool = False  # as one server's
+    metrics_require_key: bool = False  # as one server's
+    http_limits: HTTPLimits = field(default_factory=HTTPLimits)  # as one server's
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -72,6 +75,8 @@ class FleetOptions:
                              f"{', '.join(ROUTER_NAMES)}")
         if self.stats_period_s <= 0:
             raise ValueError(f"stats_period_s must be > 0, got {self.stats_period_s}")
+        if self.metrics_require_key and self.api_key is None:
+            raise ValueError("--metrics-require-key needs a key: --api-key or $FASTSERVE_API_KEY")
 
 
 class Fleet:
@@ -113,7 +118,8 @@ class Fleet:
                            grace_period_s=opts.grace_period_s,
                            tool_call_parser=opts.tool_call_parser,
                            reasoning_parser=opts.reasoning_parser,
-                           trust_request_chat_template=opts.trust_request_chat_template)
+                           trust_request_chat_template=opts.trust_request_chat_template,
+                           metrics_require_key=opts.metrics_require_key)
         app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
                          opts.stats_period_s)
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)
@@ -132,7 +138,9 @@ class Fleet:
         self.handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, self.opts.app_name)
         self.handle._init(_run_router_in_separate_loop=False)
         return FleetIngress(self.handle, self.metrics, self.hints, self.opts.max_body_bytes,
-                            max_attempts=self.opts.num_replicas + 3)
+                            max_attempts=self.opts.num_replicas + 3,
+                            metrics_key=self.opts.api_key if self.opts.metrics_require_key
+                            else None)
 
     def _replica_samples(self) -> dict[str, Any]:
         return {rid: samples_of(stats, METRICS_KEY)
@@ -152,6 +160,7 @@ def serve_fleet(opts: FleetOptions, engine_args: argparse.Namespace) -> int:
     """Start-up, main loop, shutdown. Returns the process exit code."""
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     sock = _bind(opts.host, opts.port)
+    fit_open_files(opts.http_limits.max_connections)
     fleet: Fleet | None = None
     try:
         where = opts.ray_address or "a local Ray cluster"
@@ -170,6 +179,7 @@ async def _main_loop(fleet: Fleet, sock: socket.socket) -> int:
     opts = fleet.opts
     server = uvicorn.Server(uvicorn.Config(
         fleet.ingress(), log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
+        http=limited_protocol(opts.http_limits),
         timeout_graceful_shutdown=opts.grace_period_s + 5.0))  # type: ignore[arg-type]
     # As `fastserve serve`: uvicorn re-raises the signal after serving; a no-op handler then
     # makes a graceful stop exit 0.

@@ -42,6 +42,8 @@ def _serve_fleet(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the optional extra is missing: say how to get it
         raise ValueError(f"--replicas needs Ray Serve ({exc}); "
                          "install it with: pip install 'fastserve[cluster]'") from None
+    from fastserve.server.http_limits import HTTPLimits
+
     opts = FleetOptions(
         num_replicas=args.replicas if args.replicas is not None else 1,
         host=args.host, port=args.port, served_model_name=args.served_model_name,
@@ -51,5 +53,9 @@ def _serve_fleet(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
         cpus_per_replica=args.cpus_per_replica or float(getattr(args, "num_threads", None) or 1),
+        metrics_require_key=args.metrics_require_key,
+        http_limits=HTTPLimits(header_timeout_s=args.http_header_timeout_s,
+                               read_timeout_s=args.http_read_timeout_s,
+                               max_connections=args.max_connections),
     )
     return serve_fleet(opts, args)

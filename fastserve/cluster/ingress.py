@@ -30,6 +30,7 @@ from starlette.types import Message, Receive, Scope, Send
 from fastserve.cluster.asgi import ForwardedRequest, ResponseStart
 from fastserve.cluster.metrics import FleetMetrics
 from fastserve.fleet.router import RouteRequest
+from fastserve.server.gate import check_key
 from fastserve.server.metrics import CONTENT_TYPE
 from fastserve.server.responses_schemas import ResponsesRequest
 from fastserve.server.schemas import APIError, ChatCompletionRequest
@@ -121,7 +122,7 @@ class FleetIngress:
     """The ASGI app `fastserve serve --replicas N` listens with."""
 
     def __init__(self, handle: ReplicaHandle, metrics: FleetMetrics, hints: RouteHints | None,
-                 max_body_bytes: int, max_attempts: int) -> None:
+                 max_body_bytes: int, max_attempts: int, metrics_key: str | None = None) -> None:
         # Ray Serve's gRPC transport between the ingress and the replicas
         # (`_by_reference=False`), not Ray's actor calls: through the latter a replica's first
         # chunk reached the ingress ~5 ms after it was yielded, through gRPC ~1 ms (the
@@ -131,11 +132,20 @@ class FleetIngress:
         self.hints = hints
         self.max_body_bytes = max_body_bytes
         self.max_attempts = max_attempts
+        # `--metrics-require-key`: the key /metrics needs (the replicas' gates guard the rest).
+        self.metrics_key = metrics_key.encode() if metrics_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         if scope["path"] == "/metrics" and scope["method"] == "GET":
+            denied = None if self.metrics_key is None else check_key(
+                [v for k, v in scope["headers"] if k == b"authorization"], self.metrics_key)
+            if denied is not None:
+                body = json.dumps(denied.response_body()).encode()
+                await _send_whole(send, denied.status_code, body, "application/json",
+                                  denied.headers)
+                return
             await _send_whole(send, 200, self.metrics.render(), CONTENT_TYPE)
             return
         body = await _read_body(receive, self.max_body_bytes + 1)  # more is refused (413) there

@@ -50,6 +50,7 @@ class ReplicaSpec:
     tool_call_parser: str = "auto"  # the format of the model's tool calls (server/tools)
     reasoning_parser: str = "auto"  # split <think> blocks from the answer (server/reasoning)
     trust_request_chat_template: bool = False  # chat requests may bring their own template
+    metrics_require_key: bool = False  # /metrics and the API's documents need the key too
     # The prefix cache's hashes a replica reports at most (the most recently used ones).
     max_prefix_hashes: int = 8192
 
@@ -65,6 +66,7 @@ class EngineReplica:
                              tool_call_parser=spec.tool_call_parser,
                              reasoning_parser=spec.reasoning_parser,
                              trust_request_chat_template=spec.trust_request_chat_template,
+                             metrics_require_key=spec.metrics_require_key,
                              # NOTE: a stored response would live on one replica, and the
                              # router does not send its follow-up there: none are stored
                              responses_store_mib=0)

@@ -22,6 +22,7 @@ from fastserve.engine.group import RequestGroups
 from fastserve.engine.loras import AdapterSlots, LoRAAdapters, ServedAdapter, read_lora
 from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
+from fastserve.engine.startup_checks import check_cache_writable, check_stop_ids, check_weights_fit
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
 from fastserve.executor.dtype_choice import resolve_config
@@ -68,9 +69,20 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
         self.clock = clock or WallClock()
+        check_cache_writable()  # before the slow part: the profile is saved there at its end
         path = resolve_model_path(config.model.model)
         if config.model.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
+        # Read before the weights (and the dtype probe, which runs the model's shapes): a broken
+        # config, tokenizer.json or stop token fails in a second, and an absurd size at once.
+        self.tokenizer = Tokenizer(path)
+        self.arch = read_arch_config(path)
+        check_stop_ids(self.tokenizer.eos_token_ids, self.arch.vocab_size, path)
+        parallel = config.parallel
+        check_weights_fit(self.arch, TORCH_DTYPES.get(config.model.dtype, torch.bfloat16),
+                          config.model.device,
+                          parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                          path / "config.json")
         # "auto" becomes a dtype here, before anything (profile cache, workers) reads it.
         config, self.dtype_choice = resolve_config(config, path)
         self.config = config
@@ -78,13 +90,10 @@ class LLMEngine:
         if config.model.num_threads:
             torch.set_num_threads(config.model.num_threads)
         dtype = TORCH_DTYPES[config.model.dtype]
-        parallel = config.parallel
         is_distributed = parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
         lora = config.lora
         weights: AdapterSlots | None = None
-        if is_distributed:
-            self.arch = read_arch_config(path)  # every rank loads its own shard (start_executor)
-        else:
+        if not is_distributed:  # else every rank loads its own shard (start_executor)
             model, self.arch = load_model(path, dtype, config.model.device,
                                           load_format=config.model.load_format)  # names what is missing
             if lora.is_enabled:
@@ -95,10 +104,6 @@ class LLMEngine:
         self.loras = LoRAAdapters(weights, self.arch, lora.max_lora_rank, lora.max_loras)
         startup_adapters = [(read_lora(name, adapter_path, self.arch, lora.max_lora_rank), adapter_path)
                             for name, adapter_path in lora.adapters]
-        try:
-            self.tokenizer = Tokenizer(path)
-        except FileNotFoundError as exc:
-            raise ValueError(f"cannot load the tokenizer: {exc}") from None
         self.max_model_len = _max_model_len(config.model.max_model_len,
                                             self.arch.max_position_embeddings)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)

@@ -22,6 +22,26 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The largest shapes a config may ask for: well above every published checkpoint (Llama 3.1
+# 405B: 126 layers, hidden 16384; Gemma 3: a 262k vocabulary; Llama 4 Scout: a 10M context),
+# so that a typo such as `num_hidden_layers: 1e9` is refused before anything is allocated
+# rather than growing memory until the machine stops.
+SIZE_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 19,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "max_position_embeddings": 1 << 24,
+    "num_experts": 4096,
+    "moe_intermediate_size": 1 << 19,
+    "shared_expert_intermediate_size": 1 << 19,
+}
+# The names `torch_dtype` (or transformers v5's `dtype`) may take: torch's floating types.
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64", "float", "half", "double",
+                     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 _LLAMA3_ROPE_KEYS = (
     "factor",
     "low_freq_factor",
@@ -91,6 +111,14 @@ class ArchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"config field {name} must be a positive int, got {value!r}")
+        for name, limit in SIZE_LIMITS.items():
+            if getattr(self, name) > limit:
+                raise ValueError(f"config field {name} is {getattr(self, name)}, over the limit "
+                                 f"of {limit} (no real checkpoint is that large)")
+        self._check_token_ids()
+        if self.torch_dtype is not None and self.torch_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"config field torch_dtype {self.torch_dtype!r} is not a dtype name; "
+                             f"expected one of {', '.join(CHECKPOINT_DTYPES)}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -111,6 +139,32 @@ class ArchConfig:
             if self.decoder_sparse_step <= 0:
                 raise ValueError("config field decoder_sparse_step must be a positive int, "
                                  f"got {self.decoder_sparse_step!r}")
+
+    def _check_token_ids(self) -> None:
+        named = [("bos_token_id", self.bos_token_id)] + [("eos_token_id", i) for i in self.eos_token_ids]
+        for name, token_id in named:
+            if token_id is None:
+                continue
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ValueError(f"config field {name} must be an int, got {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"config field {name} is {token_id}, outside the vocabulary "
+                                 f"(vocab_size {self.vocab_size}: ids 0 to {self.vocab_size - 1})")
+
+    @property
+    def num_params(self) -> int:
+        """The weights' element count, from the shapes alone (norms and biases left out): what
+        loading the model allocates, known before it does."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        dense = 3 * self.hidden_size * self.intermediate_size
+        sparse = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size
+                                      + self.hidden_size)
+                  + 3 * self.hidden_size * self.shared_expert_intermediate_size)
+        layers = sum(attention + (sparse if self.is_moe_layer(i) else dense)
+                     for i in range(self.num_hidden_layers))
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return layers + embeddings
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` holds experts (else a dense MLP), as transformers
@@ -141,9 +195,18 @@ class ArchConfig:
 
         hidden = _require_int(cfg, "hidden_size")
         heads = _require_int(cfg, "num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads") or heads
+        kv_heads = _as_int(cfg, "num_key_value_heads", None) if cfg.get("num_key_value_heads") \
+            else heads
         # Qwen3's config class defaults head_dim to 128, not hidden // heads.
-        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // heads)
+        if cfg.get("head_dim"):
+            head_dim = _as_int(cfg, "head_dim", None)
+        elif arch == "Qwen3ForCausalLM":
+            head_dim = 128
+        elif heads > 0 and hidden % heads == 0:
+            head_dim = hidden // heads
+        else:
+            raise ValueError(f"config field hidden_size ({hidden}) must be a multiple of "
+                             f"num_attention_heads ({heads}) when head_dim is not given")
         is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
         rope_theta, rope_scaling = _parse_rope(cfg)
@@ -164,7 +227,7 @@ class ArchConfig:
         moe = _parse_moe(arch, cfg)
 
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
         return cls(
             architecture=arch,
@@ -173,12 +236,12 @@ class ArchConfig:
             intermediate_size=_require_int(cfg, "intermediate_size"),
             num_hidden_layers=_require_int(cfg, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_as_int(cfg, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("qkv_bias", True)) if is_qwen2 else bias,
             o_proj_bias=False if is_qwen2 else bias,
@@ -200,7 +263,18 @@ class ArchConfig:
 def _require_int(cfg: dict[str, Any], name: str) -> int:
     if name not in cfg:
         raise ValueError(f"config.json is missing required field {name!r}")
-    return int(cfg[name])
+    return _as_int(cfg, name, cfg[name])
+
+
+def _as_int(cfg: dict[str, Any], name: str, default: Any) -> int:
+    """`cfg[name]` (else `default`) as an int; a JSON number with a fraction, a string or a
+    bool is refused naming the field (`int()` would quietly turn 1e9 or "4" into a size)."""
+    value = cfg.get(name, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"config field {name} must be an integer, got {value!r}")
+    return value
 
 
 def _parse_moe(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from fastserve.model.arch import ArchConfig
@@ -61,6 +61,8 @@ def load_model(
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     arch = read_arch_config(root)
     files = find_safetensors_files(root) if load_format == "auto" else []
+    for file in files:  # every header read before the model is allocated
+        check_safetensors(file)
     with _default_dtype(dtype), torch.device(device):
         model = LlamaForCausalLM(arch, tp_rank=tp_rank, tp_size=tp_size, layers=layers)
     if load_format == "dummy":
@@ -127,12 +129,27 @@ def find_safetensors_files(root: Path) -> list[Path]:
     return files
 
 
+def check_safetensors(file: Path) -> None:
+    """Raise ModelLoadError naming `file` unless its header is whole and its tensors fit in
+    it (safetensors checks both when it opens a file: a truncated download, another format)."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{file}: not a whole safetensors file ({exc}); download it "
+                             "again") from None
+
+
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
     """(HF name, CPU tensor) for every tensor of every file, one tensor in memory at a time."""
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{file}: cannot read a tensor ({exc}); download it "
+                                 "again") from None
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, Tensor]]) -> None:

@@ -326,9 +326,12 @@ def make_model(
     return out
 
 
+CACHE_ENV = "FASTSERVE_CACHE"
+
+
 def cache_dir() -> Path:
     """`$FASTSERVE_CACHE`, else ~/.cache/fastserve."""
-    env = os.environ.get("FASTSERVE_CACHE")
+    env = os.environ.get(CACHE_ENV)
     return Path(env) if env else Path.home() / ".cache" / "fastserve"
 
 

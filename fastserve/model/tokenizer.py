@@ -79,8 +79,12 @@ class Tokenizer:
         root = Path(path)
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"{str(root)!r} has no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(tokenizer_file))
+            raise ValueError(f"cannot load the tokenizer: {str(root)!r} has no tokenizer.json")
+        try:
+            self._tok = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{tokenizer_file}: not a tokenizer the tokenizers library can "
+                             f"read ({exc})") from None
         config = _read_json(root / "tokenizer_config.json")
         generation = _read_json(root / "generation_config.json")
         model_config = _read_json(root / "config.json")
@@ -327,8 +331,11 @@ def _open_final_message(text: str, content: str) -> str:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:  # JSON or UTF-8
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
     return data if isinstance(data, dict) else {}
 
 

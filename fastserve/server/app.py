@@ -69,6 +69,7 @@ def build_app(
     responses_store_mib: float = DEFAULT_RESPONSES_STORE_MIB,
     reasoning_parser: str = "auto",
     trust_request_chat_template: bool = False,
+    metrics_require_key: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `llm` under `served_model_name`.
 
@@ -79,6 +80,7 @@ def build_app(
     (0: none are stored). `reasoning_parser`: whether chat outputs are split into thinking and
     answer (`reasoning.NAMES`; "auto": when the chat template has `<think>` blocks).
     `trust_request_chat_template`: chat requests may bring their own chat template.
+    `metrics_require_key`: `/metrics`, `/docs`, `/redoc` and `/openapi.json` need the key too.
     """
     tool_format, why = tools.choose(tool_call_parser, llm.tokenizer.chat_template)
     logger.info("tool calls: the %s format (%s)", tool_format.name, why)
@@ -94,7 +96,8 @@ def build_app(
     serving = OpenAIServing(llm, served_model_name, metrics, tool_format, thinks,
                             trust_request_chat_template)
     app.state.serving = serving
-    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics,
+                       keyed_docs=metrics_require_key)
     add_error_handlers(app, metrics)
 
     @app.get("/health", responses={503: _ERROR_RESPONSES[503]})

@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
 import socket
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from fastserve.args import add_engine_args, engine_config_from_args
 from fastserve.server import reasoning
+from fastserve.server.http_limits import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    HTTPLimits,
+    fit_open_files,
+    limited_protocol,
+)
 from fastserve.server.tools import AUTO, FORMATS
 
 if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastserve -h` fast)
@@ -33,6 +42,7 @@ if TYPE_CHECKING:  # the web stack is imported only when serving (keeps `fastser
 DEFAULT_HOST = "127.0.0.1"  # NOTE: never all interfaces unless asked (`--host 0.0.0.0`)
 DEFAULT_PORT = 8000
 API_KEY_ENV = "FASTSERVE_API_KEY"
+_BACKLOG = 2048  # uvicorn's default
 # How long uvicorn waits, after the drain, for the streams the engine has just ended.
 _CLOSE_MARGIN_S = 5.0
 
@@ -53,6 +63,9 @@ class ServeOptions:
     responses_store_mib: float = 64.0  # the Responses API's stored responses (0: none)
     reasoning_parser: str = "auto"  # split <think> blocks from the answer (server/reasoning)
     trust_request_chat_template: bool = False  # chat requests may bring their own template
+    metrics_require_key: bool = False  # /metrics and the API's documents need the key too
+    # What a client may hold before its request is read: read deadlines, open connections.
+    http_limits: HTTPLimits = field(default_factory=HTTPLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -65,6 +78,8 @@ class ServeOptions:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
+        if self.metrics_require_key and self.api_key is None:
+            raise ValueError(f"--metrics-require-key needs a key: --api-key or ${API_KEY_ENV}")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -87,6 +102,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
         "--api-key", default=os.environ.get(API_KEY_ENV) or None,
         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
     )
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="put /metrics, /docs, /redoc and /openapi.json behind --api-key too: "
+                   "they show the served model and adapters, its vocabulary size and context "
+                   "length, the queues and KV cache, the dtype and CPU kernels chosen "
+                   "(default: open)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="refuse larger request bodies with 413 (default: 1 MiB)")
     p.add_argument("--grace-period-s", type=float, default=30.0,
@@ -112,10 +132,27 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                    help="let chat requests bring their own Jinja chat template (chat_template); "
                    "rendering runs a client's template, sandboxed but unbounded in time "
                    "(default: refused with a 400)")
+    _add_http_limit_args(p)
     add_engine_args(p, skip=("model",))
     # A server runs the faster dtype for its machine unless told (measured on a CPU:
     # executor/dtype_choice.py); the Python API stays float32 unless asked.
     p.set_defaults(func=_serve, dtype="auto")
+
+
+def _add_http_limit_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("slow or many clients")
+    g.add_argument("--http-header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="a request's headers must arrive within this many seconds of the "
+                   "connection opening (or, kept alive, of the request's first byte); else "
+                   f"408 and the connection is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})")
+    g.add_argument("--http-read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="the whole request, body included, must arrive within this many "
+                   "seconds of the same start; else 408 and the connection is closed (the "
+                   f"response may take as long as it needs) (default: {DEFAULT_READ_TIMEOUT_S:g})")
+    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="most connections open at once; the next one gets a 503 and is closed "
+                   "(the open-file limit is raised to fit, up to its hard limit) "
+                   f"(default: {DEFAULT_MAX_CONNECTIONS})")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -132,6 +169,10 @@ def _serve(args: argparse.Namespace) -> int:
         responses_store_mib=args.responses_store_mib,
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        metrics_require_key=args.metrics_require_key,
+        http_limits=HTTPLimits(header_timeout_s=args.http_header_timeout_s,
+                               read_timeout_s=args.http_read_timeout_s,
+                               max_connections=args.max_connections),
     )
     return serve(opts, args)
 
@@ -145,6 +186,7 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
     config = engine_config_from_args(engine_args)
     name = opts.served_model_name or config.model.model or "tiny"
     sock = _bind(opts.host, opts.port)  # before the slow part: a taken port fails at once
+    fit_open_files(opts.http_limits.max_connections)
     try:
         print(f"fastserve: loading {config.model.model or 'the built-in tiny model'} ...", flush=True)
         llm = AsyncLLM(config)
@@ -152,7 +194,8 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
                         tool_call_parser=opts.tool_call_parser,
                         responses_store_mib=opts.responses_store_mib,
                         reasoning_parser=opts.reasoning_parser,
-                        trust_request_chat_template=opts.trust_request_chat_template)
+                        trust_request_chat_template=opts.trust_request_chat_template,
+                        metrics_require_key=opts.metrics_require_key)
         return _run(_main_loop(app, llm, sock, name, opts))
     finally:
         sock.close()
@@ -178,6 +221,7 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
             log_level=opts.log_level,
             access_log=opts.access_log,
             lifespan="off",
+            http=limited_protocol(opts.http_limits),
             # NOTE: a float works (it feeds asyncio.wait_for); None would mean "wait forever".
             # A backstop only: uvicorn stops after the drain, when the engine has ended the
             # open streams itself (each with an error event and [DONE]).
@@ -252,18 +296,27 @@ async def _shutdown_on_exit(server: uvicorn.Server, drain: _Drain, llm: AsyncLLM
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket's address, bound now (uvicorn listens on it once the model is up)."""
+    """The listening socket, bound and listening now; uvicorn accepts on it once the model is
+    up (connections made meanwhile wait in the backlog).
+
+    NOTE: listen, not only bind: with SO_REUSEADDR two sockets may bind one port while
+    neither listens, so a second server started at once would load its model and only then
+    fail. Only one socket can listen on it."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc}") from None
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(_BACKLOG)
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        taken = " (another server is listening there? pick another --port)" \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): "
+                         f"{exc.strerror}{taken}") from None
     return sock
 
 

@@ -32,6 +32,9 @@ MAX_DISCARD_BYTES = 64 << 20
 # The paths an API key guards: the OpenAI API, and vLLM's tokenizer routes (they run the
 # model's tokenizer and chat template for anyone who can reach them).
 KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
+# What else shows the served models, adapters, vocabulary, context length and the machine
+# (`--metrics-require-key` puts them behind the key too): the metrics and the API's documents.
+DOC_PATHS = ("/metrics", "/docs", "/redoc", "/openapi.json")
 
 
 class ClientDisconnected(Exception):
@@ -58,12 +61,28 @@ def engine_dead(exc: Exception) -> APIError:
     return APIError(503, f"engine is not running: {exc}", "server_error", code="engine_dead")
 
 
+def check_key(given: list[bytes], expected: bytes) -> APIError | None:
+    """The error for a request whose Authorization headers (`given`, all of them) do not
+    carry `Bearer <expected>`; None when they do. The key is compared in constant time."""
+    if len(given) > 1:  # NOTE: which one would count is up to each proxy on the way
+        return APIError(400, f"the request has {len(given)} Authorization headers: send "
+                        "one, 'Authorization: Bearer <key>'", code="invalid_api_key")
+    scheme, _, token = (given[0] if given else b"").partition(b" ")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if scheme.lower() != b"bearer" or not token.strip():
+        return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                        code="invalid_api_key", headers=challenge)
+    if not hmac.compare_digest(token.strip(), expected):
+        return APIError(401, "incorrect API key provided", code="invalid_api_key", headers=challenge)
+    return None
+
+
 class RequestGate:
     """ASGI middleware: the API key and the body-size limit, checked before any parsing.
 
-    With `api_key`, every `/v1` path (and `/tokenize`, `/detokenize`) needs
-    `Authorization: Bearer <api_key>` (401 otherwise;
-    compared in constant time). Bodies over `max_body_bytes` get 413: the declared
+    With `api_key`, every `/v1` path (and `/tokenize`, `/detokenize`; with `keyed_docs`,
+    `/metrics` and the API's documents too) needs `Authorization: Bearer <api_key>` (401
+    otherwise, compared in constant time; 400 for two Authorization headers). Bodies over `max_body_bytes` get 413: the declared
     Content-Length is checked, then what actually arrives is counted (chunked uploads, a lying
     header), buffering at most `max_body_bytes` and replaying it to the app.
 
@@ -77,9 +96,11 @@ class RequestGate:
         api_key: str | None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         metrics: ServerMetrics | None = None,
+        keyed_docs: bool = False,
     ) -> None:
         self.app = app
         self.expected_key = api_key.encode() if api_key else None
+        self.keyed_paths = KEYED_PATHS + (DOC_PATHS if keyed_docs else ())
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
 
@@ -88,8 +109,8 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected_key is not None and scope["path"].startswith(KEYED_PATHS):
-            denied = self._check_key(headers.get(b"authorization", b""))
+        if self.expected_key is not None and scope["path"].startswith(self.keyed_paths):
+            denied = self._check_key([v for k, v in scope["headers"] if k == b"authorization"])
             if denied is not None:
                 await self._reject(send, denied)
                 return
@@ -117,16 +138,9 @@ class RequestGate:
 
         await self.app(scope, replay, send)
 
-    def _check_key(self, header: bytes) -> APIError | None:
+    def _check_key(self, given: list[bytes]) -> APIError | None:
         assert self.expected_key is not None
-        scheme, _, token = header.partition(b" ")
-        challenge = {"WWW-Authenticate": "Bearer"}
-        if scheme.lower() != b"bearer" or not token.strip():
-            return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                            code="invalid_api_key", headers=challenge)
-        if not hmac.compare_digest(token.strip(), self.expected_key):
-            return APIError(401, "incorrect API key provided", code="invalid_api_key", headers=challenge)
-        return None
+        return check_key(given, self.expected_key)
 
     def _too_large(self, close: bool = False) -> APIError:
         return APIError(

@@ -73,3 +73,35 @@ def test_stopping_to_read_is_a_disconnect() -> None:
     got = asyncio.run(run())
     assert got[0].startswith(b"data: 0")
     assert events and events[-1] == "closed"  # the app's generator ended, not left running
+
+
+def test_fleet_metrics_need_the_key_when_asked() -> None:
+    """`--metrics-require-key` on a fleet: its ingress answers /metrics itself (the replicas'
+    gates guard the documents and the API)."""
+    import httpx
+
+    from fastserve.cluster.ingress import FleetIngress
+    from fastserve.cluster.metrics import FleetMetrics
+
+    class NoReplicas:
+        def options(self, *, stream: bool, _by_reference: bool) -> object:
+            return self
+
+    def ingress(key: str | None) -> FleetIngress:
+        return FleetIngress(NoReplicas(), FleetMetrics(dict), None, 1 << 20, max_attempts=1,
+                            metrics_key=key)
+
+    async def get(app: FleetIngress, headers: list[tuple[str, str]]) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://fleet") as client:
+            return await client.get("/metrics", headers=headers)
+
+    keyed = ingress("sekrit")
+    refused = asyncio.run(get(keyed, []))
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert "fastserve_fleet" not in refused.text
+    twice = asyncio.run(get(keyed, [("Authorization", "Bearer sekrit")] * 2))
+    assert twice.status_code == 400
+    shown = asyncio.run(get(keyed, [("Authorization", "Bearer sekrit")]))
+    assert shown.status_code == 200 and "fastserve_fleet_requests" in shown.text
+    assert asyncio.run(get(ingress(None), [])).status_code == 200  # open without the flag
