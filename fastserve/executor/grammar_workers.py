@@ -46,7 +46,7 @@ def load_xgrammar() -> Any:
     return xgrammar
 
 
-def error_message(exc: Exception) -> str:
+def error_message(exc: BaseException) -> str:
     """An xgrammar error's first line, without its source location."""
     return _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
 
