@@ -176,9 +176,10 @@ class AsyncLLM:
         if params is not None and (params.bad_words or params.prediction):
             # NOTE: tokenized here, off the engine thread: a long prediction takes a while
             params = await asyncio.to_thread(self.engine.tokenize_texts, params)
-        if params is not None and params.structured_output is not None \
-                and not self.engine.grammars.is_loaded and is_available():
-            await asyncio.to_thread(self.engine.grammars.load)  # xgrammar's import: a second
+        if params is not None and params.structured_output is not None and is_available():
+            # NOTE: off the engine thread: xgrammar's first import takes a second or more, and
+            # building (checking) a large grammar seconds
+            await asyncio.to_thread(self.engine.grammars.check, params.structured_output)
 
         def add() -> str:
             limit = self.config.scheduler.max_waiting

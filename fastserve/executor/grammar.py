@@ -87,6 +87,8 @@ class GrammarCache:
         self._workers = GrammarWorkers(info, limits.grammar_compile_workers,
                                        limits.grammar_compile_timeout_s)
         self._entries: OrderedDict[tuple[str, Any], CompileJob] = OrderedDict()
+        # Specs already built (checked) by `check`, on another thread: not built again.
+        self._checked: OrderedDict[tuple[str, Any], None] = OrderedDict()
         self._lock = threading.Lock()
         self.max_size = max_size
         self.num_compiles = 0
@@ -100,7 +102,7 @@ class GrammarCache:
                 self._entries.move_to_end(params.key)
                 hit.num_waiters += 1
                 return hit.future
-        build_grammar(params)  # NOTE: a check (cheap, bounded by the size limits) for a 400
+        self.check(params)
         with self._lock:
             job = self._entries.get(params.key)
             if job is None or job.is_stopped:
@@ -111,6 +113,19 @@ class GrammarCache:
             else:
                 job.num_waiters += 1
             return job.future
+
+    def check(self, params: StructuredOutputParams) -> None:
+        """Build the spec's grammar, which checks it (InvalidRequestError naming its field),
+        unless it was built before. NOTE: it may take seconds (a 60 KB EBNF took 2 s):
+        `AsyncLLM` calls it on a worker thread before the request reaches the engine loop."""
+        with self._lock:
+            if params.key in self._checked or params.key in self._entries:
+                return
+        build_grammar(params)
+        with self._lock:
+            self._checked[params.key] = None
+            while len(self._checked) > 8 * self.max_size:
+                self._checked.popitem(last=False)
 
     def release(self, params: StructuredOutputParams) -> None:
         """One request stopped waiting for its grammar before it compiled: the last one's
@@ -280,6 +295,14 @@ class StructuredOutputs:
         check_size(params, self.limits)
         self._matchers[request_id] = _Matcher(self.cache.compile(params), params,
                                               controls=_controls(params), after=params.after)
+
+    def check(self, params: StructuredOutputParams) -> None:
+        """What `add` checks (the size limits, then the spec, which may take seconds), done
+        ahead on any thread. Raises InvalidRequestError naming the field."""
+        if not is_available():
+            raise InvalidRequestError(INSTALL_HINT, params.param)
+        check_size(params, self.limits)
+        self.cache.check(params)
 
     def is_ready(self, request_id: str) -> bool:
         """Whether the request may sample: its grammar compiled (or failed: the sampler fails
