@@ -142,7 +142,7 @@ def test_grammars_compile_beside_the_running_streams(guarded: tuple[ServerProces
             schema_s = time.monotonic() - start
             schema_status = resp.status_code
             if resp.status_code == 200:
-                assert resp.json()["choices"][0]["text"].startswith('{"field_0":"')
+                assert resp.json()["choices"][0]["text"].startswith('{"field_0"')
             else:
                 assert resp.status_code == 400, resp.text
                 assert "--grammar-compile-timeout-s" in resp.json()["error"]["message"]
