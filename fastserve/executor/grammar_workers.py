@@ -21,6 +21,7 @@ with b"ok", or b"er" + an error message.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import os
@@ -120,8 +121,9 @@ class CompileJob:
 class _Worker:
     """One feeder thread and the worker process it feeds (started at its first compile)."""
 
-    def __init__(self, index: int, pool: GrammarWorkers) -> None:
+    def __init__(self, index: int, pool: GrammarWorkers, prestart: bool = False) -> None:
         self.pool = pool
+        self._prestart = prestart
         self.proc: subprocess.Popen[bytes] | None = None
         self.job: CompileJob | None = None  # the compile running now
         self.compiler: Any = None  # this thread's xgrammar GrammarCompiler, made at its first
@@ -131,6 +133,9 @@ class _Worker:
         self._thread.start()
 
     def _run(self) -> None:
+        if self._prestart:  # NOTE: its start-up (seconds) overlaps the first request's check
+            with contextlib.suppress(GrammarCompileError):
+                self._process()
         while True:
             try:
                 job = self.pool.jobs.get(timeout=_IDLE_EXIT_S)
@@ -223,7 +228,7 @@ class GrammarWorkers:
         self.info_json = info.serialize_json().encode()
         self.timeout_s = timeout_s
         self.jobs: queue.Queue[CompileJob | None] = queue.Queue()
-        self._workers = [_Worker(i, self) for i in range(num_workers)]
+        self._workers = [_Worker(i, self, prestart=i == 0) for i in range(num_workers)]
 
     def submit(self, params: StructuredOutputParams) -> CompileJob:
         job = CompileJob(params)
