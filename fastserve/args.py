@@ -10,6 +10,7 @@ from typing import Any
 from fastserve.config import (
     CacheConfig,
     EngineConfig,
+    LimitsConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
@@ -24,6 +25,7 @@ _SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "lora": LoRAConfig,
     "speculative": SpeculativeConfig,
+    "limits": LimitsConfig,
 }
 # Flags whose public name differs from the field (issue-specified CLI names).
 _ALIASES = {"policy": "scheduler"}
@@ -67,6 +69,16 @@ _HELP = {
     "num_speculative_tokens": "most drafted tokens a decode step verifies",
     "prompt_lookup_min": "ngram drafting: the shortest suffix looked up",
     "prompt_lookup_max": "ngram drafting: the longest suffix looked up",
+    "grammar_compile_timeout_s": "a structured request whose grammar has not compiled after "
+                                 "this many seconds fails with an error naming the limit (its "
+                                 "compile is stopped)",
+    "max_grammar_bytes": "structured output: specs (JSON schema, regex, EBNF) larger than "
+                         "this many bytes get a 400",
+    "max_grammar_choices": "structured output: a choice of more strings than this gets a 400",
+    "grammar_compile_workers": "processes that compile grammars, each started at its first "
+                               "compile",
+    "engine_stall_timeout_s": "/health answers 503 (engine_stalled) once the engine loop has "
+                              "made no progress for this many seconds (0: never)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
 }

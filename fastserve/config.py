@@ -304,6 +304,39 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What one request's preparation may cost the engine, and how long its loop may go
+    without progress before `/health` says so.
+
+    A structured request's grammar compiles in a worker process, beside the loop: the request
+    waits out of the batch meanwhile (its KV kept) and fails with an error naming the limit
+    when its compile runs past `grammar_compile_timeout_s` (the worker is killed, so the CPU
+    is not burnt on). Compile time grows about with the cube of a grammar's size, so a spec
+    larger than `max_grammar_bytes`, or a choice of more than `max_grammar_choices` strings,
+    is refused with a 400 before it is queued.
+    """
+
+    grammar_compile_timeout_s: float = 20.0
+    max_grammar_bytes: int = 65536  # the spec's text (a JSON schema, regex, EBNF), UTF-8 bytes
+    max_grammar_choices: int = 4096  # guided_choice's strings
+    grammar_compile_workers: int = 2  # worker processes, each started at its first compile
+    # /health answers 503 (code engine_stalled) once the engine loop has made no progress for
+    # this long: one iteration, or one idle wait, stuck (0: never).
+    engine_stall_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check(self.grammar_compile_timeout_s > 0,
+               f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        _check(self.max_grammar_bytes > 0, f"max_grammar_bytes must be > 0, got {self.max_grammar_bytes}")
+        _check(self.max_grammar_choices > 0,
+               f"max_grammar_choices must be > 0, got {self.max_grammar_choices}")
+        _check(1 <= self.grammar_compile_workers <= 64,
+               f"grammar_compile_workers must be in [1, 64], got {self.grammar_compile_workers}")
+        _check(self.engine_stall_timeout_s >= 0,
+               f"engine_stall_timeout_s must be >= 0, got {self.engine_stall_timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -311,4 +344,5 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     profile_path: str | None = None  # fitted cost model; None = profile at start-up (cached)

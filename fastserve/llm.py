@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from fastserve.executor.openmp import has_released, note_parallel_ops
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+# How often a loop with nothing to run but requests waiting for their grammars looks again.
+_PREPARATION_POLL_S = 0.005
 
 
 class LLM:
@@ -103,6 +106,8 @@ class LLM:
         results: dict[str, list[RequestOutput]] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished:
+                if self.engine.is_waiting_on_preparation:  # a grammar compiles: do not spin
+                    time.sleep(_PREPARATION_POLL_S)
                 for out in self.engine.step():
                     if out.finished:
                         results.setdefault(out.request_id, []).append(out)

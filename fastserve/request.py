@@ -581,6 +581,9 @@ class Request:
     # Set by the engine when the request may not exceed the model's context.
     max_model_len: int = 1 << 30
     error: str | None = None  # why the engine failed it (finish_reason ERROR)
+    # The request field its failure is due to (a grammar over the compile time limit): the
+    # client's to fix, so the server answers 400 naming it rather than 500.
+    error_param: str | None = None
     # Prefix caching: requests with different salts share no cached blocks (vLLM's
     # cache_salt); the chained hashes of its full blocks, extended as tokens come (see
     # fastserve.core.prefix_cache); and the prompt tokens found cached when it first started
@@ -666,6 +669,7 @@ class RequestOutput:
     # vLLM's: the stop string or stop token id that ended it (None: an EOS, the length).
     stop_reason: int | str | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field the error is due to (`Request`'s)
     num_preemptions: int = 0
     # Prompt tokens whose KV came from the prefix cache (OpenAI's
     # usage.prompt_tokens_details.cached_tokens).

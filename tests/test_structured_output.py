@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -175,13 +176,23 @@ def test_a_grammar_that_fails_fails_alone(llm: LLM) -> None:
     assert again.text == out_choice.text
 
 
+def _add_compiled(grammars: StructuredOutputs, request_id: str,
+                  params: StructuredOutputParams) -> None:
+    """Add the request's grammar and wait for its compile (in a worker process): the engine's
+    scheduler keeps a request out of the batch until then (`Scheduler.preparing`)."""
+    grammars.add(request_id, params)
+    deadline = time.monotonic() + 120
+    while not grammars.is_ready(request_id) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_mask_covers_a_padded_vocabulary(tiny_model_path) -> None:
     """A model whose logits are wider than the tokenizer's vocabulary: ids past it (a padded
     lm_head) are never allowed, however likely."""
     tok = Tokenizer(tiny_model_path)
     width = tok.vocab_size + 40
     grammars = StructuredOutputs(tok, width, tok.eos_token_ids)
-    grammars.add("r", _structured("choice", ("hello",), "guided_choice"))
+    _add_compiled(grammars, "r", _structured("choice", ("hello",), "guided_choice"))
 
     from fastserve.core.plan import ScheduledRequest
 
@@ -194,6 +205,7 @@ def test_mask_covers_a_padded_vocabulary(tiny_model_path) -> None:
     allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert allowed and max(allowed) < tok.vocab_size
     assert all("hello".startswith(tok.decode([t])) for t in allowed)
+    grammars.shutdown()
 
 
 def _grammar_takes(grammars: StructuredOutputs, params: StructuredOutputParams,
@@ -259,7 +271,7 @@ def test_a_draft_the_grammar_refuses_is_not_kept_however_likely(tiny_model_path)
 
     tok = Tokenizer(tiny_model_path)
     grammars = StructuredOutputs(tok, tok.vocab_size, tok.eos_token_ids)
-    grammars.add("r", _structured("choice", ("abc",), "guided_choice"))
+    _add_compiled(grammars, "r", _structured("choice", ("abc",), "guided_choice"))
     a, b, z = (tok.encode(c, add_special_tokens=False)[0] for c in "abz")
     sampler = Sampler(tok.eos_token_ids, seed=0, device=torch.device("cpu"))
     sampler.grammars = grammars
@@ -272,3 +284,4 @@ def test_a_draft_the_grammar_refuses_is_not_kept_however_likely(tiny_model_path)
     verified = check(sampler, logits, [sched], [0]).read()
     assert verified.errors == {}
     assert verified.token_ids["r"] == [a, b]  # a kept; z refused, b is the grammar's best
+    grammars.shutdown()

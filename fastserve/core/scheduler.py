@@ -82,6 +82,10 @@ class Scheduler(ABC):
         # those the ones holding a placeholder token (PENDING_TOKEN) at the end of their outputs.
         self.ahead: set[str] = set()
         self._placeholders: set[str] = set()
+        # Jobs whose preparation is not done (a grammar compiling, beside the loop): they may
+        # prefill but not sample, so they sit out of the batch at their last prompt token, KV
+        # kept, until the engine takes them out of this set. Those past their prompt never wait.
+        self.preparing: set[str] = set()
         self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
         self._replica_model: ReplicaModel | None = None  # built by `replica_model`
         self._num_prioritized = 0  # unfinished requests whose priority is not 0
@@ -128,6 +132,7 @@ class Scheduler(ABC):
             self.kv.free(req.request_id)
         if self.drafter is not None:
             self.drafter.drop(req.request_id)
+        self.preparing.discard(req.request_id)
         del self.requests[req.request_id]
         self._num_prioritized -= req.priority != 0
         self._finished_ids.append(req.request_id)
@@ -247,6 +252,10 @@ class Scheduler(ABC):
             prefix = () if started or forked else self._cached_prefix(req)
             done = req.num_computed_tokens + forked + len(prefix) * self.kv.block_size
             num_new = req.num_tokens - done
+            if self.preparing and req.request_id in self.preparing:
+                num_new -= 1  # NOTE: its last token samples, which waits for its preparation
+                if num_new <= 0:
+                    continue
             if num_new > 1:  # a prefill: what is left of the budget (a decode always fits)
                 num_new = min(num_new, self.cost.prefill_chunk(budget - num_tokens, done))
                 if num_new <= 0:
@@ -642,7 +651,8 @@ class Scheduler(ABC):
         preempted: list[str] = []
         for rid in self._batch_ids:
             req = self.requests.get(rid)
-            if req is not None and rid not in chunks and rid not in self.in_flight:
+            if req is not None and rid not in chunks and rid not in self.in_flight \
+                    and rid not in self.preparing:  # (waiting on itself, not preempted)
                 if req.status is RequestStatus.RUNNING:
                     req.status = RequestStatus.PREEMPTED
                 req.num_preemptions += 1

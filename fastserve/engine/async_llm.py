@@ -26,6 +26,7 @@ from typing import Any
 from fastserve.config import EngineConfig
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.engine.loras import ServedAdapter
+from fastserve.executor.grammar import is_available
 from fastserve.executor.openmp import release_thread_team
 from fastserve.model.lora import Adapter
 from fastserve.request import RequestOutput, SamplingParams
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 # Metrics read a snapshot of the engine's counts; counting every request after every
 # iteration would cost O(requests) per token.
 _STATS_PERIOD_S = 0.05
+# How often a loop with nothing to run but requests waiting for their grammars looks again.
+_PREPARATION_POLL_S = 0.01
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
@@ -89,9 +92,14 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._closed = False  # set by the engine thread once it takes no more commands
+        self._is_released = False  # set by `shutdown` once the engine (model, KV pool) is freed
         self.dead_reason: str | None = None
         self._stats: dict[str, Any] = {}
         self._stats_s = time.monotonic()
+        # When the engine loop last came round (an iteration, a command, an idle wait): the
+        # watchdog's reading (`seconds_since_progress`). A float written by one thread.
+        self._progress_s = time.monotonic()
+        self.abandoned = False  # a shutdown ended requests, or left the engine thread running
         # Callbacks run on the engine thread for every finished output (metrics).
         self.on_finish: list[Callable[[RequestOutput], None]] = []
         # The caller's OpenMP workers, if it ran parallel ops (a model made or loaded), would
@@ -109,6 +117,19 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self.dead_reason is None and self._thread.is_alive()
+
+    @property
+    def seconds_since_progress(self) -> float:
+        """Seconds since the engine loop last came round. An idle loop comes round at least
+        every half second, so a large value means an iteration (or a command) is stuck."""
+        return max(0.0, time.monotonic() - self._progress_s)
+
+    @property
+    def is_stalled(self) -> bool:
+        """Whether the loop has made no progress for `engine_stall_timeout_s` (`/health`
+        answers 503 then)."""
+        limit = self.config.limits.engine_stall_timeout_s
+        return bool(limit) and self._thread.is_alive() and self.seconds_since_progress > limit
 
     @property
     def is_draining(self) -> bool:
@@ -154,6 +175,13 @@ class AsyncLLM:
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
+        if params is not None and (params.bad_words or params.prediction):
+            # NOTE: tokenized here, off the engine thread: a long prediction takes a while
+            params = await asyncio.to_thread(self.engine.tokenize_texts, params)
+        if params is not None and params.structured_output is not None and is_available():
+            # NOTE: off the engine thread: xgrammar's first import takes a second or more, and
+            # building (checking) a large grammar seconds
+            await asyncio.to_thread(self.engine.grammars.check, params.structured_output)
 
         def add() -> str:
             limit = self.config.scheduler.max_waiting
@@ -237,23 +265,37 @@ class AsyncLLM:
 
         self._submit(run)
 
-    async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Stop taking requests, let running ones finish within `grace_s`, then stop."""
+    async def shutdown(self, grace_s: float = 30.0, join_s: float = 10.0) -> bool:
+        """Stop taking requests, let running ones finish within `grace_s`, then stop the
+        engine loop (waiting up to `join_s` for its iteration to end). Returns whether all
+        drained: False (and `abandoned`) when running requests had to be ended, or the loop
+        is stuck in an iteration (its thread is left behind: the process may exit)."""
+        if self._is_released:  # shut down before: the engine is gone
+            return not self.abandoned
         self._stopping = True
         deadline = asyncio.get_running_loop().time() + grace_s
         while self._streams and asyncio.get_running_loop().time() < deadline and self.is_healthy:
             await asyncio.sleep(0.05)
+        if self._streams:
+            self.abandoned = True
         self._fail_all(EngineShutdownError(
             f"the server is shutting down: the grace period of {grace_s:g} s ran out"))
         self.dead_reason = self.dead_reason or "shut down"
         self._wake.set()
-        await asyncio.to_thread(self._thread.join, 10)
-        await asyncio.to_thread(self.engine.shutdown)  # distributed workers, if any
-        if not self._thread.is_alive():
-            # NOTE: the model and the KV pool go with the engine, even while something outside
-            # keeps this object (FastAPI caches every app's route functions, which hold it).
-            del self.engine
-            gc.collect()  # the engine's parts hold its bound methods: a reference cycle
+        await asyncio.to_thread(self._thread.join, join_s)
+        if self._thread.is_alive():
+            logger.error("the engine loop is stuck in an iteration (%.0f s without progress); "
+                         "leaving it behind", self.seconds_since_progress)
+            self.abandoned = True
+            self.engine.grammars.shutdown()  # NOTE: not the rest: the stuck thread may hold it
+            return False
+        await asyncio.to_thread(self.engine.shutdown)  # compile and distributed workers
+        # NOTE: the model and the KV pool go with the engine, even while something outside
+        # keeps this object (FastAPI caches every app's route functions, which hold it).
+        del self.engine
+        self._is_released = True
+        gc.collect()  # the engine's parts hold its bound methods: a reference cycle
+        return not self.abandoned
 
     # -- engine thread ------------------------------------------------------------------------
 
@@ -333,6 +375,7 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while self.dead_reason is None:
+                self._progress_s = time.monotonic()
                 self.engine.check_health()  # a distributed rank lost while idle stops the loop
                 self._run_commands()
                 if not self.engine.has_unfinished:
@@ -340,6 +383,9 @@ class AsyncLLM:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
+                if self.engine.is_waiting_on_preparation:  # nothing to run until a grammar compiles
+                    self._wake.wait(_PREPARATION_POLL_S)
+                    self._wake.clear()
                 self._deliver(self.engine.step())
                 if time.monotonic() - self._stats_s > _STATS_PERIOD_S:
                     self._stats_now()

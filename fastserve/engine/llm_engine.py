@@ -117,7 +117,8 @@ class LLMEngine:
         for adapter, adapter_path in startup_adapters:
             self.loras.add(adapter, adapter_path, busy_slots=())
         # Structured output: grammars compile as requests are added; the sampler masks with them.
-        self.grammars = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self.grammars = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
+                                          config.limits)
         # The sampler in this process, if any: not a pipeline's (its last stage's rank samples).
         local = self.runner if isinstance(self.runner, ModelRunner) else self.runner.stage
         self._samples_here = local.is_sampler
@@ -200,7 +201,7 @@ class LLMEngine:
         lower runs first (vLLM's), over the scheduling policy's order. `lora`: the name of a
         LoRA adapter to run with (`lora_modules`). `cache_salt`: the prefix cache finds for it
         only blocks computed for requests of the same salt (vLLM's)."""
-        params = self._tokenize_texts(params or SamplingParams()).for_vocab(self.arch.vocab_size)
+        params = self.tokenize_texts(params or SamplingParams()).for_vocab(self.arch.vocab_size)
         params.check_allows_a_token(self.eos_token_ids)
         adapter = None
         if lora is not None:
@@ -251,6 +252,8 @@ class LLMEngine:
         except Exception:
             self.grammars.drop(req.request_id)
             raise
+        if not self.grammars.is_ready(req.request_id):  # it compiles beside the loop
+            self.scheduler.preparing.add(req.request_id)
         self.outputs.add(req, prompt)
         return req
 
@@ -277,16 +280,18 @@ class LLMEngine:
                                                             // self.kv.block_size]))
         return self._queue(req, prompt)
 
-    def _tokenize_texts(self, params: SamplingParams) -> SamplingParams:
-        """`params.bad_words` as token sequences too, beside any given as ids (vLLM tokenizes
-        them as a request is added), and `params.prediction` as the draft's token ids."""
+    def tokenize_texts(self, params: SamplingParams) -> SamplingParams:
+        """`params.bad_words` as token sequences, beside any given as ids (vLLM tokenizes them
+        as a request is added), and `params.prediction` as the draft's token ids; the texts
+        are taken out, so that tokenizing again does nothing. Safe on any thread (`AsyncLLM`
+        runs it on a worker thread: a long prediction would stall the engine loop)."""
         if params.bad_words:
             ids = self.tokenizer.bad_words_token_ids(params.bad_words)
             params = dataclasses.replace(
-                params, bad_words_token_ids=(*params.bad_words_token_ids, *ids))
+                params, bad_words=(), bad_words_token_ids=(*params.bad_words_token_ids, *ids))
         if params.prediction:
             predicted = check_encodable(params.prediction, "prediction")
-            params = dataclasses.replace(params, prediction_token_ids=(
+            params = dataclasses.replace(params, prediction=None, prediction_token_ids=(
                 *params.prediction_token_ids,
                 *self.tokenizer.encode(predicted, add_special_tokens=False)))
         return params
@@ -348,7 +353,9 @@ class LLMEngine:
             self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stop the distributed workers, if any (safe to call more than once)."""
+        """Stop the grammar compile workers, and the distributed workers, if any (safe to
+        call more than once)."""
+        self.grammars.shutdown()
         if isinstance(self.runner, DistributedExecutor):
             self.runner.shutdown()
 
@@ -358,8 +365,17 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------
 
+    @property
+    def is_waiting_on_preparation(self) -> bool:
+        """Whether the last step ran nothing while requests wait for their preparation (a
+        grammar compiling): the loop may wait a moment instead of spinning."""
+        plan = self.core.last_plan
+        return bool(self.scheduler.preparing) and (plan is None or plan.is_empty)
+
     def step(self) -> list[RequestOutput]:
         start_s = self.recorder.begin()
+        if self.scheduler.preparing:
+            self._take_prepared()
         touched = self.core.step()
         if self.core.last_output is not None:
             self.outputs.take_logprobs(touched, self.core.last_output)
@@ -381,6 +397,18 @@ class LLMEngine:
                     self.grammars.drop(req.request_id)
         self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
+
+    def _take_prepared(self) -> None:
+        """Requests whose grammar has compiled join this step's batch; those whose compile
+        failed (over the time limit) fail now, naming their field. NOTE: never waits."""
+        ready = [rid for rid in self.scheduler.preparing if self.grammars.is_ready(rid)]
+        self.scheduler.preparing.difference_update(ready)
+        for rid in ready:
+            failure = self.grammars.failure(rid)
+            req = self.scheduler.requests.get(rid)
+            if failure is not None and req is not None:
+                self._fail(req, *failure)
+                self._aborted.append(req)  # (its output comes with this step's, as an abort's)
 
     def _advance_grammars(self, touched: list[Request]) -> None:
         """Feed the structured requests' new tokens to their grammars; each stops once its
@@ -426,11 +454,12 @@ class LLMEngine:
                 first_token_s=req.first_token_s, finish_s=req.finish_s, error=req.error,
             )
 
-    def _fail(self, req: Request, error: str) -> None:
+    def _fail(self, req: Request, error: str, param: str | None = None) -> None:
         if not req.is_finished:
             self.scheduler.finish(req, FinishReason.ERROR, self.clock.now())
         req.finish_reason = FinishReason.ERROR  # NOTE: also when it had just finished by length
         req.error = error
+        req.error_param = param
 
     def executor_info(self) -> dict[str, str]:
         """What the executor runs, as chosen at start-up: device, dtype (and why, for

@@ -111,6 +111,7 @@ class OutputProcessor:
             new_text=(st.text if req.is_finished else text)[st.num_sent_chars :],
             stop_reason=req.stop_reason if req.is_finished else None,
             error=req.error,
+            error_param=req.error_param,
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens or 0,
             num_draft_tokens=req.num_draft_tokens,

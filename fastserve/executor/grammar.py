@@ -2,11 +2,13 @@
 and the batch's token bitmask applied to the logits before sampling.
 
 The work splits by cost. Building a grammar from its spec (parsing the JSON schema or regex) is
-cheap and checks it: it runs when the request is added, so a bad spec is a 400 naming its
-field. Compiling it against the vocabulary (the per-token masks) is the expensive part: it runs
-on a worker thread started when the request is added, while the prompt prefills, and the
-sampler waits for it only when it samples the request's first token. Compiled grammars sit in
-an LRU keyed by the spec's text, so a schema sent again is not compiled again.
+cheap and checks it: it runs when the request is added, so a bad spec (or one over the size
+limits, `check_size`) is a 400 naming its field. Compiling it against the vocabulary (the
+per-token masks) is the expensive part, and unbounded (about the cube of the grammar's size):
+it runs in a worker process (`grammar_workers`), within a time limit, while the prompt
+prefills. The engine loop never waits for it: the request sits out of the batch before its
+first sampled token until `is_ready` (`Scheduler.preparing`). Compiled grammars sit in an LRU
+keyed by the spec's text, so a schema sent again is not compiled again.
 
 xgrammar is an optional dependency (`pip install 'fastserve[structured]'`): without it a
 structured request is refused (`is_available`), everything else runs.
@@ -27,7 +29,15 @@ from typing import Any
 
 import torch
 
+from fastserve.config import LimitsConfig
 from fastserve.core.plan import ScheduledRequest
+from fastserve.executor.grammar_workers import (
+    CompileJob,
+    GrammarWorkers,
+    build_grammar,
+    error_message,
+    load_xgrammar,
+)
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.request import InvalidRequestError, Request, StructuredOutputParams
 
@@ -35,56 +45,12 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (each holds masks over the vocabulary: about a MiB for 128k tokens).
 DEFAULT_CACHE_SIZE = 128
-# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: ": not the client's business.
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 INSTALL_HINT = "structured output needs the xgrammar package: pip install 'fastserve[structured]'"
 
 
 def is_available() -> bool:
     """Whether xgrammar is installed (the server answers 501 to structured requests if not)."""
     return importlib.util.find_spec("xgrammar") is not None
-
-
-def _xgr() -> Any:
-    import xgrammar  # NOTE: optional: imported where the first structured request needs it
-
-    return xgrammar
-
-
-def _message(exc: Exception) -> str:
-    return _LOG_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
-
-
-def build_grammar(params: StructuredOutputParams) -> Any:
-    """The xgrammar `Grammar` of `params` (cheap: no vocabulary involved). Raises
-    InvalidRequestError naming `params.param` when the spec is not a valid grammar."""
-    xgr = _xgr()
-    try:
-        if params.kind == "json":
-            json.loads(str(params.spec))  # a clearer message than the converter's for bad JSON
-            # NOTE: compact JSON (no free whitespace): a model cannot pad it forever.
-            return xgr.Grammar.from_json_schema(str(params.spec), any_whitespace=False,
-                                                strict_mode=True)
-        if params.kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
-                                                strict_mode=False)
-        if params.kind == "regex":
-            return xgr.Grammar.from_regex(str(params.spec))
-        if params.kind == "grammar":
-            return xgr.Grammar.from_ebnf(str(params.spec))
-        if params.kind == "structural_tag":
-            return xgr.Grammar.from_structural_tag(str(params.spec))
-        # choice: EBNF literals take JSON's escapes
-        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.spec)
-        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"{params.param}: not a valid {_KIND_NAMES[params.kind]}: "
-                                  f"{_message(exc)}", params.param) from None
-
-
-_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-               "choice": "list of choices", "grammar": "EBNF grammar",
-               "structural_tag": "structural tag"}
 
 
 def _controls(params: StructuredOutputParams) -> str:
@@ -104,7 +70,7 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     NOTE: the mask covers `vocab_size`, the model's logits width: ids past the tokenizer's
     vocabulary (a padded lm_head) are never allowed.
     """
-    xgr = _xgr()
+    xgr = load_xgrammar()
     vocab = tokenizer.encoded_vocab()[:vocab_size]
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend_json())
     return xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size,
@@ -113,36 +79,74 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
 
 
 class GrammarCache:
-    """Compiles grammars on a worker thread; an LRU of the results keyed by spec text."""
+    """Compiles grammars in worker processes (`GrammarWorkers`); an LRU of the compiles keyed
+    by spec text, so a spec sent again, or while it compiles, is compiled once. A compile
+    every request has stopped waiting for is stopped and forgotten (`release`)."""
 
-    def __init__(self, info: Any, max_size: int = DEFAULT_CACHE_SIZE, max_threads: int = 1) -> None:
-        xgr = _xgr()
-        # NOTE: xgrammar's own cache is off: ours bounds the count and holds futures, so a
-        # spec sent twice while compiling is compiled once.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastserve-grammar")
-        self._entries: OrderedDict[tuple[str, Any], concurrent.futures.Future[Any]] = OrderedDict()
+    def __init__(self, info: Any, limits: LimitsConfig, max_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self._workers = GrammarWorkers(info, limits.grammar_compile_workers,
+                                       limits.grammar_compile_timeout_s)
+        self._entries: OrderedDict[tuple[str, Any], CompileJob] = OrderedDict()
+        # Specs already built (checked) by `check`, on another thread: not built again.
+        self._checked: OrderedDict[tuple[str, Any], None] = OrderedDict()
         self._lock = threading.Lock()
         self.max_size = max_size
         self.num_compiles = 0
 
     def compile(self, params: StructuredOutputParams) -> concurrent.futures.Future[Any]:
-        """The compiled grammar, to come. Raises InvalidRequestError for an invalid spec."""
+        """The compiled grammar, to come; the caller `release`s it if it stops waiting before
+        it is done. Raises InvalidRequestError for an invalid spec."""
         with self._lock:
             hit = self._entries.get(params.key)
-            if hit is not None:
+            if hit is not None and not hit.is_stopped:
                 self._entries.move_to_end(params.key)
-                return hit
-        grammar = build_grammar(params)  # NOTE: outside the lock: it may raise
+                hit.num_waiters += 1
+                return hit.future
+        self.check(params)
         with self._lock:
-            fut = self._entries.get(params.key)
-            if fut is None:
-                fut = self._pool.submit(self._compiler.compile_grammar, grammar)
+            job = self._entries.get(params.key)
+            if job is None or job.is_stopped:
+                job = self._entries[params.key] = self._workers.submit(params)
                 self.num_compiles += 1
-                self._entries[params.key] = fut
                 while len(self._entries) > self.max_size:
                     self._entries.popitem(last=False)
-            return fut
+            else:
+                job.num_waiters += 1
+            return job.future
+
+    def check(self, params: StructuredOutputParams) -> None:
+        """Build the spec's grammar, which checks it (InvalidRequestError naming its field),
+        unless it was built before. NOTE: it may take seconds (a 60 KB EBNF took 2 s):
+        `AsyncLLM` calls it on a worker thread before the request reaches the engine loop."""
+        with self._lock:
+            if params.key in self._checked or params.key in self._entries:
+                return
+        build_grammar(params)
+        with self._lock:
+            self._checked[params.key] = None
+            while len(self._checked) > 8 * self.max_size:
+                self._checked.popitem(last=False)
+
+    def release(self, params: StructuredOutputParams) -> None:
+        """One request stopped waiting for its grammar before it compiled: the last one's
+        going stops the compile (a queued one never starts; a running one's worker is
+        killed)."""
+        with self._lock:
+            job = self._entries.get(params.key)
+            if job is None or job.future.done():
+                return
+            job.num_waiters -= 1
+            if job.num_waiters > 0:
+                return
+            del self._entries[params.key]
+        self._workers.stop(job)
+
+    @property
+    def workers(self) -> GrammarWorkers:
+        return self._workers
+
+    def shutdown(self) -> None:
+        self._workers.shutdown()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -178,12 +182,34 @@ def no_control_mask(has_control: list[bool], vocab_size: int) -> torch.Tensor:
     return packed.to(torch.int32)
 
 
+def check_size(params: StructuredOutputParams, limits: LimitsConfig) -> None:
+    """Refuse a spec over the size limits (compile time grows about with the cube of its
+    size: a 30 KB EBNF ran for over 13 minutes) with a 400 naming the limit."""
+    if params.kind == "choice":
+        if len(params.spec) > limits.max_grammar_choices:
+            raise InvalidRequestError(
+                f"{params.param}: {len(params.spec)} choices, over the server's limit of "
+                f"{limits.max_grammar_choices} (--max-grammar-choices)", params.param)
+        size = sum(len(c.encode()) for c in params.spec)
+    else:
+        size = len(str(params.spec).encode())
+    if size > limits.max_grammar_bytes:
+        raise InvalidRequestError(
+            f"{params.param}: the {_KIND_NAME.get(params.kind, params.kind)} is {size} bytes, "
+            f"over the server's limit of {limits.max_grammar_bytes} (--max-grammar-bytes)",
+            params.param)
+
+
+_KIND_NAME = {"json": "JSON schema", "regex": "regex", "choice": "list of choices",
+              "grammar": "EBNF grammar", "structural_tag": "structural tag"}
+
+
 @dataclass
 class _Matcher:
     """One request's place in its grammar."""
 
     compiled: concurrent.futures.Future[Any]
-    param: str  # the field it came from, for error messages
+    params: StructuredOutputParams  # its spec (`GrammarCache.release`) and field (errors)
     # Which tokens with control bytes the output must do without (`no_control_mask`): "json"
     # (all), "tags" (all but newlines: tool calls), "" (none: free text may follow a grammar).
     controls: str
@@ -201,17 +227,19 @@ class StructuredOutputs:
     """Every structured request's grammar matcher: the engine adds requests and advances them
     with their tokens; the sampler masks their logits row by row of the batch.
 
-    NOTE: the engine thread makes all calls but `compile`'s worker; xgrammar and the
+    NOTE: the engine thread makes all calls; xgrammar and the
     vocabulary's TokenizerInfo are loaded at the first structured request.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 limits: LimitsConfig | None = None, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self.tokenizer = tokenizer
+        self.limits = limits or LimitsConfig()
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
         self._cache: GrammarCache | None = None
+        self._load_lock = threading.Lock()
         self._matchers: dict[str, _Matcher] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, reused
         # [ceil(vocab / 32)] int32 rows, by `_Matcher.controls`
@@ -223,17 +251,33 @@ class StructuredOutputs:
     @property
     def cache(self) -> GrammarCache:
         if self._cache is None:
+            self.load()
+        assert self._cache is not None
+        return self._cache
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._cache is not None
+
+    def load(self) -> None:
+        """Import xgrammar and build the vocabulary's tables (a second or more: `AsyncLLM`
+        calls it on a worker thread before the first structured request reaches the engine
+        loop). Safe on any thread, once."""
+        with self._load_lock:
+            if self._cache is not None:
+                return
             if not is_available():
                 raise InvalidRequestError(INSTALL_HINT, "response_format")
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
             special = set(info.special_token_ids) - set(self.stop_token_ids)
-            self._refused = {"": frozenset(special)}
+            refused = {"": frozenset(special)}
+            no_control = {}
             for controls, but_newlines in (("json", False), ("tags", True)):
                 flags = control_tokens(info, self.vocab_size, but_newlines)
-                self._no_control[controls] = no_control_mask(flags, self.vocab_size)
-                self._refused[controls] = frozenset(special | {t for t, f in enumerate(flags) if f})
-            self._cache = GrammarCache(info, self.cache_size)
-        return self._cache
+                no_control[controls] = no_control_mask(flags, self.vocab_size)
+                refused[controls] = frozenset(special | {t for t, f in enumerate(flags) if f})
+            self._refused, self._no_control = refused, no_control
+            self._cache = GrammarCache(info, self.limits, self.cache_size)  # NOTE: last: it says loaded
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -244,14 +288,49 @@ class StructuredOutputs:
     # -- the engine's side ----------------------------------------------------------------
 
     def add(self, request_id: str, params: StructuredOutputParams) -> None:
-        """Start compiling the request's grammar. Raises InvalidRequestError for a bad spec."""
+        """Start compiling the request's grammar (in a worker process: `is_ready` says when it
+        is done). Raises InvalidRequestError for a bad spec, or one over the size limits."""
         if not is_available():
             raise InvalidRequestError(INSTALL_HINT, params.param)
-        self._matchers[request_id] = _Matcher(self.cache.compile(params), params.param,
+        check_size(params, self.limits)
+        self._matchers[request_id] = _Matcher(self.cache.compile(params), params,
                                               controls=_controls(params), after=params.after)
 
+    def check(self, params: StructuredOutputParams) -> None:
+        """What `add` checks (the size limits, then the spec, which may take seconds), done
+        ahead on any thread. Raises InvalidRequestError naming the field."""
+        if not is_available():
+            raise InvalidRequestError(INSTALL_HINT, params.param)
+        check_size(params, self.limits)
+        self.cache.check(params)
+
+    def is_ready(self, request_id: str) -> bool:
+        """Whether the request may sample: its grammar compiled (or failed: the sampler fails
+        the request with the reason), or it has none. Never waits."""
+        m = self._matchers.get(request_id)
+        return m is None or m.compiled.done()
+
+    def failure(self, request_id: str) -> tuple[str, str] | None:
+        """(why, the request's field) when its grammar's compile failed (over the time limit),
+        else None. Never waits."""
+        m = self._matchers.get(request_id)
+        if m is None or not m.compiled.done() or m.compiled.cancelled():
+            return None
+        exc = m.compiled.exception()
+        if exc is None:
+            return None
+        return f"{m.params.param}: {error_message(exc)}", m.params.param
+
     def drop(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+        """The request has ended: a compile nobody else waits for is stopped."""
+        m = self._matchers.pop(request_id, None)
+        if m is not None and not m.compiled.done() and self._cache is not None:
+            self._cache.release(m.params)
+
+    def shutdown(self) -> None:
+        """Stop the compile workers."""
+        if self._cache is not None:
+            self._cache.shutdown()
 
     def advance(self, req: Request) -> bool:
         """Feed the request's new output tokens to its matcher; True once its grammar has
@@ -272,7 +351,7 @@ class StructuredOutputs:
             if matcher.is_terminated():
                 break
             if not matcher.accept_token(tok):
-                raise ValueError(f"token {tok} does not continue the grammar of {m.param}")
+                raise ValueError(f"token {tok} does not continue the grammar of {m.params.param}")
         return bool(matcher.is_terminated())
 
     def num_valid(self, req: Request, draft: Sequence[int]) -> int:
@@ -352,7 +431,7 @@ class StructuredOutputs:
             try:
                 masked += self._fill_rows(m, r, bitmask, first)
             except Exception as exc:  # NOTE: a grammar that failed to compile fails its request
-                failed[r.request_id] = f"{m.param}: the grammar failed: {_message(exc)}"
+                failed[r.request_id] = f"{m.params.param}: the grammar failed: {error_message(exc)}"
                 continue
             first_rows.add(first)
         if masked:
@@ -364,7 +443,7 @@ class StructuredOutputs:
                 if stuck:
                     masked.remove(j)
                     if j in first_rows:
-                        failed[ids[j]] = f"{self._matchers[ids[j]].param}: the grammar allows no token here"
+                        failed[ids[j]] = f"{self._matchers[ids[j]].params.param}: the grammar allows no token here"
         return GrammarMasks(ids, bitmask.clone() if copy else bitmask, masked, failed)
 
     def _fill_rows(self, m: _Matcher, r: ScheduledRequest, bitmask: torch.Tensor,
@@ -398,14 +477,17 @@ class StructuredOutputs:
 
     def _bitmask_for(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
-            self._bitmask = _xgr().allocate_token_bitmask(max(num_rows, 16), self.vocab_size)
+            self._bitmask = load_xgrammar().allocate_token_bitmask(max(num_rows, 16), self.vocab_size)
         return self._bitmask
 
     @staticmethod
     def _matcher(m: _Matcher) -> Any:
         if m.matcher is None:
-            # NOTE: waits for the compile, at the request's first sampled token at the latest
-            m.matcher = _xgr().GrammarMatcher(m.compiled.result())
+            # NOTE: never waits: a request samples only once `is_ready` (the scheduler keeps
+            # it out of the batch until then, `Scheduler.preparing`)
+            if not m.compiled.done():
+                raise RuntimeError("its grammar has not compiled yet")
+            m.matcher = load_xgrammar().GrammarMatcher(m.compiled.result())
         return m.matcher
 
 
@@ -469,7 +551,7 @@ class GrammarMasks:
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """-inf where the rows' bits are 0 (xgrammar's kernels: on the CPU 0.7 ms for 16 rows
     of 4096 tokens, where unpacking the bits with torch ops took longer)."""
-    xgr = _xgr()
+    xgr = load_xgrammar()
     if logits.device.type == "cpu":
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                         indices=rows)

@@ -102,10 +102,17 @@ def build_app(
 
     @app.get("/health", responses={503: _ERROR_RESPONSES[503]})
     async def health() -> dict[str, str]:
-        """200 while the engine runs; 503 once it has died, and from the start of a shutdown
-        (code `shutdown`: running requests drain, new ones are refused; route elsewhere)."""
+        """200 while the engine runs; 503 once it has died, while its loop has made no progress
+        for `--engine-stall-timeout-s` (code `engine_stalled`), and from the start of a
+        shutdown (code `shutdown`: running requests drain, new ones are refused; route
+        elsewhere)."""
         if not llm.is_healthy:
             raise schemas.APIError(503, f"engine is not running: {llm.dead_reason}", "server_error", code="engine_dead")
+        if llm.is_stalled:
+            raise schemas.APIError(
+                503, f"the engine loop has made no progress for {llm.seconds_since_progress:.0f} s "
+                f"(--engine-stall-timeout-s {llm.config.limits.engine_stall_timeout_s:g})",
+                "server_error", code="engine_stalled")
         if llm.is_draining:
             raise schemas.APIError(503, "the server is shutting down: running requests are draining",
                                    "server_error", code="shutdown")

@@ -4,24 +4,34 @@ Start-up binds the address (so a taken port fails at once), loads the model, the
 prints the URL. SIGTERM or Ctrl-C starts a drain: the listener stays open, `/health` and new
 requests get 503 (code `shutdown`, so a load balancer routes elsewhere), running requests
 finish within `--grace-period-s` (then the engine ends them); then the server closes its
-connections, stops the engine and exits 0. A second signal stops listening at once.
+connections, stops the engine and exits. A second signal stops listening at once.
+
+The exit status: 0 when every request drained; `EXIT_ABANDONED` (3) when the grace period ran
+out with requests still running, or the engine loop was stuck in an iteration (the process
+exits anyway, within about `_STUCK_EXIT_S` of the grace period's end). A signal during
+start-up stops the processes it started (the CPU kernels' build) and ends with 128 + signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import logging
+import math
 import os
 import signal
 import socket
+import sys
+import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from fastserve.args import add_engine_args, engine_config_from_args
+from fastserve.children import stop_children_on_signal
 from fastserve.server import reasoning
 from fastserve.server.http_limits import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -45,6 +55,13 @@ API_KEY_ENV = "FASTSERVE_API_KEY"
 _BACKLOG = 2048  # uvicorn's default
 # How long uvicorn waits, after the drain, for the streams the engine has just ended.
 _CLOSE_MARGIN_S = 5.0
+# The exit status of a shutdown that had to end running requests or leave a stuck engine.
+EXIT_ABANDONED = 3
+# After the grace period: how long the engine loop's iteration may take to end, and when the
+# process exits whatever it is doing (a backstop timer; SIGALRM's default action a moment
+# later, should a thread hold the interpreter's lock).
+_ENGINE_JOIN_S = 2.0
+_STUCK_EXIT_S = 4.5
 
 
 @dataclass(frozen=True)
@@ -189,16 +206,20 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
     fit_open_files(opts.http_limits.max_connections)
     try:
         print(f"fastserve: loading {config.model.model or 'the built-in tiny model'} ...", flush=True)
-        llm = AsyncLLM(config)
+        with stop_children_on_signal():  # e.g. the CPU kernels' first build (ninja, the compiler)
+            llm = AsyncLLM(config)
         app = build_app(llm, name, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
                         tool_call_parser=opts.tool_call_parser,
                         responses_store_mib=opts.responses_store_mib,
                         reasoning_parser=opts.reasoning_parser,
                         trust_request_chat_template=opts.trust_request_chat_template,
                         metrics_require_key=opts.metrics_require_key)
-        return _run(_main_loop(app, llm, sock, name, opts))
+        code = _run(_main_loop(app, llm, sock, name, opts))
     finally:
         sock.close()
+    if code == EXIT_ABANDONED:  # NOTE: a stuck thread (the engine's, a worker's) must not hold the exit
+        _exit_now(code)
+    return code
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
@@ -242,11 +263,16 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    drained = True
     if server.should_exit:
-        await draining
+        drained = await draining
     else:  # the server never ran
         draining.cancel()
-        await llm.shutdown(grace_s=0)
+        await llm.shutdown(grace_s=0, join_s=_ENGINE_JOIN_S)
+    if not drained:
+        print(f"fastserve: shut down, abandoning running work (exit status {EXIT_ABANDONED})",
+              flush=True)
+        return EXIT_ABANDONED
     print("fastserve: shut down", flush=True)
     return 0 if server.started else 1
 
@@ -283,16 +309,41 @@ def _draining_server(config: uvicorn.Config, drain: _Drain) -> uvicorn.Server:
     return DrainingServer(config)
 
 
-async def _shutdown_on_exit(server: uvicorn.Server, drain: _Drain, llm: AsyncLLM, grace_s: float) -> None:
+async def _shutdown_on_exit(server: uvicorn.Server, drain: _Drain, llm: AsyncLLM, grace_s: float) -> bool:
     """Once a signal comes: drain (the listener stays open; `/health` and new requests get
     503), let running requests finish within `grace_s`, end the rest (each stream gets its
     finish and usage chunks, an error event with code `shutdown` and `[DONE]`), then stop
-    the server."""
+    the server. Returns whether all drained. NOTE: from here the process exits within
+    `grace_s + _STUCK_EXIT_S` whatever its threads do (`_exit_after`)."""
     while not (drain.requested or server.should_exit):
         await asyncio.sleep(0.05)
     print(f"fastserve: draining (up to {grace_s:g} s); /health answers 503", flush=True)
-    await llm.shutdown(grace_s=grace_s)
+    _exit_after(grace_s + _STUCK_EXIT_S)
+    drained = await llm.shutdown(grace_s=grace_s, join_s=_ENGINE_JOIN_S)
     server.should_exit = True
+    return drained
+
+
+def _exit_after(delay_s: float) -> None:
+    """End the process with EXIT_ABANDONED in `delay_s` if it has not ended by then; should
+    no Python code run by then (a thread holding the interpreter's lock), SIGALRM ends it
+    a few seconds later (status 128 + 14)."""
+    timer = threading.Timer(delay_s, _exit_now, args=(EXIT_ABANDONED,))
+    timer.daemon = True
+    timer.start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(math.ceil(delay_s) + 3)
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once with `code`, whatever other threads are doing (nothing waits for them)."""
+    if code == EXIT_ABANDONED:
+        print(f"fastserve: exiting with status {code}: work was abandoned", flush=True)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -44,6 +44,8 @@ class ClientDisconnected(Exception):
 def engine_failure(out: RequestOutput) -> APIError:
     if out.finish_reason == "abort":
         return APIError(500, "the request was aborted by the server", "server_error", code="aborted")
+    if out.error_param is not None:  # the request's own input (a grammar too slow to compile)
+        return APIError(400, str(out.error), param=out.error_param)
     return APIError(500, f"the engine failed this request: {out.error}", "server_error", code="engine_error")
 
 

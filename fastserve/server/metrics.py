@@ -74,6 +74,12 @@ class _EngineCollector(Collector):
         healthy = GaugeMetricFamily("fastserve_engine_healthy", "1 while the engine loop runs")
         healthy.add_metric([], 1.0 if self.llm.is_healthy else 0.0)
         yield healthy
+        # The watchdog's reading: /health answers 503 past --engine-stall-timeout-s.
+        yield GaugeMetricFamily(
+            "fastserve_engine_seconds_since_progress",
+            "seconds since the engine loop last came round (an iteration, or an idle wait of "
+            "at most 0.5 s): a large value while requests run means the loop is stuck",
+            value=self.llm.seconds_since_progress)
         for name, key, doc in (
             ("fastserve_preemptions", "num_preemptions", "requests preempted by the scheduler"),
             ("fastserve_recomputes", "num_recomputes", "preemptions that dropped KV to recompute"),

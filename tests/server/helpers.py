@@ -95,11 +95,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 module: str = "fastserve.cli") -> ServerProcess:
     """Start `python -m fastserve.cli serve --port 0 --dtype TEST_DTYPE ARGS` and wait for
-    /health."""
+    /health (`module`: another entry point that runs the same command)."""
     log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "fastserve.cli", "serve", "--port", "0", "--dtype", TEST_DTYPE,
+    cmd = [sys.executable, "-m", module, "serve", "--port", "0", "--dtype", TEST_DTYPE,
            "--no-access-log", *args]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
