@@ -116,7 +116,7 @@ class LLM:
         (fastserve/executor/openmp.py)."""
         here = threading.current_thread()
         if (self._is_thread_warned or here is self._built_on or not self._built_on.is_alive()
-                or self.config.model.device != "cpu" or has_released(self._built_on)):
+                or self.engine.config.model.device != "cpu" or has_released(self._built_on)):
             return
         self._is_thread_warned = True
         logger.warning(
