@@ -28,8 +28,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, profile: str | None = None, **kwargs: Any) -> None:
-        self.config = engine_config(profile_path=profile, model=model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(engine_config(profile_path=profile, model=model, **kwargs))
+        # NOTE: the engine's: "auto" device and dtype resolved, the KV pool and batch sized
+        self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self._is_shut_down = False
         self._built_on = threading.current_thread()
@@ -116,7 +117,7 @@ class LLM:
         (fastserve/executor/openmp.py)."""
         here = threading.current_thread()
         if (self._is_thread_warned or here is self._built_on or not self._built_on.is_alive()
-                or self.engine.config.model.device != "cpu" or has_released(self._built_on)):
+                or self.config.model.device != "cpu" or has_released(self._built_on)):
             return
         self._is_thread_warned = True
         logger.warning(
