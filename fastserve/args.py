@@ -35,8 +35,14 @@ _HELP = {
     "dtype": "model dtype: float32, bfloat16, float16, or auto (the checkpoint's half type on a "
              "GPU; on a CPU the faster of float32 and bfloat16, timed at start-up; "
              "`fastserve serve` defaults to auto)",
-    "kv_cache_gib": "device KV cache size in GiB (num_device_blocks overrides it)",
-    "max_batch_size": "most requests in one iteration",
+    "kv_cache_gib": "device KV cache size in GiB (num_device_blocks overrides it; None = on a "
+                    "GPU what --gpu-memory-utilization of its memory leaves after the weights "
+                    "and a profiled forward pass at the largest batch, on a CPU 1 GiB)",
+    "gpu_memory_utilization": "share of the GPU's memory for this engine (weights, activations "
+                              "and the KV pool) when --kv-cache-gib is not given",
+    "device": "auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda or cuda:N",
+    "max_batch_size": "most requests in one iteration (0 = 16 on a CPU; on a GPU what the KV "
+                      "pool and the captured CUDA graphs hold)",
     "max_waiting": "most queued requests before new ones get 429 (0 = unbounded)",
     "kv_reserve_blocks": "device KV blocks the proactive policy keeps free for bursts "
                          "(None = 5%% of the device pool)",
@@ -88,7 +94,8 @@ def _field_owner() -> dict[str, str]:
     owner: dict[str, str] = {}
     for section, cls in _SECTIONS.items():
         for f in dataclasses.fields(cls):
-            owner[f.name] = section
+            if f.init:
+                owner[f.name] = section
     return owner
 
 
@@ -114,7 +121,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(f"{section} options")
         for f in dataclasses.fields(cls):
-            if f.name in skip:
+            if f.name in skip or not f.init:
                 continue
             flag = "--" + _ALIASES.get(f.name, f.name).replace("_", "-")
             kind = _arg_type(f.type)

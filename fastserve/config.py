@@ -39,6 +39,8 @@ def _check(cond: bool, msg: str) -> None:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+# `SchedulerConfig.max_batch_size` where none is given, on a CPU (a GPU sizes its own).
+CPU_MAX_BATCH_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class ModelConfig:
     # float32 unless asked: reproducible tokens; "auto" (`fastserve serve`'s default) picks
     # the faster dtype for this device.
     dtype: str = "float32"
-    device: str = "cpu"
+    # "auto": the first CUDA GPU where torch sees one, else the CPU (resolved at start-up).
+    device: str = "auto"
     seed: int = 0  # default seed for sampling requests that give none
     warmup: bool = True  # run warm-up passes at start-up
     # Without a profile file, measure the cost model at start-up (cached per model, dtype,
@@ -96,17 +99,23 @@ class ModelConfig:
         _check(self.record_iterations >= 0,
                f"record_iterations must be >= 0 (0 = off), got {self.record_iterations}")
         _check(
-            self.device == "cpu" or self.device.startswith("cuda"),
-            f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+            f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
         )
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing. A block count, when given, overrides the GiB figure."""
+    """Paged KV cache sizing. A block count, when given, overrides the GiB figure, which
+    overrides the sizing from the device's memory."""
 
     block_size: int = 16
-    kv_cache_gib: float = 1.0
+    # None: on a GPU what `gpu_memory_utilization` of its memory leaves once the weights and
+    # a profiled forward pass at the largest batch are counted (`executor/kv_sizing.py`); on
+    # a CPU 1 GiB.
+    kv_cache_gib: float | None = None
+    # The share of the GPU's memory this engine may use: weights, activations and KV pool.
+    gpu_memory_utilization: float = 0.9
     num_device_blocks: int | None = None
     swap_space_gib: float = 4.0  # host pool (pinned on CUDA); unused by defer / recompute
     num_host_blocks: int | None = None
@@ -129,7 +138,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"block_size must be > 0, got {self.block_size}")
-        _check(self.kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        _check(self.kv_cache_gib is None or self.kv_cache_gib > 0,
+               f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(
             self.num_device_blocks is None or self.num_device_blocks > 0,
             f"num_device_blocks must be > 0, got {self.num_device_blocks}",
@@ -163,7 +175,12 @@ class SchedulerConfig:
     """Which requests run each iteration."""
 
     policy: str = "skip-join-mlfq"
-    max_batch_size: int = 16
+    # Most requests in one iteration. 0: the device's default, resolved at start-up: 16 on a
+    # CPU; on a GPU what the KV pool and the captured CUDA graphs hold (`kv_sizing`). Until
+    # then it reads as the CPU's 16 (the simulator, a config never run on a device), and
+    # `is_max_batch_size_auto` remembers that none was given.
+    max_batch_size: int = 0
+    is_max_batch_size_auto: bool = field(default=False, init=False, repr=False, compare=False)
     # The iteration's token budget: decodes take one token each, and a prefill what is left
     # (a longer prompt is prefilled in chunks over several iterations).
     max_num_batched_tokens: int = 4096
@@ -189,7 +206,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
-        _check(self.max_batch_size > 0, f"max_batch_size must be > 0, got {self.max_batch_size}")
+        _check(self.max_batch_size >= 0,
+               f"max_batch_size must be > 0 (0 = the device's default), got {self.max_batch_size}")
+        object.__setattr__(self, "is_max_batch_size_auto", self.max_batch_size == 0)
+        if self.max_batch_size == 0:
+            object.__setattr__(self, "max_batch_size", CPU_MAX_BATCH_SIZE)
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0")
         _check(self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}")
         _check(self.base_quantum_ms >= 0, "base_quantum_ms must be >= 0")

@@ -31,8 +31,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, profile: str | None = None, **kwargs: Any) -> None:
-        self.config = engine_config(profile_path=profile, model=model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(engine_config(profile_path=profile, model=model, **kwargs))
+        # NOTE: the engine's: "auto" device and dtype resolved, the KV pool and batch sized
+        self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self._is_shut_down = False
         self._built_on = threading.current_thread()

@@ -45,10 +45,19 @@ def test_bad_requests_do_not_disturb_running_ones(engine: LLMEngine) -> None:
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
-def test_too_many_tokens_for_the_cache_is_refused() -> None:
+def test_a_pool_in_blocks_bounds_each_request() -> None:
+    """A pool of 4 blocks of 4 and no --max-model-len: the context limit is the pool's 16
+    tokens; a longer prompt is refused, a long answer stops there."""
     engine = LLMEngine(engine_config(dtype=TEST_DTYPE, num_device_blocks=4, block_size=4, warmup=False))
-    with pytest.raises(ValueError, match="KV blocks"):
-        engine.add_request([3] * 10, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="maximum context length is 16"):
+        engine.add_request([3] * 20, SamplingParams(max_tokens=2))
+    engine.add_request([3] * 10, SamplingParams(max_tokens=20, temperature=0.0))
+    final = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            final = out if out.finished else final
+    assert final is not None and len(final.token_ids) == 6
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
 def _copy_model(src: Path, dst: Path) -> Path:
@@ -82,6 +91,6 @@ def test_unknown_option_is_named() -> None:
     with pytest.raises(TypeError, match="max_batchsize"):
         LLM(max_batchsize=3)
     with pytest.raises(ValueError, match="max_batch_size"):
-        LLM(max_batch_size=0)
+        LLM(max_batch_size=-1)  # 0: the device's default
     with pytest.raises(ValueError, match="cpu_copy_worker must be one of"):
         LLM(cpu_copy_worker="gpu")

@@ -24,12 +24,14 @@ import itertools
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 from fastserve.executor.backends import KV_TORCH_DTYPES
 from fastserve.executor.backends import triton_ops as ops
 from fastserve.executor.backends.triton_configs import (
+    PROVENANCE_KEY,
     DecodeConfig,
     tuned_config_dir,
     tuned_config_name,
@@ -108,6 +110,27 @@ def _name(cfg: DecodeConfig) -> str:
             f"{'dot' if cfg.use_dot else 'sum'}{regs}")
 
 
+def _provenance(device_name: str, model: str, args: argparse.Namespace,
+                best_ms: dict[str, float]) -> dict[str, object]:
+    """Where a shipped file's figures come from: the GPU, the versions, the command, when,
+    and each shape's fastest time (ms), per attention shape swept."""
+    import subprocess
+
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"gpu": device_name, "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python benchmarks/triton_decode_sweep.py " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                if k not in ("out", "no_write") and v not in (False, None)),
+            f"{model} {args.kv_cache_dtype} cache, fastest ms per (batch, context)": best_ms}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,6 +140,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer configs")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="also write the file into DIR (the device run's output folder), with "
+                         "its provenance, to be copied into fastserve/executor/backends/configs/")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("(no CUDA device: nothing to tune)")
@@ -163,6 +189,15 @@ def main() -> None:
             old = json.loads(path.read_text()) if path.is_file() else {}
             path.write_text(json.dumps({**old, **tuned}, indent=1, sort_keys=True) + "\n")
             print(f"  wrote {path}")
+        if args.out:
+            shipped = Path(args.out) / tuned_config_name(device_name)
+            old = json.loads(shipped.read_text()) if shipped.is_file() else {}
+            provenance = {**old.get(PROVENANCE_KEY, {}), **_provenance(
+                device_name, model, args, {str(shape): round(t, 4)
+                                           for shape, t in zip(SHAPES, best_t)})}
+            shipped.write_text(json.dumps({**old, **tuned, PROVENANCE_KEY: provenance},
+                                          indent=1, sort_keys=True) + "\n")
+            print(f"  wrote {shipped}")
     print(f"\nswept in {time.perf_counter() - t0:.0f} s")
 
 

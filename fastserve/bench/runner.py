@@ -116,7 +116,10 @@ def with_options(config: EngineConfig, **options: object) -> EngineConfig:
     """A copy of `config` with some flat options (CLI field names) replaced."""
     flat: dict[str, object] = {}
     for section in (config.model, config.cache, config.scheduler, config.parallel):
-        flat.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
+        flat.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                     if f.init})
+    if config.scheduler.is_max_batch_size_auto:  # still the device's to size
+        flat["max_batch_size"] = 0
     flat.update(options)
     try:
         return engine_config(profile_path=config.profile_path, **flat)

@@ -25,9 +25,13 @@ from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.engine.startup_checks import check_cache_writable, check_stop_ids, check_weights_fit
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
+from fastserve.executor.distributed.stage import pool_sizes
 from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.grammar import StructuredOutputs
+from fastserve.executor.kv_sizing import CPU_KV_CACHE_GIB, check_pool_holds, gpu_max_batch_size
+from fastserve.executor.memory_profile import KVPoolPlan, plan_kv_pool
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
+from fastserve.model.llama import LlamaForCausalLM
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.lora import Adapter, LoRAWeights
 from fastserve.model.make_model import cache_dir, resolve_model_path
@@ -107,6 +111,9 @@ class LLMEngine:
         self.max_model_len = _max_model_len(config.model.max_model_len,
                                             self.arch.max_position_embeddings)
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
+        # The KV pool's blocks (a GPU's from its memory), what one request may hold, and a
+        # GPU's batch: all before the runner, which captures graphs up to that batch.
+        config = self.config = self._size_for_device(config, None if is_distributed else model)
         self.runner: ModelRunner | DistributedExecutor
         if is_distributed:
             self.runner = start_executor(config, path, self.eos_token_ids)
@@ -141,6 +148,50 @@ class LLMEngine:
                             overhead.fixed_s * 1e3, overhead.per_job_s * 1e3)
             save_profile(cost, profile_path, method="executor grid + engine overhead")
             self._build_core(cost)
+
+    def _size_for_device(self, config: EngineConfig, model: LlamaForCausalLM | None
+                         ) -> EngineConfig:
+        """The config with the KV pool's blocks, the context limit and the batch settled for
+        this device (`model` None: distributed ranks size their pools from the config)."""
+        sched, cache = config.scheduler, config.cache
+        is_cuda = config.model.device.startswith("cuda")
+        if model is None:
+            if is_cuda and cache.kv_cache_gib is None and cache.num_device_blocks is None:
+                logger.warning("tensor/pipeline parallel ranks do not profile their memory yet: "
+                               "each takes a %g GiB KV pool; give --kv-cache-gib to size it",
+                               CPU_KV_CACHE_GIB)
+            plan = KVPoolPlan(pool_sizes(config, self.arch).num_device_blocks, "the configured size")
+        else:
+            # The profiled batch is the largest the scheduler may run: a GPU's default batch
+            # is at most what the graphs capture.
+            num_seqs = config.model.cuda_graph_max_batch_size \
+                if sched.is_max_batch_size_auto else sched.max_batch_size
+            plan = plan_kv_pool(config, model, self.arch, self.eos_token_ids,
+                                self.max_model_len, num_seqs)
+        bs = cache.block_size
+        model_config = config.model
+        if cache.num_device_blocks is not None and config.model.max_model_len is None \
+                and plan.num_blocks * bs < self.max_model_len:
+            # NOTE: a pool given in blocks and no context limit: the pool sets the limit (as
+            # many tests and small benchmarks size them); a limit given is checked below.
+            logger.warning("max_model_len %d -> %d: what --num-device-blocks %d of %d tokens "
+                           "hold (give --max-model-len to be refused instead)",
+                           self.max_model_len, plan.num_blocks * bs, plan.num_blocks, bs)
+            self.max_model_len = plan.num_blocks * bs
+            model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
+        check_pool_holds(self.max_model_len, bs, plan.num_blocks, plan.how_sized)
+        logger.info("KV pool: %d blocks of %d tokens (%s); max_model_len %d",
+                    plan.num_blocks, bs, plan.how_sized, self.max_model_len)
+        if is_cuda and sched.is_max_batch_size_auto:
+            batch = gpu_max_batch_size(plan.num_blocks, model_config.cuda_graph_max_batch_size)
+            sched = dataclasses.replace(sched, max_batch_size=batch)
+            logger.info("max_batch_size %d: what the KV pool and the captured graphs hold", batch)
+        if is_cuda:  # graphs only up to the batch the scheduler runs
+            model_config = dataclasses.replace(model_config, cuda_graph_max_batch_size=min(
+                model_config.cuda_graph_max_batch_size, sched.max_batch_size))
+        return dataclasses.replace(
+            config, model=model_config, scheduler=sched,
+            cache=dataclasses.replace(cache, num_device_blocks=plan.num_blocks))
 
     def _build_core(self, cost: CostModel) -> None:
         """The scheduler, KV manager and step loop over `cost`, all fresh."""

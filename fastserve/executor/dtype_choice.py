@@ -1,7 +1,7 @@
 """`dtype="auto"`: the model's compute dtype chosen for this machine, measured on a CPU.
 
 On a GPU, the checkpoint's own half type (bfloat16 when it was saved in float32 or says
-nothing). On a CPU the faster of float32 and bfloat16 depends on the instructions it has:
+nothing), float16 where the GPU has no bfloat16 (`device_choice.gpu_half_dtype`). On a CPU the faster of float32 and bfloat16 depends on the instructions it has:
 with AVX-512 BF16 or AMX, oneDNN multiplies bfloat16 at 2-3x float32's speed; without them
 bfloat16 is emulated and several times slower. So rather than guess from flag names, the
 choice times one decode-sized matmul of this model's shape (a batch of 32 rows through its
@@ -24,12 +24,12 @@ import torch
 from fastserve.config import EngineConfig
 from fastserve.executor.cpu_kernels import cpu_kernels_enabled
 from fastserve.executor.cpu_linear import packed_weight
+from fastserve.executor.device_choice import choose_device, gpu_half_dtype
 from fastserve.model.arch import ArchConfig
 from fastserve.model.loader import read_arch_config
 
 logger = logging.getLogger(__name__)
 
-HALF_DTYPES = ("bfloat16", "float16")
 PROBE_ROWS = 32  # a decode batch
 
 
@@ -45,8 +45,8 @@ class DtypeChoice:
 def choose_dtype(arch: ArchConfig, device: str) -> DtypeChoice:
     """The dtype `auto` means for this checkpoint on this device (see the module docstring)."""
     if not device.startswith("cpu"):
-        saved = arch.torch_dtype if arch.torch_dtype in HALF_DTYPES else "bfloat16"
-        return DtypeChoice(saved, f"the checkpoint's half type on {device}", {})
+        dtype, reason = gpu_half_dtype(arch.torch_dtype, torch.cuda.is_bf16_supported())
+        return DtypeChoice(dtype, f"{reason}; {torch.cuda.get_device_name(device)}", {})
     if not cpu_kernels_enabled():
         return DtypeChoice("float32", "CPU kernels off (FASTSERVE_CPU_KERNELS=0)", {})
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
@@ -78,10 +78,22 @@ def _probe_ms(arch: ArchConfig, dtype: torch.dtype, reps: int = 9) -> float:
 
 
 def resolve_config(config: EngineConfig, model_path: Path) -> tuple[EngineConfig, DtypeChoice]:
-    """The config with `model.dtype` resolved (a no-op unless it is "auto"), and the choice."""
-    choice = resolve_dtype(config.model.dtype, model_path, config.model.device)
-    model = dataclasses.replace(config.model, dtype=choice.dtype)
+    """The config with `model.device` and `model.dtype` resolved (no-ops unless "auto"), and
+    the dtype choice."""
+    device = resolve_device(config.model.device)
+    choice = resolve_dtype(config.model.dtype, model_path, device)
+    model = dataclasses.replace(config.model, device=device, dtype=choice.dtype)
     return dataclasses.replace(config, model=model), choice
+
+
+def resolve_device(asked: str) -> str:
+    """`asked`, or for "auto" CUDA where torch sees a GPU, else the CPU (logged)."""
+    device = choose_device(asked, torch.cuda.is_available())
+    if asked == "auto":
+        logger.info("device auto -> %s (%s)", device,
+                    torch.cuda.get_device_name(device) if device.startswith("cuda")
+                    else "torch sees no CUDA device")
+    return device
 
 
 def resolve_dtype(dtype: str, model_path: Path, device: str) -> DtypeChoice:

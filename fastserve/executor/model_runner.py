@@ -21,6 +21,7 @@ import torch
 from fastserve.config import CacheConfig, ModelConfig
 from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.executor import kv_sizing
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cache_dtype
 from fastserve.executor.cuda_graphs import DecodeGraphs
@@ -92,7 +93,15 @@ def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, tp_siz
     """Bytes of one KV block across all layers (K and V) on one rank."""
     kv_heads = max(1, arch.num_key_value_heads // tp_size)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_hidden_layers * kv_heads * arch.head_dim * block_size * elem
+    return kv_sizing.kv_block_bytes(arch.num_hidden_layers, kv_heads, arch.head_dim, block_size,
+                                    elem)
+
+
+def configured_blocks(cache: CacheConfig, block_bytes: int) -> int:
+    """The pool's blocks as the config gives them: a count, else GiB, else a CPU's default
+    (`memory_profile.plan_kv_pool` resolves a GPU's before the runner is built)."""
+    gib = kv_sizing.CPU_KV_CACHE_GIB if cache.kv_cache_gib is None else cache.kv_cache_gib
+    return cache.num_device_blocks or max(1, int(gib * kv_sizing.GIB) // block_bytes)
 
 
 def _waits_for_grammar(reqs: list[ScheduledRequest]) -> bool:
@@ -150,13 +159,13 @@ class ModelRunner:
         self.model = model
         self.arch = arch
         self.dtype = TORCH_DTYPES[model_config.dtype]
-        self.device = torch.device(model_config.device)
+        # "auto" (a runner built without the engine, which resolves it): where the weights are
+        self.device = next(model.parameters()).device if model_config.device == "auto" \
+            else torch.device(model_config.device)
         self.block_size = cache_config.block_size
         self.cache_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
         self.block_bytes = kv_block_bytes(arch, self.block_size, self.cache_dtype)
-        self.num_blocks = cache_config.num_device_blocks or max(
-            1, int(cache_config.kv_cache_gib * (1 << 30)) // self.block_bytes
-        )
+        self.num_blocks = configured_blocks(cache_config, self.block_bytes)
         backend = attention_backend(model_config.attention_backend, self.device, self.cache_dtype)
         self.attn: PagedAttention = backend(
             num_layers=arch.num_hidden_layers,

@@ -72,13 +72,19 @@ def _assert_float32_greedy_is_hfs(llm: LLM) -> None:
         assert out.token_ids == tokens, (len(prompt), out.token_ids, tokens)
 
 
-def test_bfloat16_logprobs_close_to_hf(tiny_model_path: Path) -> None:
-    llm = _llm("bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_logprobs_close_to_hf(tiny_model_path: Path, dtype: str) -> None:
+    """bfloat16, and float16 (a Llama-2 checkpoint's type under `--dtype auto`, and any
+    model's on a GPU without bfloat16): the graphs' kernels in that type against HF's."""
+    llm = _llm(dtype)
+    assert isinstance(llm.engine.runner, ModelRunner)
+    assert llm.engine.runner.attn.kv_cache.dtype == getattr(torch, dtype)
+    assert llm.engine.runner.graphs is not None
     prompts = _prompts(llm.engine.arch.vocab_size)
     n = 24
     outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                                                 logprobs=TOP), use_tqdm=False)
-    hf = _hf(llm.engine.model_path, torch.bfloat16)
+    hf = _hf(llm.engine.model_path, getattr(torch, dtype))
     diffs: list[float] = []
     for prompt, out in zip(prompts, outs):
         hf_tokens, hf_lp = _hf_greedy(hf, prompt, n)

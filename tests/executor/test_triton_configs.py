@@ -53,3 +53,21 @@ def test_a_sweeps_file_in_the_cache_is_read(tmp_path: Path, monkeypatch: pytest.
     tuned = tuned_decode_configs(device)
     assert pick_decode_config(tuned, 1, 128, BF16, 32) == SMALL
     assert pick_decode_config(tuned, 1, 128, BF16, 128) == LARGE
+
+
+def test_a_shipped_files_provenance_is_not_a_config(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file as `triton_decode_sweep.py --out` writes it for shipping: its `_provenance`
+    (GPU, versions, command, timings) is kept beside the configs and read as none of them."""
+    monkeypatch.setenv("FASTSERVE_CACHE", str(tmp_path))
+    device = "Test GPU (a shipped file with its provenance)"
+    key = DecodeConfig.key(1, 128, BF16)
+    path = tmp_path / "triton" / tuned_config_name(device)
+    path.parent.mkdir()
+    path.write_text(json.dumps({
+        f"{key}-b32": asdict(SMALL), key: asdict(MEDIUM),
+        "_provenance": {"gpu": device, "triton": "3.6.0", "command": "python benchmarks/..."}}))
+    tuned = tuned_decode_configs(device)
+    assert set(tuned) == {f"{key}-b32", key}
+    assert pick_decode_config(tuned, 1, 128, BF16, 16) == SMALL
+    assert pick_decode_config(tuned, 1, 128, BF16, 128) == MEDIUM

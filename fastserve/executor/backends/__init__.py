@@ -27,6 +27,12 @@ from fastserve.executor.cpu_kernels import decode_attention_kernel
 logger = logging.getLogger(__name__)
 
 
+def _why_not_triton(cache_dtype: torch.dtype) -> str:
+    if not _triton_backends():
+        return "triton is not importable"
+    return f"it does not run a {str(cache_dtype).removeprefix('torch.')} KV cache on this GPU"
+
+
 def _triton_backends() -> list[type[PagedAttention]]:
     # NOTE: imported on first need, not with this module: triton is optional, and importing
     # it costs seconds that a CPU process (every distributed worker too) has no use for.
@@ -83,6 +89,11 @@ def attention_backend(name: str, device: torch.device,
     for candidate in AUTO_ORDER if name == "auto" else (name,):
         for cls in backend_classes(candidate, device):
             if cls.is_supported(device, cache_dtype):
+                if name == "auto" and device.type == "cuda" and candidate != "triton":
+                    logger.warning(
+                        "CUDA without the triton backend (%s): attention runs as per-request "
+                        "torch SDPA without CUDA graphs, measured at 11x-50x the weight floor; "
+                        "install triton (torch's CUDA wheels ship it)", _why_not_triton(cache_dtype))
                 return cls
     if name == "triton" and device.type == "cuda":
         raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")

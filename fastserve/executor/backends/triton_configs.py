@@ -8,6 +8,10 @@ package's `configs/` folder is read first. A file maps keys to configs:
 - `group1-d128-bfloat16-b32`: decode batches of at most 32 (the smallest bound that covers a
   batch wins). A small batch has few programs and short ones fill the GPU differently from
   long ones; a CUDA graph is captured per batch size, so each captured size keeps its config.
+
+A shipped file also says where its figures come from under `_provenance` (the GPU, torch and
+Triton versions, the commit, the command, the date, each shape's fastest time): keys that begin
+with `_` are not configs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 import torch
 
 from fastserve.model.make_model import cache_dir
+
+PROVENANCE_KEY = "_provenance"
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ def tuned_decode_configs(device_name: str) -> dict[str, DecodeConfig]:
     for folder in (Path(__file__).parent / "configs", tuned_config_dir()):
         path = folder / tuned_config_name(device_name)
         if path.is_file():
-            found.update({k: DecodeConfig(**v) for k, v in json.loads(path.read_text()).items()})
+            found.update({k: DecodeConfig(**v) for k, v in json.loads(path.read_text()).items()
+                          if not k.startswith("_")})
     return found
 
 

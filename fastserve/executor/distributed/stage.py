@@ -40,6 +40,7 @@ from fastserve.executor.model_runner import (
     TORCH_DTYPES,
     BatchInputs,
     ModelRunner,
+    configured_blocks,
     kv_block_bytes,
     kv_cache_dtype,
 )
@@ -112,7 +113,7 @@ def pool_sizes(config: EngineConfig, arch: ArchConfig) -> PoolSizes:
         kv_block_bytes(rank_arch(arch, layers, p.tensor_parallel_size), cache.block_size, dtype)
         for layers in split_layers(arch.num_hidden_layers, p.pipeline_parallel_size)
     )
-    num_device = cache.num_device_blocks or max(1, int(cache.kv_cache_gib * (1 << 30)) // block_bytes)
+    num_device = configured_blocks(cache, block_bytes)
     return PoolSizes(num_device, host_pool_blocks(cache, block_bytes), block_bytes)
 
 

@@ -65,20 +65,23 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
                         device=DEVICE)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 3])  # 3: a token's program masks a fourth head
-def test_store_kv_writes_slots_and_skips_padding(kv_heads: int) -> None:
+@pytest.mark.parametrize("kv_heads,dtype", [(2, torch.float32), (3, torch.float32),
+                                            (3, torch.float16)], ids=str)
+def test_store_kv_writes_slots_and_skips_padding(kv_heads: int, dtype: torch.dtype) -> None:
+    """3 KV heads: a token's program masks a fourth head; float16: a Llama-2 checkpoint's
+    half type, which `--dtype auto` runs on a GPU (stored bit for bit)."""
     torch.manual_seed(0)
     dim = 24  # head_dim not a power of 2: the masked tail
-    qkv = torch.randn(4, 3 * kv_heads, dim, device=DEVICE)
+    qkv = torch.randn(4, 3 * kv_heads, dim, device=DEVICE).to(dtype)
     k, v = qkv[:, :kv_heads], qkv[:, kv_heads : 2 * kv_heads]  # strided views, as the model's
-    k_cache = torch.zeros(kv_heads, 32, dim, device=DEVICE)
-    v_cache = torch.zeros(kv_heads, 32, dim, device=DEVICE)
+    k_cache = torch.zeros(kv_heads, 32, dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.zeros(kv_heads, 32, dim, device=DEVICE, dtype=dtype)
     slots = torch.tensor([5, 17, -1, 30], device=DEVICE)  # -1: a CUDA-graph padding row
     ops.store_kv(k, v, k_cache, v_cache, slots)
     written = [0, 1, 3]
     idx = slots[written]
-    torch.testing.assert_close(k_cache[:, idx], k[written].transpose(0, 1))
-    torch.testing.assert_close(v_cache[:, idx], v[written].transpose(0, 1))
+    assert torch.equal(k_cache[:, idx], k[written].transpose(0, 1))
+    assert torch.equal(v_cache[:, idx], v[written].transpose(0, 1))
     assert int((k_cache != 0).any(-1).sum()) == kv_heads * 3  # nothing else touched
 
 
@@ -123,6 +126,8 @@ def test_paged_decode_split_kv_gqa(dtype: torch.dtype, heads: int, kv_heads: int
     (torch.float32, torch.float32, 4, 4),
     (torch.bfloat16, torch.bfloat16, 1, 8),
     (torch.bfloat16, torch.float8_e4m3fn, 2, 4),
+    (torch.float16, torch.float16, 2, 4),
+    (torch.float16, torch.float8_e4m3fn, 1, 2),
 ], ids=str)
 @pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "sum"])
 def test_decode_stores_its_own_token_as_the_store_kernel_would(
@@ -163,6 +168,7 @@ def test_decode_stores_its_own_token_as_the_store_kernel_would(
     (torch.float32, torch.float32, 2, 1),
     (torch.bfloat16, torch.bfloat16, 4, 4),
     (torch.bfloat16, torch.float8_e4m3fn, 1, 2),
+    (torch.float16, torch.float16, 2, 2),
 ], ids=str)
 def test_decode_rotates_q_and_k_as_the_rotary_kernel_would(
         dtype: torch.dtype, cache_dtype: torch.dtype, kv_heads: int, splits: int) -> None:
@@ -196,7 +202,7 @@ def test_decode_rotates_q_and_k_as_the_rotary_kernel_would(
     assert not torch.equal(rotated, qk)  # (it did rotate)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_paged_prefill_varlen_and_chunk_after_cached_prefix(dtype: torch.dtype) -> None:
     """One launch for three prefills: one from position 0, a chunk after 37 cached tokens
@@ -257,7 +263,7 @@ def test_store_kv_into_a_float8_cache_rounds_and_saturates() -> None:
     assert last == [448.0, 448.0, 448.0, -448.0]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "sum"])
 def test_paged_decode_and_prefill_read_a_float8_cache(dtype: torch.dtype, use_dot: bool) -> None:
@@ -312,7 +318,7 @@ def test_a_bf16_query_beyond_fp16s_range_over_a_float8_cache_stays_finite() -> N
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
     """The fused kernels the backend gives the model compute what the plain layers do, with
@@ -332,7 +338,7 @@ def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
     fused = norm(x), norm(x, res), act(gate_up)
     # bf16: the variance summed in another order (and the interpreter's rounding, below) can
     # move a rounding of the normalised value by one step, two after the scale.
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(fused[0], plain[0], rtol=tol, atol=tol)
     torch.testing.assert_close(fused[1][0], plain[1][0], rtol=tol, atol=tol)
     # The residual stream: the same add. NOTE: Triton's interpreter rounds float32 to bf16
@@ -343,7 +349,7 @@ def test_fused_norm_and_activation_match_the_layers(dtype: torch.dtype) -> None:
     torch.testing.assert_close(fused[2], plain[2], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).removeprefix("torch."))
 def test_fused_rotary_matches_the_layer(dtype: torch.dtype) -> None:
     """The backend's rotary kernel rotates q and k as `apply_rotary` does, reading them where
@@ -450,11 +456,13 @@ _MIXED_STEPS = [
 ]
 
 
-def _triton_and_torch_runners(path: Path, cache: CacheConfig) -> list[ModelRunner]:
+def _triton_and_torch_runners(path: Path, cache: CacheConfig,
+                              dtype: torch.dtype = torch.float32) -> list[ModelRunner]:
     runners = []
     for name in ("triton", "torch"):  # a model each: the triton backend fuses its layers
-        model, arch = load_model(path, torch.float32, str(DEVICE))
-        config = ModelConfig(device=str(DEVICE), attention_backend=name, enforce_eager=True)
+        model, arch = load_model(path, dtype, str(DEVICE))
+        config = ModelConfig(device=str(DEVICE), dtype=str(dtype).removeprefix("torch."),
+                             attention_backend=name, enforce_eager=True)
         runners.append(ModelRunner(model, arch, config, cache, [2]))
     # (on a GPU the portable backend is its CUDA subclass)
     assert isinstance(runners[0].attn, TritonAttention)
@@ -488,6 +496,24 @@ def test_runner_with_triton_backend_matches_torch_backend(preset: str) -> None:
     assert runners[1].model.model.norm.fused is None  # type: ignore[union-attr]
     for triton_logits, torch_logits in _mixed_step_logits(runners):
         torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_runner_in_float16_on_triton_tracks_the_portable_backend(tiny_model_path: Path) -> None:
+    """The whole model in float16 (what `--dtype auto` runs for a float16 checkpoint, and on
+    a GPU without bfloat16): every fused kernel (norm, activation, rotary, store, prefill,
+    decode) in float16 against the portable backend, to float16's rounding of the logits."""
+    cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)
+    runners = _triton_and_torch_runners(tiny_model_path, cache, torch.float16)
+    assert [r.attn.kv_cache.dtype for r in runners] == [torch.float16, torch.float16]
+    assert runners[0].model.model.norm.weight.dtype == torch.float16  # type: ignore[union-attr]
+    for triton_logits, torch_logits in _mixed_step_logits(runners):
+        assert torch.isfinite(triton_logits).all()
+        # float16 rounds each layer's output to 11 bits in both, in different orders: a few
+        # hundredths on logits of a few units; a broken kernel moves them by the whole spread.
+        spread = (torch_logits - torch_logits.mean(-1, keepdim=True)).norm(dim=-1)
+        error = float(((triton_logits - torch_logits).norm(dim=-1) / spread).max())
+        assert error < 5e-3
+        torch.testing.assert_close(triton_logits, torch_logits, rtol=0, atol=0.1)
 
 
 def test_runner_with_an_fp8_cache_on_triton_tracks_the_portable_backend(
