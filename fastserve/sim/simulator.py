@@ -77,7 +77,10 @@ class SimRun:
     swap_in_blocks: int
     swap_wait_s: float  # time iterations spent waiting on KV copies
     peak_kv_blocks: int  # most device blocks in use at once
-    busy_s: float  # time spent in iterations
+    busy_s: float  # time spent in iterations (pipelined: each batch's time through every stage)
+    # Busy time of the busiest pipeline stage, the bottleneck that offered load is counted
+    # against (`busy_s` with one stage).
+    stage_busy_s: float = 0.0
     mean_batch_size: float = 0.0  # jobs per iteration, weighted by its duration (not pipelined)
     # Seconds of iterations by the device blocks their batch read (not pipelined).
     batch_kv_s: dict[int, float] = field(default_factory=dict)
@@ -172,6 +175,8 @@ def simulate_run(
         swap_wait_s=core.swap_wait_s,
         peak_kv_blocks=kv.peak_used_blocks,
         busy_s=core.busy_s,
+        stage_busy_s=(max(executor.stage_busy_s) if isinstance(executor, PipelinedSimExecutor)
+                      else core.busy_s),
         mean_batch_size=executor.batch_job_s / core.busy_s if core.busy_s > 0 else 0.0,
         batch_kv_s=dict(executor.batch_kv_s),
         prefix_query_tokens=scheduler.num_prefix_query_tokens,

@@ -9,6 +9,7 @@ import pytest
 
 from fastserve.bench.workloads import (
     WorkItem,
+    job_work_s,
     offered_load,
     scale_to_load,
     trace_workload,
@@ -160,3 +161,45 @@ def test_scale_to_load_hits_the_target_and_keeps_lengths() -> None:
         scale_to_load(wl, 0, cost, 16)
     with pytest.raises(ValueError, match="at least 2 requests"):
         scale_to_load(wl[:1], 0.5, cost, 16)
+
+
+# Profiles live at the repository root; the shipped 175B one is FastServe's own deployment.
+GPT3_175B = Path(__file__).resolve().parents[2] / "profiles" / "gpt3-175b_16xA100_tp8_pp2.json"
+
+
+def _served_until(workload: list[WorkItem], cost: CostModel) -> tuple[float, float]:
+    """(last finish, busiest pipeline stage's busy time) of FCFS at batch 16 in the simulator."""
+    from fastserve.args import engine_config
+    from fastserve.sim.simulator import ample_blocks, simulate_run
+
+    run = simulate_run(workload, engine_config(max_batch_size=16, policy="fcfs"), cost,
+                       ample_blocks(workload, 16))
+    return max(r.finish_s for r in run.finished if r.finish_s is not None), run.stage_busy_s
+
+
+def test_capacity_counts_tensor_and_pipeline_parallelism() -> None:
+    # A burst of equal jobs keeps the 175B pipeline (8-way TP x 2 stages) saturated: the work
+    # `job_work_s` counts must take about as long as the simulator takes to serve it (one
+    # device's coefficients would count 16x too much work per job).
+    cost = CostModel.from_json(GPT3_175B)
+    burst = [WorkItem(0.0, 256, 256) for _ in range(160)]
+    finish_s, busy_s = _served_until(burst, cost)
+    work_s = sum(job_work_s(w, cost, 16) for w in burst)
+    assert 0.85 < work_s / finish_s <= 1.0
+    assert busy_s / finish_s > 0.9
+
+
+def test_load_on_the_175b_profile_is_the_pipelines_load() -> None:
+    # Poisson arrivals at load 0.9 are served as they come (the last job is done soon after
+    # it arrives; the busiest stage works ~90-100% of the time, more than 0.9 only because
+    # part-full batches cost nearly what full ones do); at 1.3 the backlog grows.
+    cost = CostModel.from_json(GPT3_175B)
+    rng = np.random.default_rng(0)
+    base = [WorkItem(float(t), 128, 128) for t in np.cumsum(rng.exponential(1.0, 300))]
+    at = {}
+    for load in (0.9, 1.3):
+        wl = scale_to_load(base, load, cost, 16)
+        finish_s, busy_s = _served_until(wl, cost)
+        at[load] = (finish_s / wl[-1].arrival_s, busy_s / wl[-1].arrival_s)
+    assert at[0.9][0] < 1.15 and 0.85 < at[0.9][1] <= 1.0
+    assert at[1.3][0] > 1.3
