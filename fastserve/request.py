@@ -604,6 +604,11 @@ class Request:
     # computing its one new token instead of its partial last block.
     keep_kv: bool = False
     fork_of: str | None = None  # the parked request whose tokens begin this one's
+    # The request whose service this job continues (a beam search's steps, the later sequences
+    # of an `n` / `best_of` request): the MLFQ policies start it at that request's level with
+    # its attained service, so splitting a request into jobs buys it no fresh top quanta.
+    # None = a request of its own.
+    service_of: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

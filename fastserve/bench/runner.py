@@ -181,7 +181,7 @@ def run_sim(
     if kv_out is not None:
         kv_out.append(KVStats(run.swap_out_blocks, run.swap_in_blocks, run.swap_wait_s,
                               run.peak_kv_blocks))
-    return [JobTimes.from_request(r) for r in run.finished]
+    return [JobTimes.from_request(r, cost) for r in run.finished]
 
 
 async def run_real(

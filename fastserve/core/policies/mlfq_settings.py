@@ -58,6 +58,8 @@ PAPER_STARVE_LIMIT_S = 10.0
 # unbounded, 0.95-1.00 at 4 batches), where every long prompt was passed by the rest, and a
 # little on light-tailed Zipf lengths (theta 0.6: 0.91 -> 0.96).
 ROBUST_OVERTAKE_BATCHES = 4
+# robust's default `oldest_slots`, as a share of the batch.
+ROBUST_OLDEST_SLOTS_SHARE = 0.0
 
 
 class ChargeModel:
@@ -170,6 +172,9 @@ class MLFQSettings:
     # robust with the number of levels left to it: the levels used until the finished jobs'
     # lengths are known to be heavy-tailed (then all of `quanta_s`); None = always all.
     shallow_levels: int | None = None
+    # Batch slots that go to the oldest unfinished jobs, in arrival order ahead of every level
+    # (0 = none).
+    oldest_slots: int = 0
 
     @property
     def num_levels(self) -> int:
@@ -204,6 +209,9 @@ class MLFQSettings:
         overtakes = config.mlfq_max_overtakes
         if overtakes is None:
             overtakes = ROBUST_OVERTAKE_BATCHES * config.max_batch_size
+        oldest = config.mlfq_oldest_slots
+        if oldest is None:
+            oldest = 0 if is_paper else round(ROBUST_OLDEST_SLOTS_SHARE * config.max_batch_size)
         return cls(
             variant=config.mlfq_variant,
             charge=charge,
@@ -212,6 +220,7 @@ class MLFQSettings:
             is_arrival_order=not is_paper,
             max_overtakes=math.inf if is_paper else overtakes,
             shallow_levels=shallow,
+            oldest_slots=oldest,
         )
 
 
