@@ -22,6 +22,7 @@ POLICIES = (
     "fcfs",
     "request-level",
     "mlfq",
+    "mlfq-keep-batch",
     "mlfq-preempt",
     "srpt-oracle",
     "gittins",

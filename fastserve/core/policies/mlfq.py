@@ -9,8 +9,10 @@ With starvation promotion on, a job that has not run for `starve_limit_s` moves 
 
 - `skip-join-mlfq`: a new job joins the highest level whose quantum covers its first
   iteration (prefill), skipping the levels above; iteration-level preemption.
-- `mlfq`: every job joins Q1, and a running job keeps its slot until it finishes: new jobs get
-  the slots that free up.
+- `mlfq`: FastServe's MLFQ without preemption: every job joins Q1; a job that used up its
+  quantum finishes its iteration, then is demoted; the batch is chosen by level each iteration.
+- `mlfq-keep-batch`: every job joins Q1, and a running job keeps its slot until it finishes:
+  new jobs get the slots that free up.
 - `mlfq-preempt`: every job joins Q1, with preemption, and an iteration that would overrun the
   job's remaining quantum is abandoned: it runs (its time is spent and charged) but its token is
   dropped and the job is demoted, to redo the iteration later.
@@ -400,10 +402,22 @@ class SkipJoinMLFQScheduler(MLFQBase):
 
 
 class MLFQScheduler(MLFQBase):
-    """MLFQ without preemption: every job joins Q1; a running job is never taken out.
+    """FastServe's MLFQ baseline without preemption: every job joins Q1, and a job that used up
+    its quantum finishes the iteration it is in, then is demoted (an iteration is never cut
+    short). The batch is chosen anew each iteration by level, so a new job takes a slot from
+    a demoted one between iterations. Without skip-join a long prompt's prefill spends the top
+    quanta at once, and at high rates every job runs down the same levels taking turns: the
+    policy drifts toward round-robin, which the paper's scheduler-design figure shows.
+    """
+
+
+class MLFQKeepBatchScheduler(MLFQBase):
+    """MLFQ whose running jobs keep their slots: every job joins Q1, and a job in the batch is
+    never taken out until it finishes; new jobs get the slots that free up.
 
     Demotion still happens, so the level decides which waiting job gets a slot that frees up
-    (and which started job gives up its KV when blocks run out).
+    (and which started job gives up its KV when blocks run out). With KV to spare it gives
+    FCFS's results exactly (no running job is ever preempted).
     """
 
     def __init__(
