@@ -722,3 +722,6 @@ class WorkItem:
     # equal positions are equal tokens (so their KV can be shared). Empty: random prompts.
     hash_ids: tuple[int, ...] = ()
     block_tokens: int = 0
+    # The client's `max_tokens`, a cap at or above `output_len` (the model stops at
+    # `output_len` by itself); None = `output_len`, as if the client knew the length.
+    max_tokens: int | None = None

@@ -48,6 +48,10 @@ _WORKLOAD_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("token-scale", float, "mooncake: divide lengths and the 512-token block by this "
                            "(16: 32-token blocks; default 1)"),
     ("sample-conversations", int, "mooncake: keep 1 conversation in N, whole (default 1)"),
+    ("max-tokens", str, "what clients send as max_tokens: length (the true output length), "
+                        "pow2 (the power of two above it, doubled for half the jobs) or max "
+                        "(the longest output, as a client asking for the context); default "
+                        "length. Orca reserves KV for max_tokens"),
 )
 _SWEEPABLE = tuple(flag for flag, _, _ in _WORKLOAD_FLAGS) + ("seed",)
 

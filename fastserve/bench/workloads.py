@@ -259,6 +259,37 @@ def unbounded_cache_prompt_tokens(prompts: Sequence[Sequence[int]], block_size: 
     return total
 
 
+# -- what clients ask for --------------------------------------------------------------------
+
+MAX_TOKENS_MODES = ("length", "pow2", "max")
+
+
+def client_max_tokens(workload: Sequence[WorkItem], mode: str, max_output_len: int,
+                      seed: int = 0) -> list[WorkItem]:
+    """Set each job's `max_tokens` as a client would, at or above its true length:
+
+    - `length`: the true length (a client that knows it; favours Orca's reservation);
+    - `pow2`: a round cap, the power of two at or above the length, doubled for a random half
+      of the jobs (clients pick 256, 512, 1024 and leave headroom);
+    - `max`: `max_output_len` for every job, as a client that asks for the whole context.
+    """
+    if mode not in MAX_TOKENS_MODES:
+        raise ValueError(f"max_tokens mode must be one of {MAX_TOKENS_MODES}, got {mode!r}")
+    if mode == "length":
+        return list(workload)
+    rng = np.random.default_rng(seed + 1)
+    doubled = rng.random(len(workload)) < 0.5
+    out = []
+    for w, is_doubled in zip(workload, doubled, strict=True):
+        if mode == "max":
+            cap = max(max_output_len, w.output_len)
+        else:
+            cap = 1 << max(0, math.ceil(math.log2(w.output_len)))
+            cap = cap * 2 if is_doubled else cap
+        out.append(dataclasses.replace(w, max_tokens=cap))
+    return out
+
+
 # -- load -----------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from fastserve.bench.workloads import (
     WorkItem,
+    client_max_tokens,
     job_work_s,
     offered_load,
     scale_to_load,
@@ -203,3 +204,46 @@ def test_load_on_the_175b_profile_is_the_pipelines_load() -> None:
         at[load] = (finish_s / wl[-1].arrival_s, busy_s / wl[-1].arrival_s)
     assert at[0.9][0] < 1.15 and 0.85 < at[0.9][1] <= 1.0
     assert at[1.3][0] > 1.3
+
+
+# -- max_tokens as clients send it -----------------------------------------------------------
+
+
+def _sim(workload: list[WorkItem], policy: str, blocks: int | None = None) -> list:
+    from fastserve.args import engine_config
+    from fastserve.sim.simulator import ample_blocks, simulate_run
+
+    cost = CostModel(fixed_s=10e-3, per_prefill_token_s=5e-5, per_decode_s=1e-4,
+                     per_context_token_s=2e-7)
+    config = engine_config(max_batch_size=8, policy=policy, kv_policy="defer")
+    return simulate_run(workload, config, cost, blocks or ample_blocks(workload, 16)).finished
+
+
+def test_client_caps_are_at_or_above_the_true_length() -> None:
+    wl = _zipf(num_requests=400)
+    pow2 = client_max_tokens(wl, "pow2", 256)
+    assert all(w.max_tokens is not None and w.max_tokens >= w.output_len for w in pow2)
+    assert all(w.max_tokens & (w.max_tokens - 1) == 0 for w in pow2 if w.max_tokens)
+    assert any(w.max_tokens and w.max_tokens >= 2 * w.output_len for w in pow2)
+    assert {w.max_tokens for w in client_max_tokens(wl, "max", 256)} == {256}
+    assert client_max_tokens(wl, "length", 256) == wl
+    with pytest.raises(ValueError, match="max_tokens mode"):
+        client_max_tokens(wl, "guess", 256)
+
+
+def test_capped_jobs_stop_at_their_length_and_cost_orca_its_reservations() -> None:
+    wl = scale_to_load(_zipf(num_requests=120, max_input_len=64, max_output_len=128), 0.9,
+                       CostModel(fixed_s=10e-3, per_prefill_token_s=5e-5, per_decode_s=1e-4,
+                                 per_context_token_s=2e-7), 8)
+    capped = client_max_tokens(wl, "max", 512)
+    # The simulated model ends each answer at its true length, below the cap: the same
+    # schedule as when max_tokens is the length, with ample KV.
+    exact, free = _sim(wl, "fcfs"), _sim(capped, "fcfs")
+    assert sorted(r.num_output_tokens for r in free) == sorted(w.output_len for w in wl)
+    assert [r.finish_s for r in free] == [r.finish_s for r in exact]
+    assert {r.finish_reason.value for r in free} == {"stop"}
+    # Orca reserves prompt + max_tokens: with a pool of 8 jobs' worth of true lengths it
+    # admits far fewer capped jobs at once, and they finish later.
+    blocks = 8 * (64 + 128) // 16
+    mean = lambda rs: sum(r.finish_s - r.arrival_s for r in rs) / len(rs)  # noqa: E731
+    assert mean(_sim(capped, "orca", blocks)) > 1.3 * mean(_sim(wl, "orca", blocks))
