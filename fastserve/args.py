@@ -44,6 +44,9 @@ _HELP = {
     "max_batch_size": "most requests in one iteration (0 = 16 on a CPU; on a GPU what the KV "
                       "pool and the captured CUDA graphs hold)",
     "max_waiting": "most queued requests before new ones get 429 (0 = unbounded)",
+    "mlfq_oldest_slots": "batch slots that go to the oldest unfinished jobs ahead of every MLFQ "
+                         "level, bounding the JCT tail (None = max_batch_size / 4 for the "
+                         "robust variant, 0 for paper)",
     "kv_reserve_blocks": "device KV blocks the proactive policy keeps free for bursts "
                          "(None = 5%% of the device pool)",
     "mlfq_levels": "MLFQ queue levels (None = robust: 4, or 6 while the finished jobs' output "

@@ -22,6 +22,7 @@ POLICIES = (
     "fcfs",
     "request-level",
     "mlfq",
+    "mlfq-keep-batch",
     "mlfq-preempt",
     "srpt-oracle",
     "gittins",
@@ -198,6 +199,10 @@ class SchedulerConfig:
     # arrivals that have started run ahead of it, which bounds its wait (the JCT tail).
     # None = 4 x max_batch_size; 0 = plain arrival order there. Unused by paper.
     mlfq_max_overtakes: int | None = None
+    # This many batch slots go to the oldest unfinished jobs, whatever their level (they run
+    # in arrival order ahead of every level): the bound on the JCT tail. None = the
+    # variant's default; 0 = none.
+    mlfq_oldest_slots: int | None = None
     mlfq_variant: str = "robust"
     # Schedule the next iteration while this one runs on the device (one pipeline stage, a
     # policy that can schedule ahead; not mlfq-preempt): the host's work overlaps the GPU's.
@@ -234,6 +239,11 @@ class SchedulerConfig:
         _check(
             self.mlfq_max_overtakes is None or self.mlfq_max_overtakes >= 0,
             f"mlfq_max_overtakes must be >= 0, got {self.mlfq_max_overtakes}",
+        )
+        _check(
+            self.mlfq_oldest_slots is None or 0 <= self.mlfq_oldest_slots <= self.max_batch_size,
+            f"mlfq_oldest_slots must be in [0, max_batch_size={self.max_batch_size}], got "
+            f"{self.mlfq_oldest_slots}",
         )
         _check(
             self.mlfq_variant in MLFQ_VARIANTS,

@@ -607,6 +607,11 @@ class Request:
     # computing its one new token instead of its partial last block.
     keep_kv: bool = False
     fork_of: str | None = None  # the parked request whose tokens begin this one's
+    # The request whose service this job continues (a beam search's steps, the later sequences
+    # of an `n` / `best_of` request): the MLFQ policies start it at that request's level with
+    # its attained service, so splitting a request into jobs buys it no fresh top quanta.
+    # None = a request of its own.
+    service_of: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -721,3 +726,6 @@ class WorkItem:
     # equal positions are equal tokens (so their KV can be shared). Empty: random prompts.
     hash_ids: tuple[int, ...] = ()
     block_tokens: int = 0
+    # The client's `max_tokens`, a cap at or above `output_len` (the model stops at
+    # `output_len` by itself); None = `output_len`, as if the client knew the length.
+    max_tokens: int | None = None

@@ -22,6 +22,14 @@ from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.fleet import ROUTERS
 from fastserve.sim.fleet import DEFAULT_STATS_PERIOD_S
+from fastserve.sim.profiles import A100_13B
+
+# The simulator's Zipf workload where a flag does not say otherwise: heavy-tailed lengths and
+# bursty arrivals at load 0.9 on the A100-13B model, where the scheduler's choice matters
+# (benchmarks/paper/tail_grid.py: skip-join-mlfq's mean JCT ~2x lower than FCFS's there).
+# Poisson arrivals of light-tailed lengths at low load leave every policy the same order.
+SIM_ZIPF_DEFAULTS: dict[str, Any] = {
+    "cv": 8.0, "zipf_theta": 1.2, "max_input_len": 2048, "max_output_len": 2048, "load": 0.9}
 
 # Workload flags: (flag, type, help). Each maps onto the WorkloadSpec field of the same name.
 _WORKLOAD_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -40,6 +48,10 @@ _WORKLOAD_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("token-scale", float, "mooncake: divide lengths and the 512-token block by this "
                            "(16: 32-token blocks; default 1)"),
     ("sample-conversations", int, "mooncake: keep 1 conversation in N, whole (default 1)"),
+    ("max-tokens", str, "what clients send as max_tokens: length (the true output length), "
+                        "pow2 (the power of two above it, doubled for half the jobs) or max "
+                        "(the longest output, as a client asking for the context); default "
+                        "length. Orca reserves KV for max_tokens"),
 )
 _SWEEPABLE = tuple(flag for flag, _, _ in _WORKLOAD_FLAGS) + ("seed",)
 
@@ -76,7 +88,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                             f"(default {DEFAULT_STATS_PERIOD_S})")
     fleet.add_argument("--record-trace", default=None,
                        help="write the first router's recorded trace (JSON) here")
-    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--out", default=None, help="results JSON (default: none written)")
     p.add_argument("--plot", default=None, help="PNG: average and p99 JCT per policy (vs the sweep)")
     add_engine_args(p)  # includes --seed, which also seeds the workload
     p.set_defaults(func=run_bench)
@@ -86,8 +98,9 @@ def run_bench(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     cost = CostModel.from_json(config.profile_path) if config.profile_path else None
     if args.executor == "sim" and cost is None:
-        print("bench: no --profile given; simulating with the default CostModel", file=sys.stderr)
-        cost = CostModel()
+        print("bench: no --profile given; simulating LLaMA-2-13B on one A100 "
+              "(fastserve.sim.profiles.A100_13B)", file=sys.stderr)
+        cost = A100_13B
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ValueError("--policies must name at least one policy")
@@ -114,19 +127,23 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         if param is None:
             print(format_table(sweep[key]))
+            print(format_ratios(sweep[key]))
 
     meta = _config_json(args, config, cost, spec, policies, param, values, loads)
-    if param is None:
-        write_json(args.out, {"config": meta, "results": sweep[""]})
-        if args.plot:
-            plot_bars(args.plot, sweep[""], title=args.workload)
-    else:
-        write_json(args.out, {"config": meta, "results": sweep})
+    data = {"config": meta, "results": sweep[""] if param is None else sweep}
+    if param is not None:
         print(format_sweep_table(param, sweep, "jct_mean"))
         print(format_sweep_table(param, sweep, "jct_p99"))
-        if args.plot:
+    if args.plot:
+        if param is None:
+            plot_bars(args.plot, sweep[""], title=args.workload)
+        else:
             plot_sweep(args.plot, param, sweep, title=f"{args.workload}, {args.executor}")
-    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    if args.out:
+        write_json(args.out, data)
+    written = [f for f in (args.out, args.plot) if f]
+    if written:
+        print("wrote " + " and ".join(written))
     return 0
 
 
@@ -153,8 +170,11 @@ def _run_fleet_bench(args: argparse.Namespace, config: EngineConfig, cost: CostM
     print(format_table(results))
     meta = _config_json(args, config, cost, spec, policies, None, [None], {"": load})
     meta.update(replicas=args.replicas, routers=routers, stats_period_s=args.stats_period_s)
-    write_json(args.out, {"config": meta, "results": results})
-    print(f"wrote {args.out}" + (f" and {args.record_trace}" if args.record_trace else ""))
+    if args.out:
+        write_json(args.out, {"config": meta, "results": results})
+    written = [f for f in (args.out, args.record_trace) if f]
+    if written:
+        print("wrote " + " and ".join(written))
     return 0
 
 
@@ -164,7 +184,26 @@ def _workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         for flag, _, _ in _WORKLOAD_FLAGS
         if getattr(args, flag.replace("-", "_")) is not None
     }
+    if args.executor == "sim" and args.workload == "zipf":
+        unset = {k: v for k, v in SIM_ZIPF_DEFAULTS.items() if k not in given}
+        if "rate" in given:  # a rate given is the rate meant, not one to rescale
+            unset.pop("load", None)
+        given.update(unset)
     return WorkloadSpec(kind=args.workload, seed=args.seed or 0, **given)
+
+
+def format_ratios(results: dict[str, dict[str, float]]) -> str:
+    """Each policy's mean and p99 JCT against the first policy's (the baseline): how many
+    times lower (above 1: better than the baseline)."""
+    names = list(results)
+    if len(names) < 2:
+        return ""
+    base = results[names[0]]
+    return "\n".join(
+        f"{names[0]} / {p}: mean JCT {base['jct_mean'] / results[p]['jct_mean']:.2f}x, "
+        f"p99 JCT {base['jct_p99'] / results[p]['jct_p99']:.2f}x, "
+        f"p99 slowdown {base['slowdown_p99'] / results[p]['slowdown_p99']:.2f}x"
+        for p in names[1:])
 
 
 def _parse_sweep(text: str) -> tuple[str, list[str | None]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fastserve.core.cost_model import CostModel
 from fastserve.request import FinishReason, Request, RequestOutput
 
 METRIC_KEYS = (
@@ -16,6 +17,9 @@ METRIC_KEYS = (
     "jct_p50",
     "jct_p90",
     "jct_p99",
+    # JCT over the job's time alone on the engine (`alone_s`): NaN where it is not known.
+    "slowdown_mean",
+    "slowdown_p99",
     "ttft_mean",
     "ttft_p99",
     "output_tok_per_s",
@@ -65,9 +69,13 @@ class JobTimes:
     num_preemptions: int
     # Aborted or failed jobs count as submitted but not finished.
     is_ok: bool = True
+    # Its prefill and decode steps one after another with nothing else batched, from the
+    # cost model (`alone_s`): the denominator of its slowdown. None where no model is known.
+    alone_s: float | None = None
 
     @classmethod
-    def from_request(cls, req: Request) -> JobTimes:
+    def from_request(cls, req: Request, cost: CostModel | None = None) -> JobTimes:
+        """`cost`: the model to price the job's time alone with (no slowdown without it)."""
         return cls(
             arrival_s=req.arrival_s,
             first_token_s=req.first_token_s,
@@ -75,6 +83,8 @@ class JobTimes:
             num_output_tokens=req.num_output_tokens,
             num_preemptions=req.num_preemptions,
             is_ok=req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH),
+            alone_s=None if cost is None else alone_s(req.num_prompt_tokens,
+                                                      req.num_output_tokens, cost),
         )
 
     @classmethod
@@ -106,6 +116,8 @@ def compute_metrics(
         [j.first_token_s - j.arrival_s for j in done if j.first_token_s is not None],
         dtype=np.float64,
     )
+    alone = np.array([j.alone_s for j in done if j.alone_s], dtype=np.float64)
+    slowdown = jct / alone if alone.size == jct.size else np.array([], dtype=np.float64)
     makespan = float(finish.max()) - min(j.arrival_s for j in jobs) if done else 0.0
     num_tokens = sum(j.num_output_tokens for j in done)
     return {
@@ -115,6 +127,8 @@ def compute_metrics(
         "jct_p50": _pct(jct, 50),
         "jct_p90": _pct(jct, 90),
         "jct_p99": _pct(jct, 99),
+        "slowdown_mean": _mean(slowdown),
+        "slowdown_p99": _pct(slowdown, 99),
         "ttft_mean": _mean(ttft),
         "ttft_p99": _pct(ttft, 99),
         "output_tok_per_s": num_tokens / makespan if makespan > 0 else float("nan"),
@@ -125,6 +139,17 @@ def compute_metrics(
         "swap_wait_s": kv.swap_wait_s,
         "peak_kv_blocks": kv.peak_kv_blocks,
     }
+
+
+def alone_s(num_prompt_tokens: int, num_output_tokens: int, cost: CostModel) -> float:
+    """A job's completion time with the engine to itself: its prefill (which samples the first
+    token), then a decode step per further token, each over the context so far."""
+    decodes = max(0, num_output_tokens - 1)
+    first = cost.decode_s(num_prompt_tokens + 1)
+    # NOTE: a decode step's time is linear in its context, so the steps sum in closed form.
+    per_token_s = cost.decode_s(num_prompt_tokens + 2) - first
+    return (cost.prefill_s(num_prompt_tokens) + decodes * first
+            + per_token_s * decodes * (decodes - 1) / 2)
 
 
 def _mean(x: np.ndarray) -> float:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from fastserve.args import engine_config
 from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
 from fastserve.bench.workloads import (
+    client_max_tokens,
     mooncake_workload,
     scale_to_load,
     trace_workload,
@@ -46,6 +47,8 @@ class WorkloadSpec:
     length_scale: float = 1.0
     token_scale: float = 1.0
     sample_conversations: int = 1
+    # What clients send as max_tokens (`client_max_tokens`): length, pow2 or max.
+    max_tokens: str = "length"
     seed: int = 0
 
     def build(self, cost: CostModel | None, max_batch_size: int) -> list[WorkItem]:
@@ -82,6 +85,8 @@ class WorkloadSpec:
         else:
             raise ValueError(
                 f"workload must be 'zipf', 'mooncake:PATH' or 'trace:PATH', got {self.kind!r}")
+        items = client_max_tokens(items, self.max_tokens,
+                                  max((w.output_len for w in items), default=1), self.seed)
         if self.load is not None:
             if cost is None:
                 raise ValueError("load needs a cost model: pass --profile")
@@ -184,7 +189,7 @@ def run_sim(
     if kv_out is not None:
         kv_out.append(KVStats(run.swap_out_blocks, run.swap_in_blocks, run.swap_wait_s,
                               run.peak_kv_blocks))
-    return [JobTimes.from_request(r) for r in run.finished]
+    return [JobTimes.from_request(r, cost) for r in run.finished]
 
 
 async def run_real(

@@ -259,23 +259,59 @@ def unbounded_cache_prompt_tokens(prompts: Sequence[Sequence[int]], block_size: 
     return total
 
 
+# -- what clients ask for --------------------------------------------------------------------
+
+MAX_TOKENS_MODES = ("length", "pow2", "max")
+
+
+def client_max_tokens(workload: Sequence[WorkItem], mode: str, max_output_len: int,
+                      seed: int = 0) -> list[WorkItem]:
+    """Set each job's `max_tokens` as a client would, at or above its true length:
+
+    - `length`: the true length (a client that knows it; favours Orca's reservation);
+    - `pow2`: a round cap, the power of two at or above the length, doubled for a random half
+      of the jobs (clients pick 256, 512, 1024 and leave headroom);
+    - `max`: `max_output_len` for every job, as a client that asks for the whole context.
+    """
+    if mode not in MAX_TOKENS_MODES:
+        raise ValueError(f"max_tokens mode must be one of {MAX_TOKENS_MODES}, got {mode!r}")
+    if mode == "length":
+        return list(workload)
+    rng = np.random.default_rng(seed + 1)
+    doubled = rng.random(len(workload)) < 0.5
+    out = []
+    for w, is_doubled in zip(workload, doubled, strict=True):
+        if mode == "max":
+            cap = max(max_output_len, w.output_len)
+        else:
+            cap = 1 << max(0, math.ceil(math.log2(w.output_len)))
+            cap = cap * 2 if is_doubled else cap
+        out.append(dataclasses.replace(w, max_tokens=cap))
+    return out
+
+
 # -- load -----------------------------------------------------------------------------------
 
 
 def job_work_s(item: WorkItem, cost: CostModel, max_batch_size: int) -> float:
-    """Device time one job costs when it shares full batches of `max_batch_size`.
+    """Time of the engine's bottleneck one job costs when it shares full batches of
+    `max_batch_size`: what the engine's capacity is counted in.
 
-    Its prefill is its own; each decode step costs its share of the iteration's fixed cost,
-    its per-job cost, and attention over its average context.
+    Its prefill is its own; each decode step costs its share of a full batch's fixed cost, its
+    per-job cost, and attention over its average context. Under tensor and pipeline
+    parallelism the bottleneck is one pipeline stage (`CostModel.stage_s`): it holds 1/(T x P)
+    of the compute plus its communication, and with P batches in flight a batch leaves the
+    pipeline every stage time, not every `iteration_s`. (With one device `stage_s` is the
+    whole iteration.)
     """
-    prefill = (
-        cost.per_prefill_token_s * item.input_len
-        + cost.per_prefill_token2_s * item.input_len * item.input_len
-    )
+    b = max_batch_size
+    empty_s = cost.stage_s(0, 0, 0)
+    prefill = cost.stage_s(item.input_len, 0, 0, item.input_len * item.input_len) - empty_s
     decodes = item.output_len - 1  # the first output token comes out of the prefill
     mean_context = item.input_len + item.output_len / 2
-    per_step = (cost.fixed_s + cost.decodes_s(max_batch_size)) / max_batch_size \
-        + cost.per_context_token_s * mean_context
+    # NOTE: stage_s is linear in the context tokens, so the batch at the mean context costs
+    # what the jobs' contexts cost on average.
+    per_step = cost.stage_s(0, b, round(b * mean_context)) / b
     return prefill + decodes * per_step
 
 

@@ -311,22 +311,24 @@ class LLMEngine:
     def _add_beam_step(self, step_id: str, token_ids: list[int], params: SamplingParams,
                        first: Request, fork_of: str | None) -> None:
         """One step of a beam of `first`, a beam-search request (`BeamSearches`): a request of
-        its own, with the request's arrival, priority and adapter, that parks its KV and
-        forks its parent's."""
+        its own, with the request's arrival, priority, adapter and scheduler service, that
+        parks its KV and forks its parent's."""
         self._queue(Request(request_id=step_id, prompt_token_ids=token_ids, params=params,
                             arrival_s=first.arrival_s, max_model_len=first.max_model_len,
                             priority=first.priority, lora_id=first.lora_id,
-                            cache_salt=first.cache_salt, keep_kv=True, fork_of=fork_of), None)
+                            cache_salt=first.cache_salt, keep_kv=True, fork_of=fork_of,
+                            service_of=first.service_of or first.request_id), None)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, first: Request,
                       prompt: str | None) -> Request:
         """A later sequence of `first`'s request: the same prompt (and its block hashes, so
-        it finds the cached blocks), arrival and limits."""
+        it finds the cached blocks), arrival, limits and scheduler service."""
         req = Request(request_id=request_id, prompt_token_ids=first.prompt_token_ids,
                       params=params, arrival_s=first.arrival_s,
                       oracle_output_len=first.oracle_output_len,
                       max_model_len=first.max_model_len, cache_salt=first.cache_salt,
                       priority=first.priority, lora_id=first.lora_id,
+                      service_of=first.service_of or first.request_id,
                       block_hashes=list(first.block_hashes[: first.num_prompt_tokens
                                                             // self.kv.block_size]))
         return self._queue(req, prompt)

@@ -22,30 +22,38 @@ takes their time.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from fastserve.clock import Clock
 from fastserve.core.block_pool import copy_runs
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 
+EOS_TOKEN_ID = 0  # what a job of `SimExecutor.eos_after` samples last
+
 
 class SimExecutor:
     """Predicted durations and placeholder tokens.
 
     Every sampled token is the same id (`vocab_size - 1`): simulated requests finish by length
-    (`ignore_eos`, `max_tokens` = the target output length), never by what they sample.
+    (`ignore_eos`, `max_tokens` = the target output length), except those in `eos_after`
+    (request id -> (prompt tokens, output tokens)): a job whose client capped `max_tokens`
+    above its true length, which samples `EOS_TOKEN_ID` as its last output token, as a model
+    ends its answer before the cap.
 
     `clock` (the engine's virtual clock) lets the copy engine drain while the engine idles;
     without it the executor keeps its own time from the durations it returns.
     """
 
     def __init__(
-        self, cost: CostModel, vocab_size: int = 32000, clock: Clock | None = None
+        self, cost: CostModel, vocab_size: int = 32000, clock: Clock | None = None,
+        eos_after: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         self.cost = cost
         self.token_id = vocab_size - 1
+        self.eos_after = eos_after or {}
         self.clock = clock
         self._time_s = 0.0  # own time, when no clock is given
         self._copies_done_s = 0.0  # when the copy engine finishes what it has queued
@@ -76,10 +84,24 @@ class SimExecutor:
         self.batch_job_s += duration_s * len(plan.scheduled)
         self.batch_kv_s[sum(len(s.block_ids) for s in plan.scheduled)] += duration_s
         return ExecutorOutput(
-            sampled_token_ids=[self.token_id] * len(plan.scheduled),
+            sampled_token_ids=self.tokens(plan),
             duration_s=duration_s,
             swap_wait_s=wait_s,
         )
+
+    def tokens(self, plan: SchedulerOutput) -> list[int]:
+        """The placeholder token of each scheduled job, EOS where a job of `eos_after` samples
+        its last output token."""
+        if not self.eos_after:
+            return [self.token_id] * len(plan.scheduled)
+        out = []
+        for s in plan.scheduled:
+            lengths = self.eos_after.get(s.request_id)
+            # The token sampled after feeding up to position p is output number p - prompt + 1.
+            is_last = lengths is not None and (
+                s.start_pos + len(s.token_ids) - lengths[0] + 1 == lengths[1])
+            out.append(EOS_TOKEN_ID if is_last else self.token_id)
+        return out
 
     def _queue_copies(self, plan: SchedulerOutput, start_s: float) -> None:
         t = max(self._copies_done_s, start_s)

@@ -14,6 +14,7 @@ touching its blocks have landed.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastserve.clock import Clock
@@ -25,7 +26,7 @@ from fastserve.sim.executor import SimExecutor
 
 @dataclass(frozen=True)
 class _SimBatch:
-    num_reqs: int
+    token_ids: list[int]  # what its jobs sample
     submit_s: float
     done_s: float  # when it leaves the last stage
     swap_wait_s: float
@@ -34,8 +35,9 @@ class _SimBatch:
 class PipelinedSimExecutor(SimExecutor):
     """Predicted stage times for `cost.pipeline_parallel_size` stages; placeholder tokens."""
 
-    def __init__(self, cost: CostModel, vocab_size: int = 32000, clock: Clock | None = None) -> None:
-        super().__init__(cost, vocab_size, clock)
+    def __init__(self, cost: CostModel, vocab_size: int = 32000, clock: Clock | None = None,
+                 eos_after: Mapping[str, tuple[int, int]] | None = None) -> None:
+        super().__init__(cost, vocab_size, clock, eos_after)
         self.max_in_flight = cost.pipeline_parallel_size
         self._stage_free_s = [0.0] * cost.pipeline_parallel_size  # when each stage is next free
         self._in_flight: deque[_SimBatch] = deque()
@@ -53,12 +55,12 @@ class PipelinedSimExecutor(SimExecutor):
             t = max(t, self._stage_free_s[s]) + stage_s
             self._stage_free_s[s] = t
             self.stage_busy_s[s] += stage_s
-        self._in_flight.append(_SimBatch(len(plan.scheduled), now, t, wait_s))
+        self._in_flight.append(_SimBatch(self.tokens(plan), now, t, wait_s))
 
     def collect(self, now: float) -> PipelineResult:
         b = self._in_flight.popleft()
         out = ExecutorOutput(
-            sampled_token_ids=[self.token_id] * b.num_reqs,
+            sampled_token_ids=b.token_ids,
             duration_s=b.done_s - b.submit_s,
             swap_wait_s=b.swap_wait_s,
         )

@@ -22,7 +22,7 @@ from fastserve.core.scheduler import check_fits
 from fastserve.engine.core import build_engine_core
 from fastserve.prompts import prompt_tokens
 from fastserve.request import Request, SamplingParams, WorkItem
-from fastserve.sim.executor import SimExecutor
+from fastserve.sim.executor import EOS_TOKEN_ID, SimExecutor
 from fastserve.sim.pipeline import PipelinedSimExecutor
 
 PROMPT_TOKEN_ID = 1  # any id: the simulated model never reads it
@@ -31,7 +31,8 @@ SIM_VOCAB_SIZE = 32000  # token ids of shared-prefix prompts: only the prefix ca
 
 def ample_blocks(workload: Sequence[WorkItem], block_size: int) -> int:
     """A KV pool that holds every job of the workload at once: memory never binds."""
-    return max(1, sum(num_blocks_for(w.input_len + w.output_len, block_size) for w in workload))
+    return max(1, sum(num_blocks_for(w.input_len + max(w.output_len, w.max_tokens or 0),
+                                     block_size) for w in workload))
 
 
 def make_requests(workload: Sequence[WorkItem]) -> list[Request]:
@@ -52,7 +53,8 @@ def make_requests(workload: Sequence[WorkItem]) -> list[Request]:
                                 w.arrival_s, oracle_output_len=w.output_len))
             continue
         prompt = prompts.setdefault(w.input_len, [PROMPT_TOKEN_ID] * w.input_len)
-        p = _params(params, w.output_len)
+        p = _params(params, w.output_len) if w.max_tokens is None else SamplingParams(
+            max_tokens=w.max_tokens, temperature=0.0)  # stops at EOS (`SimExecutor.eos_after`)
         # NOTE: the shared prompt lists stand for different prompts: a salt per request keeps
         # the prefix cache from sharing them.
         reqs.append(Request(f"sim-{i}", prompt, p, w.arrival_s, oracle_output_len=w.output_len,
@@ -77,7 +79,10 @@ class SimRun:
     swap_in_blocks: int
     swap_wait_s: float  # time iterations spent waiting on KV copies
     peak_kv_blocks: int  # most device blocks in use at once
-    busy_s: float  # time spent in iterations
+    busy_s: float  # time spent in iterations (pipelined: each batch's time through every stage)
+    # Busy time of the busiest pipeline stage, the bottleneck that offered load is counted
+    # against (`busy_s` with one stage).
+    stage_busy_s: float = 0.0
     mean_batch_size: float = 0.0  # jobs per iteration, weighted by its duration (not pipelined)
     # Seconds of iterations by the device blocks their batch read (not pipelined).
     batch_kv_s: dict[int, float] = field(default_factory=dict)
@@ -131,10 +136,15 @@ def simulate_run(
         config, cache=dataclasses.replace(config.cache, enable_prefix_caching=caching))
     clock = VirtualClock(start_s=min((w.arrival_s for w in workload), default=0.0))
     # Pipeline parallelism: P batches in flight, one per stage.
-    executor = (PipelinedSimExecutor(cost, clock=clock) if cost.pipeline_parallel_size > 1
-                else SimExecutor(cost, clock=clock))
+    # Jobs whose client set max_tokens above the true length end by sampling EOS.
+    eos_after = {f"sim-{i}": (w.input_len, w.output_len) for i, w in enumerate(workload)
+                 if w.max_tokens is not None and w.max_tokens > w.output_len}
+    executor = (PipelinedSimExecutor(cost, clock=clock, eos_after=eos_after)
+                if cost.pipeline_parallel_size > 1
+                else SimExecutor(cost, clock=clock, eos_after=eos_after))
     core = build_engine_core(config, executor, cost, clock, num_device_blocks,
-                             host_pool_blocks(config.cache, cost.kv_block_bytes))
+                             host_pool_blocks(config.cache, cost.kv_block_bytes),
+                             eos_token_ids=(EOS_TOKEN_ID,))
     scheduler, kv = core.scheduler, core.scheduler.kv
     pending = sorted(make_requests(workload), key=lambda r: r.arrival_s)
     for r in pending:  # refused up front, as `Scheduler.add_request` would refuse it later
@@ -172,6 +182,8 @@ def simulate_run(
         swap_wait_s=core.swap_wait_s,
         peak_kv_blocks=kv.peak_used_blocks,
         busy_s=core.busy_s,
+        stage_busy_s=(max(executor.stage_busy_s) if isinstance(executor, PipelinedSimExecutor)
+                      else core.busy_s),
         mean_batch_size=executor.batch_job_s / core.busy_s if core.busy_s > 0 else 0.0,
         batch_kv_s=dict(executor.batch_kv_s),
         prefix_query_tokens=scheduler.num_prefix_query_tokens,

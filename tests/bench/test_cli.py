@@ -98,3 +98,22 @@ def test_policy_specs_set_options() -> None:
     assert cfg.scheduler.policy == "skip-join-mlfq"
     assert cfg.scheduler.mlfq_variant == "paper" and cfg.scheduler.quantum_ratio == 4
     assert cfg.scheduler.max_batch_size == 4
+
+
+def test_bench_sim_defaults_show_the_scheduler_matters(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # No profile and no workload flags: the A100-13B model, heavy-tailed lengths and bursty
+    # arrivals at load 0.9, where skip-join-mlfq's mean JCT is well below FCFS's (2.8x); the
+    # ratio is printed.
+    out = tmp_path / "r.json"
+    assert bench("--out", str(out)) == 0
+    data = json.loads(out.read_text())
+    w = data["config"]["workload"]
+    assert (w["cv"], w["zipf_theta"], w["load"], w["max_output_len"]) == (8.0, 1.2, 0.9, 2048)
+    assert data["config"]["cost_model"]["fixed_s"] == 18e-3  # A100_13B
+    r = data["results"]
+    assert r["fcfs"]["jct_mean"] > 2 * r["skip-join-mlfq"]["jct_mean"]
+    assert "fcfs / skip-join-mlfq: mean JCT" in capsys.readouterr().out
+    # A flag given wins over the simulator's default; a rate given is not rescaled.
+    assert bench("--num-requests", "50", "--cv", "1", "--rate", "3") == 0
+    assert "over" in capsys.readouterr().out

@@ -9,6 +9,8 @@ import pytest
 
 from fastserve.bench.workloads import (
     WorkItem,
+    client_max_tokens,
+    job_work_s,
     offered_load,
     scale_to_load,
     trace_workload,
@@ -160,3 +162,88 @@ def test_scale_to_load_hits_the_target_and_keeps_lengths() -> None:
         scale_to_load(wl, 0, cost, 16)
     with pytest.raises(ValueError, match="at least 2 requests"):
         scale_to_load(wl[:1], 0.5, cost, 16)
+
+
+# Profiles live at the repository root; the shipped 175B one is FastServe's own deployment.
+GPT3_175B = Path(__file__).resolve().parents[2] / "profiles" / "gpt3-175b_16xA100_tp8_pp2.json"
+
+
+def _served_until(workload: list[WorkItem], cost: CostModel) -> tuple[float, float]:
+    """(last finish, busiest pipeline stage's busy time) of FCFS at batch 16 in the simulator."""
+    from fastserve.args import engine_config
+    from fastserve.sim.simulator import ample_blocks, simulate_run
+
+    run = simulate_run(workload, engine_config(max_batch_size=16, policy="fcfs"), cost,
+                       ample_blocks(workload, 16))
+    return max(r.finish_s for r in run.finished if r.finish_s is not None), run.stage_busy_s
+
+
+def test_capacity_counts_tensor_and_pipeline_parallelism() -> None:
+    # A burst of equal jobs keeps the 175B pipeline (8-way TP x 2 stages) saturated: the work
+    # `job_work_s` counts must take about as long as the simulator takes to serve it (one
+    # device's coefficients would count 16x too much work per job).
+    cost = CostModel.from_json(GPT3_175B)
+    burst = [WorkItem(0.0, 256, 256) for _ in range(160)]
+    finish_s, busy_s = _served_until(burst, cost)
+    work_s = sum(job_work_s(w, cost, 16) for w in burst)
+    assert 0.85 < work_s / finish_s <= 1.0
+    assert busy_s / finish_s > 0.9
+
+
+def test_load_on_the_175b_profile_is_the_pipelines_load() -> None:
+    # Poisson arrivals at load 0.9 are served as they come (the last job is done soon after
+    # it arrives; the busiest stage works ~90-100% of the time, more than 0.9 only because
+    # part-full batches cost nearly what full ones do); at 1.3 the backlog grows.
+    cost = CostModel.from_json(GPT3_175B)
+    rng = np.random.default_rng(0)
+    base = [WorkItem(float(t), 128, 128) for t in np.cumsum(rng.exponential(1.0, 300))]
+    at = {}
+    for load in (0.9, 1.3):
+        wl = scale_to_load(base, load, cost, 16)
+        finish_s, busy_s = _served_until(wl, cost)
+        at[load] = (finish_s / wl[-1].arrival_s, busy_s / wl[-1].arrival_s)
+    assert at[0.9][0] < 1.15 and 0.85 < at[0.9][1] <= 1.0
+    assert at[1.3][0] > 1.3
+
+
+# -- max_tokens as clients send it -----------------------------------------------------------
+
+
+def _sim(workload: list[WorkItem], policy: str, blocks: int | None = None) -> list:
+    from fastserve.args import engine_config
+    from fastserve.sim.simulator import ample_blocks, simulate_run
+
+    cost = CostModel(fixed_s=10e-3, per_prefill_token_s=5e-5, per_decode_s=1e-4,
+                     per_context_token_s=2e-7)
+    config = engine_config(max_batch_size=8, policy=policy, kv_policy="defer")
+    return simulate_run(workload, config, cost, blocks or ample_blocks(workload, 16)).finished
+
+
+def test_client_caps_are_at_or_above_the_true_length() -> None:
+    wl = _zipf(num_requests=400)
+    pow2 = client_max_tokens(wl, "pow2", 256)
+    assert all(w.max_tokens is not None and w.max_tokens >= w.output_len for w in pow2)
+    assert all(w.max_tokens & (w.max_tokens - 1) == 0 for w in pow2 if w.max_tokens)
+    assert any(w.max_tokens and w.max_tokens >= 2 * w.output_len for w in pow2)
+    assert {w.max_tokens for w in client_max_tokens(wl, "max", 256)} == {256}
+    assert client_max_tokens(wl, "length", 256) == wl
+    with pytest.raises(ValueError, match="max_tokens mode"):
+        client_max_tokens(wl, "guess", 256)
+
+
+def test_capped_jobs_stop_at_their_length_and_cost_orca_its_reservations() -> None:
+    wl = scale_to_load(_zipf(num_requests=120, max_input_len=64, max_output_len=128), 0.9,
+                       CostModel(fixed_s=10e-3, per_prefill_token_s=5e-5, per_decode_s=1e-4,
+                                 per_context_token_s=2e-7), 8)
+    capped = client_max_tokens(wl, "max", 512)
+    # The simulated model ends each answer at its true length, below the cap: the same
+    # schedule as when max_tokens is the length, with ample KV.
+    exact, free = _sim(wl, "fcfs"), _sim(capped, "fcfs")
+    assert sorted(r.num_output_tokens for r in free) == sorted(w.output_len for w in wl)
+    assert [r.finish_s for r in free] == [r.finish_s for r in exact]
+    assert {r.finish_reason.value for r in free} == {"stop"}
+    # Orca reserves prompt + max_tokens: with a pool of 8 jobs' worth of true lengths it
+    # admits far fewer capped jobs at once, and they finish later.
+    blocks = 8 * (64 + 128) // 16
+    mean = lambda rs: sum(r.finish_s - r.arrival_s for r in rs) / len(rs)  # noqa: E731
+    assert mean(_sim(capped, "orca", blocks)) > 1.3 * mean(_sim(wl, "orca", blocks))

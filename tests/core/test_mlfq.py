@@ -84,7 +84,7 @@ def test_skip_join_runs_the_short_prompt_first_even_if_it_came_last() -> None:
     assert [s.request_id for s in sched.schedule(0.0).scheduled] == ["r2"]
 
 
-@pytest.mark.parametrize("policy", ["mlfq", "mlfq-preempt"])
+@pytest.mark.parametrize("policy", ["mlfq", "mlfq-keep-batch", "mlfq-preempt"])
 def test_plain_mlfq_puts_every_job_in_q1(policy: str) -> None:
     sched = mlfq(policy)
     reqs = make_requests([1, 30, 500], [4] * 3)
@@ -241,8 +241,9 @@ def test_own_charges_split_the_measured_duration_by_cost_model_shares() -> None:
     assert ChargeModel(cost, "iteration", 16).charges(plan, 0.03) == [0.03] * 3
 
 
-def test_mlfq_without_preemption_keeps_running_jobs_in_the_batch() -> None:
-    for policy, is_preempted in (("mlfq", False), ("skip-join-mlfq", True)):
+def test_mlfq_keep_batch_keeps_running_jobs_in_the_batch() -> None:
+    for policy, is_preempted in (("mlfq-keep-batch", False), ("mlfq", True),
+                                 ("skip-join-mlfq", True)):
         sched = mlfq(policy, max_batch_size=2)
         first = make_requests([1, 1], [40, 40], prefix="a")
         for r in first:
@@ -330,3 +331,34 @@ def test_mlfq_preempt_redoes_an_abandoned_decode_with_its_kv_kept() -> None:
     while not req.is_finished:
         core.step()
     assert req.num_output_tokens == 6 and sched.kv.num_free_blocks == sched.kv.num_total_blocks
+
+
+def _finish_ms(policy: str, prompt_lens: list[int], output_lens: list[int],
+               arrivals: list[float], **config: object) -> dict[str, float]:
+    sched = mlfq(policy, max_batch_size=1, **config) if policy != "fcfs" else make_scheduler(
+        "fcfs", cost=UNIT_COST, max_batch_size=1)
+    run = serve(sched, make_requests(prompt_lens, output_lens, arrivals))
+    return {r.request_id: round((r.finish_s or 0.0) * 1e3, 3) for r in run.finished}
+
+
+def test_mlfq_lets_a_short_job_pass_a_long_one_where_fcfs_does_not() -> None:
+    # The paper's point for MLFQ: a 3-token job arriving behind a 60-token one. FCFS (and the
+    # batch-keeping variant) make it wait for all 60; MLFQ demotes the long job below Q1 and
+    # the short one runs at its next iteration.
+    args = ([1, 1], [60, 3], [0.0, 0.0105])
+    fcfs = _finish_ms("fcfs", *args)
+    assert fcfs["r1"] > fcfs["r0"] == pytest.approx(60.0)
+    assert _finish_ms("mlfq-keep-batch", *args) == fcfs
+    plain = _finish_ms("mlfq", *args)
+    assert plain["r1"] < 20.0 and plain["r0"] == pytest.approx(63.0)
+
+
+def test_mlfq_degrades_to_round_robin_on_equal_jobs() -> None:
+    # Four equal 40-token jobs at once: FCFS finishes them 40 ms apart; the paper's MLFQ
+    # (turns in a level, deep levels) runs them down the levels side by side, so none
+    # finishes before ~130 ms and the mean JCT is far worse than FCFS's.
+    args = ([1] * 4, [40] * 4, [0.0] * 4)
+    fcfs = sorted(_finish_ms("fcfs", *args).values())
+    assert fcfs == pytest.approx([40.0, 80.0, 120.0, 160.0])
+    rr = sorted(_finish_ms("mlfq", *args, mlfq_variant="paper", starve_limit_s=0.0).values())
+    assert rr[0] > 120.0 and sum(rr) > 1.3 * sum(fcfs)

@@ -72,3 +72,37 @@ def test_bound_defaults_to_batches_for_robust_and_is_off_for_paper() -> None:
 def test_negative_bound_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match="mlfq_max_overtakes"):
         SchedulerConfig(mlfq_max_overtakes=-1)
+
+
+def _long_job_finish_ms(oldest_slots: int) -> tuple[float, float]:
+    """r0 (60 tokens) starts alone and runs down to the lowest level; then 40 short jobs
+    arrive faster than the two slots can serve them. (r0's finish, the last short job's
+    finish) in ms."""
+    sched = make_scheduler("skip-join-mlfq", cost=UNIT_COST, base_quantum_ms=2.0,
+                           mlfq_levels=4, max_batch_size=2, mlfq_oldest_slots=oldest_slots)
+    arrivals = [0.0] + [0.020 + 0.0015 * i for i in range(40)]
+    reqs = make_requests([1] * 41, [60] + [3] * 40, arrivals)
+    run = serve(sched, reqs)
+    finish = {r.request_id: (r.finish_s or 0.0) * 1e3 for r in run.finished}
+    return finish["r0"], max(v for k, v in finish.items() if k != "r0")
+
+
+def test_oldest_slot_keeps_an_old_long_job_running_through_a_stream_of_short_ones() -> None:
+    starved, stream_done = _long_job_finish_ms(0)
+    kept, stream_done_kept = _long_job_finish_ms(1)
+    # Without the slot, r0 waits in the lowest level until the stream has passed.
+    assert starved > stream_done
+    # With it, r0 runs every iteration from its arrival: about its 60 steps, sharing each
+    # iteration with a short job, and well before the stream ends; the stream is delayed
+    # by at most r0's work.
+    assert kept < 0.6 * starved and kept < stream_done_kept
+    assert stream_done_kept <= stream_done + 61
+
+
+def test_oldest_slots_default_to_a_quarter_of_the_batch_for_robust_only() -> None:
+    cost = CostModel()
+    assert MLFQSettings.from_config(SchedulerConfig(max_batch_size=16), cost).oldest_slots == 4
+    assert MLFQSettings.from_config(
+        SchedulerConfig(max_batch_size=16, mlfq_variant="paper"), cost).oldest_slots == 0
+    with pytest.raises(ValueError, match="mlfq_oldest_slots"):
+        SchedulerConfig(max_batch_size=4, mlfq_oldest_slots=5)

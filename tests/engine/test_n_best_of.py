@@ -72,8 +72,9 @@ def test_n8_costs_one_prefill_and_is_reproducible(engine: LLMEngine) -> None:
     outs = _run(engine, prompt, replace(params, n=8), "eight", levels)
     cost_eight = _prefilled(engine) - before
     assert cost_eight <= 1.1 * cost_one, (cost_eight, cost_one)
-    # Skip-join placed sequence 0 by its long prefill, the others (cached) in the top queue.
-    assert levels[0][0] > 0 and levels[0][1:] == [0] * 7
+    # Skip-join placed sequence 0 by its long prefill; the others, though their prefill is
+    # cached, continue its service (`Request.service_of`): its level, not fresh top quanta.
+    assert levels[0][0] > 0 and levels[0][1:] == [levels[0][0]] * 7
     eight = _finals(outs)
     assert len(eight) == 8 and all(len(t) == 6 for t in eight)
     assert len({tuple(t) for t in eight}) == 8  # temperature 1: every sequence its own

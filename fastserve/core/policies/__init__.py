@@ -11,6 +11,7 @@ from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.policies.fcfs import FCFSScheduler, OrcaScheduler
 from fastserve.core.policies.gittins import GittinsScheduler
 from fastserve.core.policies.mlfq import (
+    MLFQKeepBatchScheduler,
     MLFQPreemptScheduler,
     MLFQScheduler,
     SkipJoinMLFQScheduler,
@@ -22,6 +23,7 @@ from fastserve.core.scheduler import Scheduler
 POLICY_CLASSES: dict[str, type[Scheduler]] = {
     "skip-join-mlfq": SkipJoinMLFQScheduler,
     "mlfq": MLFQScheduler,
+    "mlfq-keep-batch": MLFQKeepBatchScheduler,
     "mlfq-preempt": MLFQPreemptScheduler,
     "fcfs": FCFSScheduler,
     "orca": OrcaScheduler,

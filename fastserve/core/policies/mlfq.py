@@ -9,8 +9,10 @@ With starvation promotion on, a job that has not run for `starve_limit_s` moves 
 
 - `skip-join-mlfq`: a new job joins the highest level whose quantum covers its first
   iteration (prefill), skipping the levels above; iteration-level preemption.
-- `mlfq`: every job joins Q1, and a running job keeps its slot until it finishes: new jobs get
-  the slots that free up.
+- `mlfq`: FastServe's MLFQ without preemption: every job joins Q1; a job that used up its
+  quantum finishes its iteration, then is demoted; the batch is chosen by level each iteration.
+- `mlfq-keep-batch`: every job joins Q1, and a running job keeps its slot until it finishes:
+  new jobs get the slots that free up.
 - `mlfq-preempt`: every job joins Q1, with preemption, and an iteration that would overrun the
   job's remaining quantum is abandoned: it runs (its time is spent and charged) but its token is
   dropped and the job is demoted, to redo the iteration later.
@@ -36,6 +38,9 @@ from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request, RequestStatus
 
 FINAL_LEVELS_WINDOW = 1024  # finished jobs whose final level `level_reach` counts
+# Requests whose latest job's level and service a later job of theirs continues
+# (`Request.service_of`): the most recently served this many.
+SERVICE_MEMORY = 4096
 
 
 @dataclass(slots=True)
@@ -50,6 +55,7 @@ class _Job:
     last_run_s: float = 0.0  # end of its last iteration, or its arrival (paper's turn-taking)
     starve_clock_s: float = 0.0  # since when it has waited, for starvation promotion
     is_started: bool = False  # has run an iteration (robust: it stays ahead of new jobs)
+    is_oldest: bool = False  # one of the `oldest_slots` oldest: ahead of every level
     # (attained_s, last_run_s) as of its last token, what the paper variant ranks by: a job
     # whose prefill runs in chunks keeps its place until the prefill is done, so jobs taking
     # turns in a level take them between tokens. Ranked by its chunks, each job would run one
@@ -87,6 +93,8 @@ class MLFQBase(Scheduler):
         self._num_added = 0
         # Levels the latest finished jobs ended in (`level_reach`, for a fleet router).
         self._final_levels: deque[int] = deque(maxlen=FINAL_LEVELS_WINDOW)
+        # Request id -> its latest job (live or finished), for the jobs that continue it.
+        self._service: OrderedDict[str, _Job] = OrderedDict()
         self.num_demotions = 0
         self.num_promotions = 0
 
@@ -199,11 +207,28 @@ class MLFQBase(Scheduler):
         job = _Job(req, self._num_added, level, self._allowance_s(level),
                    last_run_s=now, starve_clock_s=now, turn=(0.0, now))
         self._num_added += 1
+        self._continue_service(job)
         self._jobs[req.request_id] = job
         self._level_counts[level] += 1
         if self.settings.starve_limit_s > 0:
             self._waiting[req.request_id] = job
         self._rekey(job)
+
+    def _continue_service(self, job: _Job) -> None:
+        """A job of a request already served (a beam step, a later sequence) starts where
+        the request's latest job is: at least at its level, with its service in that level
+        and its place among started jobs; a request of its own is remembered as its key."""
+        key = job.req.service_of or job.req.request_id
+        prior = self._service.get(key) if job.req.service_of else None
+        if prior is not None and prior.level >= job.level:
+            job.level = min(prior.level, self._lowest)
+            job.allowance_s = self._allowance_s(job.level)
+            job.attained_s = prior.attained_s if job.level == prior.level else 0.0
+            job.is_started = prior.is_started
+        self._service[key] = job
+        self._service.move_to_end(key)
+        if len(self._service) > SERVICE_MEMORY:
+            self._service.popitem(last=False)
 
     def _on_finish(self, req: Request, now: float) -> None:
         job = self._jobs.pop(req.request_id, None)
@@ -236,7 +261,17 @@ class MLFQBase(Scheduler):
     def _order(self, now: float) -> list[Request]:
         if self.settings.starve_limit_s > 0:
             self._promote_starved(now)
+        if self.settings.oldest_slots > 0:
+            self._mark_oldest()
         return self._queue.items()
+
+    def _mark_oldest(self) -> None:
+        # NOTE: `_jobs` is in arrival order (jobs are added as they arrive and only leave), so
+        # its first entries are the oldest; one marked stays marked, as no job can become older.
+        for _, job in zip(range(self.settings.oldest_slots), self._jobs.values(), strict=False):
+            if not job.is_oldest:
+                job.is_oldest = True
+                self._rekey(job)
 
     def _on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
         charges = self.charge.charges(plan, out.duration_s)
@@ -330,6 +365,8 @@ class MLFQBase(Scheduler):
         return self.charge.decode_s(req.num_tokens)
 
     def _key(self, job: _Job) -> Key:
+        if job.is_oldest:
+            return (-1, job.seq, 0, job.seq)
         if self.settings.is_arrival_order:
             # Started jobs first, each group in arrival order. A job waiting to start in the
             # lowest level ranks as if it had arrived `max_overtakes` jobs later, so at most
@@ -365,10 +402,22 @@ class SkipJoinMLFQScheduler(MLFQBase):
 
 
 class MLFQScheduler(MLFQBase):
-    """MLFQ without preemption: every job joins Q1; a running job is never taken out.
+    """FastServe's MLFQ baseline without preemption: every job joins Q1, and a job that used up
+    its quantum finishes the iteration it is in, then is demoted (an iteration is never cut
+    short). The batch is chosen anew each iteration by level, so a new job takes a slot from
+    a demoted one between iterations. Without skip-join a long prompt's prefill spends the top
+    quanta at once, and at high rates every job runs down the same levels taking turns: the
+    policy drifts toward round-robin, which the paper's scheduler-design figure shows.
+    """
+
+
+class MLFQKeepBatchScheduler(MLFQBase):
+    """MLFQ whose running jobs keep their slots: every job joins Q1, and a job in the batch is
+    never taken out until it finishes; new jobs get the slots that free up.
 
     Demotion still happens, so the level decides which waiting job gets a slot that frees up
-    (and which started job gives up its KV when blocks run out).
+    (and which started job gives up its KV when blocks run out). With KV to spare it gives
+    FCFS's results exactly (no running job is ever preempted).
     """
 
     def __init__(

@@ -18,6 +18,10 @@ Two variants share one mechanism (`mlfq.py`):
   (`max_overtakes`): a long prompt skip-joins that level unstarted, and without the bound
   every later job that ran its way down would pass it, so under sustained load it waited
   without limit (p99 JCT up to 1.6x FCFS's in benchmarks/scheduling/sim_sweep.py; 1.15x with the bound).
+  A quarter of the batch's slots go to the oldest unfinished jobs, whatever their level
+  (`oldest_slots`): under a stream of short jobs an old long job still runs every iteration,
+  so later arrivals cannot hold it back without limit. With a decode batch's cost mostly
+  fixed, those slots cost the short jobs little while slots are free.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ PAPER_STARVE_LIMIT_S = 10.0
 # unbounded, 0.95-1.00 at 4 batches), where every long prompt was passed by the rest, and a
 # little on light-tailed Zipf lengths (theta 0.6: 0.91 -> 0.96).
 ROBUST_OVERTAKE_BATCHES = 4
+# robust's default `oldest_slots`, as a share of the batch. benchmarks/paper/tail_grid.py,
+# A100-13B, batch 16, 500 jobs, load 0.9-0.95 x CV 1-8 x theta 0.9-1.5, worst p99 JCT / FCFS's:
+# 1.37 without (theta 1.5, CV 8: old long jobs held back by later bursts), 1.07 with 4 slots,
+# 1.09 with 2 or 8; the mean JCT gains over FCFS stay within 6% of those without at 4 slots
+# (8 slots cost up to 12% at theta 1.5, CV 8). Full grid: docs/results/2026-12-07-scheduling-tail.md.
+ROBUST_OLDEST_SLOTS_SHARE = 0.25
 
 
 class ChargeModel:
@@ -170,6 +180,9 @@ class MLFQSettings:
     # robust with the number of levels left to it: the levels used until the finished jobs'
     # lengths are known to be heavy-tailed (then all of `quanta_s`); None = always all.
     shallow_levels: int | None = None
+    # Batch slots that go to the oldest unfinished jobs, in arrival order ahead of every level
+    # (0 = none).
+    oldest_slots: int = 0
 
     @property
     def num_levels(self) -> int:
@@ -204,6 +217,9 @@ class MLFQSettings:
         overtakes = config.mlfq_max_overtakes
         if overtakes is None:
             overtakes = ROBUST_OVERTAKE_BATCHES * config.max_batch_size
+        oldest = config.mlfq_oldest_slots
+        if oldest is None:
+            oldest = 0 if is_paper else round(ROBUST_OLDEST_SLOTS_SHARE * config.max_batch_size)
         return cls(
             variant=config.mlfq_variant,
             charge=charge,
@@ -212,6 +228,7 @@ class MLFQSettings:
             is_arrival_order=not is_paper,
             max_overtakes=math.inf if is_paper else overtakes,
             shallow_levels=shallow,
+            oldest_slots=oldest,
         )
 
 
