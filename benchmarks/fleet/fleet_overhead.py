@@ -15,7 +15,9 @@ fleet / N plain and fleet / one; then where the fleet's CPU went during its burs
 ingress process (the `fastserve serve` process itself: HTTP, routing, Ray's handle and its
 threads), the replicas, and the rest of Ray (GCS, raylet, controller), per request and per
 streamed token, against what a plain server spends per token. With `--py-spy` the ingress is
-sampled by py-spy during the last fleet burst and its hottest functions are printed.
+sampled by py-spy during one more burst in the last repetition, and its hottest functions
+are printed. With `--compare-tree DIR` the fleet is also run from another source tree (a
+`git worktree` of an older commit) in each repetition: before and after, side by side.
 
     flock /tmp/fastserve-heavy.lock .venv/bin/python benchmarks/fleet/fleet_overhead.py [--reps 3]
     .venv/bin/python benchmarks/fleet/fleet_overhead.py --num-requests 64 --output-len 50 --reps 1
@@ -59,15 +61,19 @@ class Server:
     url: str = ""
 
 
-def start(name: str, extra: list[str], args: argparse.Namespace, timeout_s: float = 600.0) -> Server:
+def start(name: str, extra: list[str], args: argparse.Namespace, tree: Path = REPO,
+          timeout_s: float = 600.0) -> Server:
+    """`fastserve serve` from the source tree `tree` (this checkout, or `--compare-tree`)."""
     log = Path(tempfile.mkstemp(prefix=f"fleet-overhead-{name}-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "fastserve.cli", "serve", "--port", "0", "--dtype", "float32",
            "--max-batch-size", str(args.max_batch_size), "--no-access-log",
            "--log-level", "warning", "--no-warmup", "--profile", str(PROFILE), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": str(tree)}
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        # NOTE: a session of its own: a fleet's Ray processes and their signals stay out of
+        # this script's process group.
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     server = Server(name, proc, log)
     deadline = time.monotonic() + timeout_s
     while not server.url:
@@ -273,20 +279,29 @@ def one_rep(args: argparse.Namespace, prompts: list[list[int]], rep: int,
         urls = [s.url for s in plain]
         pids = [s.proc.pid for s in plain]
         out["one"] = measure(urls[:1], prompts, args, pids[:1])
+        print(f"  one: {out['one'].tok_per_s:,.0f} tok/s", flush=True)
         out["plain"] = measure(urls, prompts, args, pids)
+        print(f"  {n} plain: {out['plain'].tok_per_s:,.0f} tok/s", flush=True)
     finally:
         for s in plain:
             stop(s)
+    if args.compare_tree is not None:
+        other = start("fleet-other", ["--replicas", str(n)], args, tree=args.compare_tree)
+        try:
+            out["other"] = measure([other.url], prompts, args, [], fleet_root=other.proc.pid)
+            print(f"  the fleet from {args.compare_tree}: {out['other'].tok_per_s:,.0f} tok/s",
+                  flush=True)
+        finally:
+            stop(other)
     fleet = start("fleet", ["--replicas", str(n), *args.fleet_args.split()], args)
     try:
-        spy_proc = None
-        spy_out = Path(tempfile.mkstemp(prefix="fleet-overhead-spy-", suffix=".txt")[1])
-        if spy:
-            burst([fleet.url], prompts[:args.warmup], args.output_len)  # out of the profile
-            spy_proc = py_spy_start(fleet.proc.pid, spy_out)
         out["fleet"] = measure([fleet.url], prompts, args, [], fleet_root=fleet.proc.pid)
-        if spy_proc is not None:
-            py_spy_report(spy_proc, spy_out)
+        if spy:  # one more burst, sampled (py-spy's own CPU stays out of the figures above)
+            spy_out = Path(tempfile.mkstemp(prefix="fleet-overhead-spy-", suffix=".txt")[1])
+            spy_proc = py_spy_start(fleet.proc.pid, spy_out)
+            if spy_proc is not None:
+                burst([fleet.url], prompts[args.warmup:], args.output_len)
+                py_spy_report(spy_proc, spy_out)
     finally:
         stop(fleet)
     print(f"rep {rep + 1}: " + ", ".join(f"{k} {m.tok_per_s:,.0f} tok/s TTFT {m.mean_ttft_s:.2f} s"
@@ -305,6 +320,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fleet-args", default="", help="more flags for the fleet, e.g. '--router pow2'")
     p.add_argument("--py-spy", action="store_true", help="profile the ingress in the last rep")
+    p.add_argument("--compare-tree", type=Path, default=None,
+                   help="also run the fleet from this source tree (e.g. a `git worktree` of an "
+                        "older commit), in the same reps: before and after side by side")
     args = p.parse_args()
     prompts = make_prompts(args)
     print(f"burst: {args.num_requests} streams x {args.output_len} tokens, prompts 64-127 tokens, "
@@ -323,6 +341,8 @@ def report(args: argparse.Namespace, reps: list[dict[str, Measured]]) -> None:
 
     names = {"one": "one `fastserve serve`", "plain": f"{n} plain `fastserve serve`",
              "fleet": f"`fastserve serve --replicas {n}`"}
+    if args.compare_tree is not None:
+        names["other"] = f"the fleet from {args.compare_tree}"
     print(f"\n| setup | output tok/s | mean TTFT | tok/s vs one | TTFT vs {n} plain |")
     print("|---|---|---|---|---|")
     for key, name in names.items():
@@ -334,6 +354,11 @@ def report(args: argparse.Namespace, reps: list[dict[str, Measured]]) -> None:
     one = statistics.median(r["fleet"].tok_per_s / r["one"].tok_per_s for r in reps)
     print(f"\nfleet / {n} plain: {ratio:.2f}x tok/s, mean TTFT {ttft:.2f}x; fleet / one: "
           f"{one:.2f}x tok/s (medians of per-rep ratios over {len(reps)} rep(s))")
+    if args.compare_tree is not None:
+        o_ratio = statistics.median(r["other"].tok_per_s / r["plain"].tok_per_s for r in reps)
+        o_ttft = statistics.median(r["other"].mean_ttft_s / r["plain"].mean_ttft_s for r in reps)
+        print(f"the fleet from {args.compare_tree} / {n} plain: {o_ratio:.2f}x tok/s, "
+              f"mean TTFT {o_ttft:.2f}x")
 
     def per(key: str, role: str, unit: str) -> float:
         scale = 1e6 if unit == "tok" else 1e3
@@ -345,9 +370,11 @@ def report(args: argparse.Namespace, reps: list[dict[str, Measured]]) -> None:
           f"{reps[-1]['fleet'].num_tokens:,} streamed tokens):")
     print(f"  {n} plain servers:  {per('plain', 'servers', 'tok'):6.0f} us/token "
           f"({per('plain', 'servers', 'req'):6.1f} ms/request)")
-    for role in ("ingress", "replicas", "ray"):
-        print(f"  fleet {role:<10}  {per('fleet', role, 'tok'):6.0f} us/token "
-              f"({per('fleet', role, 'req'):6.1f} ms/request)")
+    for key in ("other", "fleet") if args.compare_tree is not None else ("fleet",):
+        label = "fleet" if key == "fleet" else "other"
+        for role in ("ingress", "replicas", "ray"):
+            print(f"  {label} {role:<10}  {per(key, role, 'tok'):6.0f} us/token "
+                  f"({per(key, role, 'req'):6.1f} ms/request)")
     ingress_us = per("fleet", "ingress", "tok")
     print(f"  one ingress core streams at most ~{1e6 / ingress_us:,.0f} tokens/s at this cost")
 

@@ -63,6 +63,7 @@ class FleetOptions:
     tool_call_parser: str = "auto"  # as one server's
     reasoning_parser: str = "auto"  # as one server's
     trust_request_chat_template: bool = False  # as one server's
+    stream_batch_ms: float = 50.0  # a stream's chunks reach the ingress once per this, at most
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -70,6 +71,9 @@ class FleetOptions:
         if self.router not in ROUTER_NAMES:
             raise ValueError(f"router: unknown router {self.router!r}; choose one of "
                              f"{', '.join(ROUTER_NAMES)}")
+        if not 0 <= self.stream_batch_ms <= 1000:
+            raise ValueError(f"stream_batch_ms: must be within 0-1000 (ms), got "
+                             f"{self.stream_batch_ms}")
         if self.stats_period_s <= 0:
             raise ValueError(f"stats_period_s must be > 0, got {self.stats_period_s}")
 
@@ -113,7 +117,8 @@ class Fleet:
                            grace_period_s=opts.grace_period_s,
                            tool_call_parser=opts.tool_call_parser,
                            reasoning_parser=opts.reasoning_parser,
-                           trust_request_chat_template=opts.trust_request_chat_template)
+                           trust_request_chat_template=opts.trust_request_chat_template,
+                           stream_batch_s=opts.stream_batch_ms / 1000)
         app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
                          opts.stats_period_s)
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)
