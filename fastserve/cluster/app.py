@@ -66,6 +66,7 @@ class FleetOptions:
     trust_request_chat_template: bool = False  # as one server's
     metrics_require_key: bool = False  # as one server's
     http_limits: HTTPLimits = field(default_factory=HTTPLimits)  # as one server's
+    stream_batch_ms: float = 50.0  # a stream's chunks reach the ingress once per this, at most
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -73,6 +74,9 @@ class FleetOptions:
         if self.router not in ROUTER_NAMES:
             raise ValueError(f"router: unknown router {self.router!r}; choose one of "
                              f"{', '.join(ROUTER_NAMES)}")
+        if not 0 <= self.stream_batch_ms <= 1000:
+            raise ValueError(f"stream_batch_ms: must be within 0-1000 (ms), got "
+                             f"{self.stream_batch_ms}")
         if self.stats_period_s <= 0:
             raise ValueError(f"stats_period_s must be > 0, got {self.stats_period_s}")
         if self.metrics_require_key and self.api_key is None:
@@ -119,7 +123,8 @@ class Fleet:
                            tool_call_parser=opts.tool_call_parser,
                            reasoning_parser=opts.reasoning_parser,
                            trust_request_chat_template=opts.trust_request_chat_template,
-                           metrics_require_key=opts.metrics_require_key)
+                           metrics_require_key=opts.metrics_require_key,
+                           stream_batch_s=opts.stream_batch_ms / 1000)
         app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
                          opts.stats_period_s)
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)

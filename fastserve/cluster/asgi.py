@@ -48,20 +48,40 @@ class _Exchange:
 
     items: asyncio.Queue[Message | None] = field(default_factory=asyncio.Queue)
     gone: asyncio.Event = field(default_factory=asyncio.Event)
+    # The app sent its response's last body (or returned): nothing more to wait for.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-async def run_app(app: ASGIApp, req: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+async def _hold(ex: _Exchange, delay_s: float) -> None:
+    """Wait `delay_s`, or less if the response ends meanwhile (its end is not held back)."""
+    if delay_s <= 0 or ex.ended.is_set():
+        return
+    try:
+        await asyncio.wait_for(ex.ended.wait(), delay_s)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def run_app(app: ASGIApp, req: ForwardedRequest,
+                  batch_s: float = 0.0) -> AsyncIterator[ResponseStart | bytes]:
     """Run `req` through `app`; yield its `ResponseStart`, then body chunks as they come.
 
-    Body chunks that queued while the caller was busy are joined into one item (under load one
-    hop per iteration, not per token). Closing this generator early, as Ray does when the
-    client went away, tells the app the client disconnected, so it aborts the engine request.
+    After the first item, body chunks are held up to `batch_s` after the previous item and
+    go as one (Ray Serve LLM's stream batching): a stream then costs the replica, Ray and
+    the ingress one message per `batch_s`, not one per token, while the first token and the
+    response's end go at once. With `batch_s` 0 only the chunks that queued while the caller
+    was busy are joined. Closing this generator early, as Ray does when the client went
+    away, tells the app the client disconnected, so it aborts the engine request.
     """
     ex = _Exchange()
     task = asyncio.create_task(_call(app, req, ex))
     start: Message | None = None
+    loop = asyncio.get_running_loop()
+    last_s: float | None = None  # when the previous item went (None: nothing yet)
     try:
         while True:
+            if last_s is not None and batch_s > 0:
+                await _hold(ex, last_s + batch_s - loop.time())
             msg = await ex.items.get()
             if msg is None:  # the app returned
                 if start is not None:  # a start with no body message (not seen in practice)
@@ -76,6 +96,7 @@ async def run_app(app: ASGIApp, req: ForwardedRequest) -> AsyncIterator[Response
                 start = None
             elif body:
                 yield body
+            last_s = loop.time()
             if not more:
                 return
     finally:
@@ -137,9 +158,12 @@ async def _call(app: ASGIApp, req: ForwardedRequest, ex: _Exchange) -> None:
     async def send(msg: Message) -> None:
         if ex.gone.is_set():
             raise OSError("the client went away")  # what a closed socket tells an ASGI app
-        await ex.items.put(msg)
+        ex.items.put_nowait(msg)
+        if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+            ex.ended.set()
 
     try:
         await app(scope, receive, send)
     finally:
         ex.items.put_nowait(None)
+        ex.ended.set()

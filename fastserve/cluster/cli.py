@@ -26,6 +26,10 @@ def add_fleet_args(serve_parser: argparse.ArgumentParser) -> None:
                         "default power of two choices) (default: fastserve)")
     g.add_argument("--cpus-per-replica", type=float, default=None,
                    help="Ray CPUs reserved per replica (default: --num-threads, or 1)")
+    g.add_argument("--stream-batch-ms", type=float, default=50.0,
+                   help="a replica sends a stream's tokens to the ingress at most once per "
+                        "this many ms after the first (one Ray message for all the tokens "
+                        "made meanwhile); 0: as soon as each is made (default: 50)")
     single: Callable[[argparse.Namespace], int] = serve_parser.get_default("func")
 
     def serve(args: argparse.Namespace) -> int:
@@ -52,6 +56,7 @@ def _serve_fleet(args: argparse.Namespace) -> int:
         access_log=args.access_log, ray_address=args.ray_address, router=args.router,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        stream_batch_ms=args.stream_batch_ms,
         cpus_per_replica=args.cpus_per_replica or float(getattr(args, "num_threads", None) or 1),
         metrics_require_key=args.metrics_require_key,
         http_limits=HTTPLimits(header_timeout_s=args.http_header_timeout_s,

@@ -29,6 +29,8 @@ def test_bad_fleet_options_are_refused_before_starting(capsys: pytest.CaptureFix
     from fastserve.cli import main
 
     for flags, message in ((["--replicas", "0"], "replicas: must be at least 1"),
+                           (["--replicas", "2", "--stream-batch-ms", "-5"],
+                            "stream_batch_ms: must be within 0-1000 (ms), got -5.0"),
                            (["--replicas", "2", "/no/such/model"], "is not a model directory"),
                            (["--replicas", "2", "--allow-runtime-lora-updating"],
                             "allow_runtime_lora_updating: not with --replicas")):

@@ -1,0 +1,383 @@
+"""What the fleet's ingress costs: one server, N plain servers and the fleet of N, side by side.
+
+The burst: `--num-requests` (256) streamed completions of `--output-len` (200) tokens, prompts
+of 64-127 random token ids, all sent at the same moment after `--warmup` (8) requests. Every
+server runs the `tiny` model with `OMP_NUM_THREADS=1 --max-batch-size 16` and a measured
+cost-model profile. Each repetition:
+
+1. starts N plain `fastserve serve` processes; sends the whole burst to the first one alone
+   ("one"), then the burst split evenly over all N at the same moment ("N plain");
+2. stops them, starts `fastserve serve --replicas N` (a local Ray cluster) and sends it the
+   whole burst ("fleet").
+
+Printed per setup (medians over `--reps`): output tokens/s, mean TTFT, and the ratios
+fleet / N plain and fleet / one; then where the fleet's CPU went during its burst: the
+ingress process (the `fastserve serve` process itself: HTTP, routing, Ray's handle and its
+threads), the replicas, and the rest of Ray (GCS, raylet, controller), per request and per
+streamed token, against what a plain server spends per token. With `--py-spy` the ingress is
+sampled by py-spy during one more burst in the last repetition, and its hottest functions
+are printed. With `--compare-tree DIR` the fleet is also run from another source tree (a
+`git worktree` of an older commit) in each repetition: before and after, side by side.
+
+    flock /tmp/fastserve-heavy.lock .venv/bin/python benchmarks/fleet/fleet_overhead.py [--reps 3]
+    .venv/bin/python benchmarks/fleet/fleet_overhead.py --num-requests 64 --output-len 50 --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = REPO / "profiles" / "cpu-tiny-2threads-quiet.json"
+_URL_RE = re.compile(r"serving .* at (http://127\.0\.0\.1:\d+)/v1")
+_NON_EMPTY_TEXT = re.compile(rb'"text":"[^"]')
+_REPLICA_CMD = "ServeReplica:fastserve:engine"
+
+
+# -- servers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+
+
+def start(name: str, extra: list[str], args: argparse.Namespace, tree: Path = REPO,
+          timeout_s: float = 600.0) -> Server:
+    """`fastserve serve` from the source tree `tree` (this checkout, or `--compare-tree`)."""
+    log = Path(tempfile.mkstemp(prefix=f"fleet-overhead-{name}-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "fastserve.cli", "serve", "--port", "0", "--dtype", "float32",
+           "--max-batch-size", str(args.max_batch_size), "--no-access-log",
+           "--log-level", "warning", "--no-warmup", "--profile", str(PROFILE), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0", "PYTHONPATH": str(tree)}
+    with log.open("wb") as out:
+        # NOTE: a session of its own: a fleet's Ray processes and their signals stay out of
+        # this script's process group.
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    server = Server(name, proc, log)
+    deadline = time.monotonic() + timeout_s
+    while not server.url:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(server)
+            raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
+        match = _URL_RE.search(log.read_text(errors="replace"))
+        if match:
+            server.url = match.group(1)
+        time.sleep(0.2)
+    return server
+
+
+def stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+    server.log.unlink(missing_ok=True)
+
+
+# -- /proc ------------------------------------------------------------------------------------
+
+
+def _processes() -> tuple[dict[int, int], dict[int, float], dict[int, str]]:
+    """Every process's parent, CPU seconds so far (utime + stime, all threads) and command."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    cmd: dict[int, str] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    return parent, cpu, cmd
+
+
+def cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds so far of `root` itself ("ingress"), the Serve replicas under it
+    ("replicas") and everything else under it ("ray": GCS, raylet, controller, ...)."""
+    parent, cpu, cmd = _processes()
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    out = {"ingress": cpu.get(root, 0.0), "replicas": 0.0, "ray": 0.0}
+    for pid, seconds in cpu.items():
+        if pid != root and under(pid):
+            out["replicas" if _REPLICA_CMD in cmd.get(pid, "") else "ray"] += seconds
+    return out
+
+
+# -- the client -------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    sent_s: float
+    first_s: float
+    done_s: float
+    num_tokens: int
+
+
+async def one_request(url: str, prompt: list[int], output_len: int) -> Result:
+    """One streamed completion over a raw HTTP/1.1 connection.
+
+    NOTE: not httpx: on a small machine the client's CPU is the servers' CPU. This one scans
+    bytes for the first non-empty text and decodes only the final usage chunk.
+    """
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": output_len,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    sent = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + body)
+    first: float | None = None
+    received = b""
+    while piece := await reader.read(1 << 16):
+        if first is None and _NON_EMPTY_TEXT.search(piece):
+            first = time.monotonic()
+        received = (received + piece)[-(1 << 14):] if first is not None else received + piece
+    done = time.monotonic()
+    writer.close()
+    start = received.rfind(b"data: {")
+    if start < 0 or b"data: [DONE]" not in received[-64:]:
+        raise RuntimeError(f"request failed: {received[:300]!r} ... {received[-300:]!r}")
+    final = json.loads(received[start + len(b"data: "):received.index(b"\n\n", start)])
+    if "error" in final:
+        raise RuntimeError(f"stream error: {final['error']}")
+    return Result(sent, first or done, done, final["usage"]["completion_tokens"])
+
+
+def burst(urls: list[str], prompts: list[list[int]], output_len: int) -> list[Result]:
+    """All prompts at once, dealt round-robin over `urls`."""
+    async def run() -> list[Result]:
+        return await asyncio.gather(*(one_request(urls[i % len(urls)], p, output_len)
+                                      for i, p in enumerate(prompts)))
+    return asyncio.run(run())
+
+
+@dataclass
+class Measured:
+    tok_per_s: float
+    mean_ttft_s: float
+    num_tokens: int
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+def measure(urls: list[str], prompts: list[list[int]], args: argparse.Namespace,
+            cpu_roots: list[int], fleet_root: int | None = None) -> Measured:
+    burst(urls, prompts[:args.warmup], args.output_len)
+    before = _cpu(cpu_roots, fleet_root)
+    results = burst(urls, prompts[args.warmup:], args.output_len)
+    after = _cpu(cpu_roots, fleet_root)
+    span = max(r.done_s for r in results) - min(r.sent_s for r in results)
+    num_tokens = sum(r.num_tokens for r in results)
+    return Measured(num_tokens / span, statistics.fmean(r.first_s - r.sent_s for r in results),
+                    num_tokens, {k: after[k] - before[k] for k in after})
+
+
+def _cpu(roots: list[int], fleet_root: int | None) -> dict[str, float]:
+    if fleet_root is not None:
+        return cpu_by_role(fleet_root)
+    _, cpu, _ = _processes()
+    return {"servers": sum(cpu.get(pid, 0.0) for pid in roots)}
+
+
+# -- py-spy -----------------------------------------------------------------------------------
+
+
+def py_spy_start(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(exe).exists():
+        print("(py-spy not found: pip install py-spy)")
+        return None
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+                             "--nonblocking", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def py_spy_report(proc: subprocess.Popen[bytes], out: Path, top: int = 25) -> None:
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    if not out.exists():
+        print(f"(py-spy wrote nothing: {err.decode(errors='replace')[-500:]})")
+        return
+    inclusive: collections.Counter[str] = collections.Counter()
+    leaf: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in out.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        count = int(count_text)
+        frames = [f.split(" (")[0] + " " + f.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1]
+                  for f in stack.split(";")[1:]]  # [0] is the thread
+        total += count
+        leaf[frames[-1] if frames else "?"] += count
+        for frame in set(frames):
+            inclusive[frame] += count
+    print(f"\ningress py-spy: {total} samples (200 Hz, active threads only)")
+    print("  hottest functions, inclusive:")
+    for name, count in inclusive.most_common(top):
+        print(f"    {100 * count / total:5.1f}%  {name}")
+    print("  hottest functions, self:")
+    for name, count in leaf.most_common(top):
+        print(f"    {100 * count / total:5.1f}%  {name}")
+    out.unlink(missing_ok=True)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def make_prompts(args: argparse.Namespace) -> list[list[int]]:
+    from fastserve.model.make_model import default_model_path
+
+    vocab = int(json.loads((default_model_path() / "config.json").read_text())["vocab_size"])
+    rng = np.random.default_rng(args.seed)
+    # NOTE: ids from 10 up skip the special tokens at the bottom of the vocabulary.
+    return [rng.integers(10, vocab, size=int(rng.integers(64, 128))).tolist()
+            for _ in range(args.warmup + args.num_requests)]
+
+
+def one_rep(args: argparse.Namespace, prompts: list[list[int]], rep: int,
+            spy: bool) -> dict[str, Measured]:
+    n = args.replicas
+    out: dict[str, Measured] = {}
+    plain = [start(f"plain-{i}", [], args) for i in range(n)]
+    try:
+        urls = [s.url for s in plain]
+        pids = [s.proc.pid for s in plain]
+        out["one"] = measure(urls[:1], prompts, args, pids[:1])
+        print(f"  one: {out['one'].tok_per_s:,.0f} tok/s", flush=True)
+        out["plain"] = measure(urls, prompts, args, pids)
+        print(f"  {n} plain: {out['plain'].tok_per_s:,.0f} tok/s", flush=True)
+    finally:
+        for s in plain:
+            stop(s)
+    if args.compare_tree is not None:
+        other = start("fleet-other", ["--replicas", str(n)], args, tree=args.compare_tree)
+        try:
+            out["other"] = measure([other.url], prompts, args, [], fleet_root=other.proc.pid)
+            print(f"  the fleet from {args.compare_tree}: {out['other'].tok_per_s:,.0f} tok/s",
+                  flush=True)
+        finally:
+            stop(other)
+    fleet = start("fleet", ["--replicas", str(n), *args.fleet_args.split()], args)
+    try:
+        out["fleet"] = measure([fleet.url], prompts, args, [], fleet_root=fleet.proc.pid)
+        if spy:  # one more burst, sampled (py-spy's own CPU stays out of the figures above)
+            spy_out = Path(tempfile.mkstemp(prefix="fleet-overhead-spy-", suffix=".txt")[1])
+            spy_proc = py_spy_start(fleet.proc.pid, spy_out)
+            if spy_proc is not None:
+                burst([fleet.url], prompts[args.warmup:], args.output_len)
+                py_spy_report(spy_proc, spy_out)
+    finally:
+        stop(fleet)
+    print(f"rep {rep + 1}: " + ", ".join(f"{k} {m.tok_per_s:,.0f} tok/s TTFT {m.mean_ttft_s:.2f} s"
+                                         for k, m in out.items()), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fleet-args", default="", help="more flags for the fleet, e.g. '--router pow2'")
+    p.add_argument("--py-spy", action="store_true", help="profile the ingress in the last rep")
+    p.add_argument("--compare-tree", type=Path, default=None,
+                   help="also run the fleet from this source tree (e.g. a `git worktree` of an "
+                        "older commit), in the same reps: before and after side by side")
+    args = p.parse_args()
+    prompts = make_prompts(args)
+    print(f"burst: {args.num_requests} streams x {args.output_len} tokens, prompts 64-127 tokens, "
+          f"after {args.warmup} warm-up; {args.replicas} replicas; OMP_NUM_THREADS=1 "
+          f"--max-batch-size {args.max_batch_size}; load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores", flush=True)
+    reps = [one_rep(args, prompts, r, args.py_spy and r == args.reps - 1) for r in range(args.reps)]
+    report(args, reps)
+
+
+def report(args: argparse.Namespace, reps: list[dict[str, Measured]]) -> None:
+    n = args.replicas
+
+    def med(key: str, attr: str) -> float:
+        return statistics.median(getattr(r[key], attr) for r in reps)
+
+    names = {"one": "one `fastserve serve`", "plain": f"{n} plain `fastserve serve`",
+             "fleet": f"`fastserve serve --replicas {n}`"}
+    if args.compare_tree is not None:
+        names["other"] = f"the fleet from {args.compare_tree}"
+    print(f"\n| setup | output tok/s | mean TTFT | tok/s vs one | TTFT vs {n} plain |")
+    print("|---|---|---|---|---|")
+    for key, name in names.items():
+        print(f"| {name} | {med(key, 'tok_per_s'):,.0f} | {med(key, 'mean_ttft_s'):.2f} s | "
+              f"{med(key, 'tok_per_s') / med('one', 'tok_per_s'):.2f}x | "
+              f"{med(key, 'mean_ttft_s') / med('plain', 'mean_ttft_s'):.2f}x |")
+    ratio = statistics.median(r["fleet"].tok_per_s / r["plain"].tok_per_s for r in reps)
+    ttft = statistics.median(r["fleet"].mean_ttft_s / r["plain"].mean_ttft_s for r in reps)
+    one = statistics.median(r["fleet"].tok_per_s / r["one"].tok_per_s for r in reps)
+    print(f"\nfleet / {n} plain: {ratio:.2f}x tok/s, mean TTFT {ttft:.2f}x; fleet / one: "
+          f"{one:.2f}x tok/s (medians of per-rep ratios over {len(reps)} rep(s))")
+    if args.compare_tree is not None:
+        o_ratio = statistics.median(r["other"].tok_per_s / r["plain"].tok_per_s for r in reps)
+        o_ttft = statistics.median(r["other"].mean_ttft_s / r["plain"].mean_ttft_s for r in reps)
+        print(f"the fleet from {args.compare_tree} / {n} plain: {o_ratio:.2f}x tok/s, "
+              f"mean TTFT {o_ttft:.2f}x")
+
+    def per(key: str, role: str, unit: str) -> float:
+        scale = 1e6 if unit == "tok" else 1e3
+        return statistics.median(
+            scale * r[key].cpu_s[role] / (r[key].num_tokens if unit == "tok" else args.num_requests)
+            for r in reps)
+
+    print(f"\nCPU during the burst ({args.num_requests} requests, "
+          f"{reps[-1]['fleet'].num_tokens:,} streamed tokens):")
+    print(f"  {n} plain servers:  {per('plain', 'servers', 'tok'):6.0f} us/token "
+          f"({per('plain', 'servers', 'req'):6.1f} ms/request)")
+    for key in ("other", "fleet") if args.compare_tree is not None else ("fleet",):
+        label = "fleet" if key == "fleet" else "other"
+        for role in ("ingress", "replicas", "ray"):
+            print(f"  {label} {role:<10}  {per(key, role, 'tok'):6.0f} us/token "
+                  f"({per(key, role, 'req'):6.1f} ms/request)")
+    ingress_us = per("fleet", "ingress", "tok")
+    print(f"  one ingress core streams at most ~{1e6 / ingress_us:,.0f} tokens/s at this cost")
+
+
+if __name__ == "__main__":
+    main()
