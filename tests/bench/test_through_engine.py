@@ -229,7 +229,8 @@ def test_startup_profile_predicts_whole_engine_iterations(
     config = engine_config(model=str(tiny_model_path), num_threads=1, policy="fcfs",
                            record_iterations=10_000)
     engine = LLMEngine(config)
-    path = cached_profile_path(profile_cache_key(tiny_model_path, config), tmp_path / "profiles")
+    path = cached_profile_path(profile_cache_key(tiny_model_path, engine.config),
+                               tmp_path / "profiles")  # the config as the engine resolved it
     assert CostModel.from_json(path) == engine.cost
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for i in range(24):

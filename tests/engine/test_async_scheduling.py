@@ -339,8 +339,11 @@ def test_a_grammars_job_runs_every_iteration_its_mask_after_the_token_on_the_dev
                   if s.request_id == "r0"}
     json_plans = sorted(json_steps)
     pending = [i for i in json_plans if json_steps[i].token_ids == [PENDING_TOKEN]]
-    # Every plan from its prefill to its last token, each decode fed from the device.
-    assert json_plans == list(range(json_plans[0], json_plans[0] + 24))
+    # Every plan from the one it joined the batch in to its last token, each decode fed from
+    # the device (before that, all of its prompt but the last token may prefill while its
+    # grammar compiles).
+    joined = json_plans[-24:]
+    assert joined == list(range(joined[0], joined[0] + 24)) and len(json_plans) <= 25
     assert len(pending) == 23
     assert [o.finish_reason for o in got] == ["length", "stop", "stop", "length"]
     assert got[0].text.startswith('{"name": "')
