@@ -22,11 +22,13 @@ from fastserve.engine.group import RequestGroups
 from fastserve.engine.loras import AdapterSlots, LoRAAdapters, ServedAdapter, read_lora
 from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
+from fastserve.executor.cpu_kernels import decode_attention_kernel
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
 from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
+from fastserve.logs import startup_step
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.lora import Adapter, LoRAWeights
 from fastserve.model.make_model import cache_dir, resolve_model_path
@@ -71,6 +73,10 @@ class LLMEngine:
         path = resolve_model_path(config.model.model)
         if config.model.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
+        if config.model.device == "cpu":
+            # Built (once per version and machine) now, with a line saying so, rather than
+            # in the middle of the dtype probe or the first request.
+            decode_attention_kernel()
         # "auto" becomes a dtype here, before anything (profile cache, workers) reads it.
         config, self.dtype_choice = resolve_config(config, path)
         self.config = config
@@ -85,8 +91,10 @@ class LLMEngine:
         if is_distributed:
             self.arch = read_arch_config(path)  # every rank loads its own shard (start_executor)
         else:
-            model, self.arch = load_model(path, dtype, config.model.device,
-                                          load_format=config.model.load_format)  # names what is missing
+            with startup_step(logger, f"loading {path} ({config.model.dtype}, "
+                                      f"{config.model.device})"):
+                model, self.arch = load_model(path, dtype, config.model.device,
+                                              load_format=config.model.load_format)
             if lora.is_enabled:
                 weights = LoRAWeights(model, self.arch, lora.max_loras + 1)
                 model.lora_batch = weights.batch
@@ -96,7 +104,7 @@ class LLMEngine:
         startup_adapters = [(read_lora(name, adapter_path, self.arch, lora.max_lora_rank), adapter_path)
                             for name, adapter_path in lora.adapters]
         try:
-            self.tokenizer = Tokenizer(path)
+            self.tokenizer = Tokenizer(path, config.model.chat_template)
         except FileNotFoundError as exc:
             raise ValueError(f"cannot load the tokenizer: {exc}") from None
         self.max_model_len = _max_model_len(config.model.max_model_len,
@@ -122,13 +130,15 @@ class LLMEngine:
             assert isinstance(self.runner, DistributedExecutor)
             self.runner.grammars = self.grammars
         if config.model.warmup:
-            self._warmup()
+            with startup_step(logger, "warm-up passes", expect_slow=False):
+                self._warmup()
         cost, profile_path = self._cost_model()
         self._build_core(cost)
         if profile_path is not None:
             # A fresh executor profile: add the engine's own work per iteration, measured
             # through this engine, so that the cached model predicts whole iterations.
-            overhead = measure_engine_overhead(self)
+            with startup_step(logger, "measuring the engine's overhead per iteration"):
+                overhead = measure_engine_overhead(self)
             if overhead is not None:
                 cost = overhead.apply(cost)
                 logger.info("engine overhead per iteration: %.2f ms + %.3f ms per decode",
@@ -495,7 +505,10 @@ class LLMEngine:
                 cost = cached
             else:
                 try:
-                    cost, fresh = profile_engine(self.runner), path
+                    with startup_step(logger, "profiling the cost model the scheduler decides "
+                                      "with (once per model, dtype and machine; cached in "
+                                      f"{path.parent})"):
+                        cost, fresh = profile_engine(self.runner), path
                 except ValueError as exc:  # e.g. a KV pool too small for the profile's batches
                     logger.warning("start-up profile skipped (%s); using the default cost model",
                                    exc)
