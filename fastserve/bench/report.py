@@ -44,10 +44,7 @@ def write_json(path: str | Path, data: Mapping[str, Any]) -> None:
 
 def plot_sweep(path: str | Path, param: str, sweep: Mapping[str, Results], title: str = "") -> None:
     """Average JCT of each policy against the swept parameter (the paper's figure style)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require_pyplot()
 
     values = list(sweep)
     xs = [float(v) for v in values]
@@ -67,10 +64,7 @@ def plot_sweep(path: str | Path, param: str, sweep: Mapping[str, Results], title
 
 def plot_bars(path: str | Path, results: Results, title: str = "") -> None:
     """Average JCT per policy (one workload, no sweep)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require_pyplot()
 
     fig, ax = plt.subplots(figsize=(5.0, 3.6))
     ax.bar(list(results), [m["jct_mean"] for m in results.values()])
@@ -80,6 +74,20 @@ def plot_bars(path: str | Path, results: Results, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def require_pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend; matplotlib is the `plot` extra, which
+    serving does not need."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: "
+                         "pip install 'fastserve-mlfq[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _fmt(x: float) -> str:
