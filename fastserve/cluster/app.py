@@ -119,7 +119,8 @@ class Fleet:
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)
         self.hints = None
         if opts.router in _PROMPT_ROUTERS:
-            self.hints = RouteHints(Tokenizer(resolve_model_path(config.model.model)),
+            self.hints = RouteHints(Tokenizer(resolve_model_path(config.model.model),
+                                              config.model.chat_template),
                                     config.cache.block_size,
                                     frozenset(name for name, _ in config.lora.adapters))
         self.metrics = FleetMetrics(self._replica_samples)

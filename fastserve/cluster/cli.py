@@ -19,7 +19,7 @@ def add_fleet_args(serve_parser: argparse.ArgumentParser) -> None:
                         "(default: one plain server, no Ray)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto': the one `ray start` made here) "
-                        "instead of starting a local one")
+                        "instead of starting a local one (default: a local one)")
     g.add_argument("--router", choices=ROUTERS, default="fastserve",
                    help="how the fleet picks a replica: fastserve (MLFQ levels, KV room and "
                         "prefix hits), prefix-affinity, round-robin, or pow2 (Ray Serve's "
