@@ -16,27 +16,30 @@ DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 SLOW_STEP_S = 1.0
 
 
-class _TqdmHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _TqdmHandler(logging.Handler):
     """Writes through `tqdm.write`, which clears the progress bars of the terminal, prints
-    the line and redraws them (a plain write lands inside a bar and breaks it)."""
+    the line and redraws them (a plain write lands inside a bar and breaks it). To the
+    `sys.stderr` of the moment (a test's capture replaces it)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=self.stream)
+            tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging must never raise
             self.handleError(record)
 
 
 def configure_logging(level: str = "info") -> None:
     """Every log line of the process on stderr as `date time.ms LEVEL logger: message`.
-    Replaces handlers set earlier, so calling it twice (serve after a parser) is harmless."""
-    handler = _TqdmHandler(sys.stderr)
+    Replaces the plain stream handlers set earlier (calling it twice is harmless; other
+    handlers, e.g. a test runner's capture, stay)."""
+    handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if type(old) in (_TqdmHandler, logging.StreamHandler):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
 

@@ -31,6 +31,7 @@ from fastserve.cluster.ingress import FleetIngress, RouteHints
 from fastserve.cluster.metrics import FleetMetrics, samples_of
 from fastserve.cluster.replica import REPLICA_DEPLOYMENT, ReplicaSpec, deployment
 from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, RouterBoard
+from fastserve.logs import configure_logging
 from fastserve.model.make_model import resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.server.cli import start_serving
@@ -151,7 +152,7 @@ class Fleet:
 
 def serve_fleet(opts: FleetOptions, engine_args: argparse.Namespace) -> int:
     """Start-up, main loop, shutdown. Returns the process exit code."""
-    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(opts.log_level)
     sock = _bind(opts.host, opts.port)
     fleet: Fleet | None = None
     try:
