@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from fastserve.config import (
+    MODEL_DTYPES,
     CacheConfig,
     EngineConfig,
     LimitsConfig,
@@ -31,16 +32,18 @@ _SECTIONS: dict[str, type] = {
 _ALIASES = {"policy": "scheduler"}
 _HELP = {
     "model": "Hugging Face model directory (default: the built-in tiny preset)",
-    "policy": "scheduling policy",
-    "dtype": "model dtype: float32, bfloat16, float16, or auto (the checkpoint's half type on a "
-             "GPU; on a CPU the faster of float32 and bfloat16, timed at start-up; "
-             "`fastserve serve` defaults to auto)",
+    "policy": "the scheduling policy: skip-join-mlfq (FastServe), mlfq (the paper's MLFQ "
+              "without preemption), mlfq-keep-batch, mlfq-preempt, fcfs, orca (iteration-level "
+              "FCFS), request-level, srpt-oracle (knows output lengths; for comparison) or "
+              "gittins",
+    "dtype": "model dtype: float32 (or float), bfloat16, float16 (or half), or auto (on a GPU "
+             "bfloat16 where it is supported, else float16; on a CPU the faster of float32 and "
+             "bfloat16, timed at start-up)",
     "kv_cache_gib": "device KV cache size in GiB (num_device_blocks overrides it; None = on a "
                     "GPU what --gpu-memory-utilization of its memory leaves after the weights "
                     "and a profiled forward pass at the largest batch, on a CPU 1 GiB)",
     "gpu_memory_utilization": "share of the GPU's memory for this engine (weights, activations "
                               "and the KV pool) when --kv-cache-gib is not given",
-    "device": "auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda or cuda:N",
     "max_batch_size": "most requests in one iteration (0 = 16 on a CPU; on a GPU what the KV "
                       "pool and the captured CUDA graphs hold)",
     "max_waiting": "most queued requests before new ones get 429 (0 = unbounded)",
@@ -90,7 +93,77 @@ _HELP = {
                               "made no progress for this many seconds (0: never)",
     "cpu_copy_worker": "KV copies on a CPU device: thread (background worker), inline, or auto "
                        "(the worker only when the compute leaves a core free)",
+    # Those below only say what the field does: their defaults need no explaining.
+    "device": "where the model runs: auto (CUDA where torch sees a GPU, else the CPU), cpu, "
+              "cuda or cuda:N",
+    "seed": "the sampling seed of requests that give none (and of bench's workload)",
+    "warmup": "run a few real iterations at start-up so the first requests pay no first-call "
+              "costs",
+    "startup_profile": "without --profile, measure the cost model the scheduler decides with at "
+                       "start-up (once per model, dtype and machine, then cached); "
+                       "--no-startup-profile uses a generic one",
+    "num_threads": "torch's intra-op threads on a CPU (0 = torch's default, one per core)",
+    "record_iterations": "keep the batch shape and wall time of the last N iterations, for "
+                         "`fastserve profile --through-engine` (0 = off)",
+    "max_model_len": "most tokens of one request, prompt and output (None = the checkpoint's "
+                     "max_position_embeddings)",
+    "attention_backend": "attention kernels: triton (CUDA), cpu (the C++ kernels), torch "
+                         "(per-request SDPA, any device) or auto (triton on CUDA, cpu on a CPU, "
+                         "else torch)",
+    "enforce_eager": "run every iteration eagerly: no CUDA graphs for decode iterations",
+    "cuda_graph_max_batch_size": "the largest decode batch replayed from a captured CUDA graph "
+                                 "(larger ones run eagerly)",
+    "chat_template": "the chat template: a Jinja file, or the template itself inline (None = "
+                     "the checkpoint's, else a built-in ChatML-style one, with a warning)",
+    "block_size": "tokens per KV cache block",
+    "num_device_blocks": "device KV cache size in blocks (None = from --kv-cache-gib)",
+    "swap_space_gib": "host memory in GiB for KV blocks offloaded from the device (pinned on "
+                      "CUDA; unused by the defer and recompute KV policies)",
+    "num_host_blocks": "host KV pool size in blocks (None = from --swap-space-gib)",
+    "kv_policy": "what gives way when device KV blocks run short: proactive (FastServe: keep a "
+                 "reserve free, offload the latest jobs and upload the next ones early), "
+                 "reactive (offload only when an allocation fails), defer (new jobs wait) or "
+                 "recompute (drop the KV, prefill again)",
+    "burst_queues": "proactive KV policy: the top MLFQ queues whose waiting jobs it keeps "
+                    "device blocks free for",
+    "enable_prefix_caching": "share the KV of full blocks whose tokens an earlier request "
+                             "already computed (least recently used evicted first)",
+    "max_num_batched_tokens": "one iteration's token budget: a decode takes one token, a "
+                              "prefill the rest (longer prompts are prefilled in chunks)",
+    "base_quantum_ms": "MLFQ: the top queue's quantum in ms (0 = --quantum-decode-steps "
+                       "decode steps' worth of the cost model)",
+    "quantum_decode_steps": "MLFQ: the top queue's quantum in decode steps (None = the "
+                            "variant's: robust 4, paper 1)",
+    "quantum_ratio": "MLFQ: each queue's quantum over the one above it",
+    "mlfq_charge": "MLFQ: how a batched job is charged an iteration: own (its share) or "
+                   "iteration (the whole of it, as the paper does) (None = the variant's: "
+                   "robust own, paper iteration)",
+    "starve_limit_s": "MLFQ: promote a job to the top queue after waiting this long (0 = "
+                      "never; None = the variant's: robust 0, paper 10)",
+    "mlfq_max_overtakes": "robust MLFQ: how many later started jobs may run ahead of an "
+                          "unstarted one in the lowest queue (None = 4 x --max-batch-size; "
+                          "0 = arrival order there)",
+    "mlfq_variant": "MLFQ rules: robust (own-share charging, 4-6 queues, arrival order within "
+                    "a queue) or paper (FastServe as published)",
+    "tensor_parallel_size": "processes the model's layers are split across (tensor "
+                            "parallelism; launch with torchrun or one process spawns them)",
+    "pipeline_parallel_size": "pipeline stages the layers are divided into, one process each",
+    "worker_timeout_s": "how long the driver waits for a silent worker process before "
+                        "stopping with an error",
 }
+
+
+# vLLM's other names for the model dtypes.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _dtype(text: str) -> str:
+    """`--dtype`'s value as a config dtype (vLLM's aliases accepted)."""
+    dtype = DTYPE_ALIASES.get(text, text)
+    if dtype not in MODEL_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: one of {', '.join((*MODEL_DTYPES, *DTYPE_ALIASES))}")
+    return dtype
 
 
 def _field_owner() -> dict[str, str]:
@@ -109,6 +182,8 @@ def engine_config(profile_path: str | None = None, **kwargs: Any) -> EngineConfi
         if public in kwargs:
             kwargs[field] = kwargs.pop(public)
     parts: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    if isinstance(kwargs.get("dtype"), str):
+        kwargs["dtype"] = DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])
     for key, value in kwargs.items():
         if key not in owner:
             raise TypeError(f"unknown engine option {key!r}; valid options: {sorted(owner)}")
@@ -119,8 +194,12 @@ def engine_config(profile_path: str | None = None, **kwargs: Any) -> EngineConfi
     )
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add `--field-name` for every config field (defaults left as None = config default)."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                    defaults: dict[str, Any] | None = None) -> None:
+    """Add `--field-name` for every config field (defaults left as None = config default).
+    `defaults`: a command's own defaults for some fields (`serve`: dtype auto), shown in their
+    help."""
+    defaults = defaults or {}
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(f"{section} options")
         for f in dataclasses.fields(cls):
@@ -128,22 +207,25 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
                 continue
             flag = "--" + _ALIASES.get(f.name, f.name).replace("_", "-")
             kind = _arg_type(f.type)
-            default = f.default
-            help_ = _HELP.get(f.name, f.name.replace("_", " ")) + f" (default: {default})"
+            default = defaults.get(f.name, f.default)
+            help_ = _HELP.get(f.name, f.name) + f" (default: {_shown(default)})"
             if kind is bool:
-                group.add_argument(
-                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_
-                )
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=defaults.get(f.name), help=help_)
             elif str(f.type).startswith("tuple"):
-                group.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_)
+                group.add_argument(flag, dest=f.name, nargs="+", default=defaults.get(f.name),
+                                   help=help_)
             else:
-                group.add_argument(flag, dest=f.name, type=kind, default=None, help=help_)
+                type_ = _dtype if f.name == "dtype" else kind
+                group.add_argument(flag, dest=f.name, type=type_, default=defaults.get(f.name),
+                                   help=help_)
     if "speculative_method" not in skip:
         parser.add_argument(
             "--speculative-config", dest="speculative_config", type=_speculative_json,
             default=None, help="vLLM's form of the speculative options, as JSON: "
             "{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
-            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; a flag of its own wins")
+            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; a flag of its own wins "
+            "(default: none)")
     parser.add_argument("--profile", dest="profile_path", default=None,
                         help="cost-model profile JSON (default: profile at start-up, cached)")
 
@@ -176,6 +258,13 @@ def _speculative_json(text: str) -> dict[str, Any]:
             f"unsupported keys {unknown}; supported: {sorted(_SPECULATIVE_KEYS)} (drafts come "
             "from predictions and ngram lookups: no draft model, EAGLE or MTP)")
     return {_SPECULATIVE_KEYS[k]: v for k, v in given.items()}
+
+
+def _shown(default: object) -> str:
+    """A default as its help shows it (None's meaning is in the help text: "None = ...")."""
+    if default == ():
+        return "none"
+    return str(default).replace("%", "%%")
 
 
 def _arg_type(annotation: object) -> type:

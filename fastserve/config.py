@@ -84,6 +84,9 @@ class ModelConfig:
     # Decode batches of up to this many requests replay a captured graph (padded to the next
     # captured size: 1, 2, 4, 8, then multiples of 16); larger ones run eagerly.
     cuda_graph_max_batch_size: int = 256
+    # The chat template, a Jinja text or a file holding one, over the checkpoint's (vLLM's
+    # --chat-template); None = the checkpoint's, else a built-in one (with a warning).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in MODEL_DTYPES, f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")

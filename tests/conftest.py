@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,24 @@ if TEST_DTYPE not in ("float32", "bfloat16", "float16"):
 # ulps two kernels differ by never flip an argmax of the tiny model; in a half type they can
 # (one bf16 rounding step is ~0.4% of a logit), so tests compare tokens up to near-ties there.
 IS_EXACT_DTYPE = TEST_DTYPE == "float32"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU kernels (once per version and machine) before the first test, outside
+    every test's timeout: a cold build on a busy 2-core machine takes minutes, and a test that
+    happened to be first would time out building them."""
+    from fastserve.executor import cpu_kernels
+
+    cold = not cpu_kernels.is_built()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if cold and reporter is not None:
+        reporter.write_line(f"building the CPU kernels for {cpu_kernels.cpu_isa()} "
+                            "(one time per version and machine) ...")
+    start = time.perf_counter()
+    cpu_kernels.decode_attention_kernel()
+    cpu_kernels.avx2_kernel_variant()  # the AVX2 path's tests, on a CPU with AVX-512 BF16
+    if cold and reporter is not None:
+        reporter.write_line(f"built the CPU kernels in {time.perf_counter() - start:.0f} s")
 
 
 @pytest.fixture(scope="session")

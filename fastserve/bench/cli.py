@@ -14,6 +14,7 @@ from fastserve.bench.report import (
     format_table,
     plot_bars,
     plot_sweep,
+    require_pyplot,
     write_json,
 )
 from fastserve.bench.runner import EXECUTORS, WorkloadSpec, parse_value, run_policies
@@ -40,7 +41,7 @@ _WORKLOAD_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max-input-len", int, "longest prompt (zipf default 512; caps a trace)"),
     ("max-output-len", int, "longest output (zipf default 512; caps a trace)"),
     ("load", float, "scale arrivals to this offered load (work / capacity at max batch size; "
-                    "needs --profile)"),
+                    "needs --profile; default: the rate as given)"),
     ("window-start-s", float, "trace: first second to replay (default 0)"),
     ("window-s", float, "trace: seconds to replay (default: to the end)"),
     ("time-scale", float, "trace: multiply arrival times (2 = half the rate; default 1)"),
@@ -64,18 +65,19 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     )
     p.add_argument("--executor", choices=EXECUTORS, default="sim",
                    help="sim: the production scheduler on a virtual clock and --profile's cost "
-                        "model; real: requests on the wall clock through AsyncLLM")
+                        "model; real: requests on the wall clock through AsyncLLM (default: sim)")
     p.add_argument("--policies", default="fcfs,skip-join-mlfq",
                    help="comma-separated policies; options per policy as "
-                        "name:key=value, e.g. skip-join-mlfq:mlfq-variant=paper")
+                        "name:key=value, e.g. skip-join-mlfq:mlfq-variant=paper "
+                        "(default: fcfs,skip-join-mlfq)")
     p.add_argument("--workload", default="zipf", help="zipf, mooncake:PATH (JSONL with hash_ids) or trace:PATH (CSV "
-                   "arrival_s,input_tokens,output_tokens)")
+                   "arrival_s,input_tokens,output_tokens) (default: zipf)")
     group = p.add_argument_group("workload options")
     for flag, kind, help_ in _WORKLOAD_FLAGS:
         group.add_argument(f"--{flag}", type=kind, default=None, help=help_)
     p.add_argument("--sweep", default=None,
                    help=f"PARAM=V1,V2,...: rerun every policy per value; PARAM is one of "
-                        f"{', '.join(_SWEEPABLE)}")
+                        f"{', '.join(_SWEEPABLE)} (default: no sweep)")
     fleet = p.add_argument_group("fleet (sim): replicas behind a router")
     fleet.add_argument("--replicas", type=int, default=1,
                        help="replicas of the engine, each with its own scheduler and KV pool; "
@@ -87,9 +89,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                        help="how often each replica reports its stats to the router "
                             f"(default {DEFAULT_STATS_PERIOD_S})")
     fleet.add_argument("--record-trace", default=None,
-                       help="write the first router's recorded trace (JSON) here")
-    p.add_argument("--out", default=None, help="results JSON (default: none written)")
-    p.add_argument("--plot", default=None, help="PNG: average and p99 JCT per policy (vs the sweep)")
+                       help="write the first router's recorded trace (JSON) here (default: none)")
+    p.add_argument("--out", default=None, help="the results JSON file to write (default: none)")
+    p.add_argument("--plot", default=None,
+                   help="write a PNG here: average and p99 JCT per policy (per router and policy "
+                        "with --replicas; against the swept value with --sweep); needs "
+                        "matplotlib, the `plot` extra (default: no plot)")
     add_engine_args(p)  # includes --seed, which also seeds the workload
     p.set_defaults(func=run_bench)
 
@@ -105,6 +110,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if not policies:
         raise ValueError("--policies must name at least one policy")
     spec = _workload_spec(args)
+    if args.plot:
+        require_pyplot()  # refused now, not after the whole run
     if args.replicas > 1 or args.router:
         return _run_fleet_bench(args, config, cost, policies, spec)
     # NOTE: without a sweep there is one run, keyed "" in `sweep` below.
@@ -172,7 +179,10 @@ def _run_fleet_bench(args: argparse.Namespace, config: EngineConfig, cost: CostM
     meta.update(replicas=args.replicas, routers=routers, stats_period_s=args.stats_period_s)
     if args.out:
         write_json(args.out, {"config": meta, "results": results})
-    written = [f for f in (args.out, args.record_trace) if f]
+    if args.plot:
+        plot_bars(args.plot, results,
+                  title=f"{args.workload}, {args.replicas} replicas")
+    written = [f for f in (args.out, args.plot, args.record_trace) if f]
     if written:
         print("wrote " + " and ".join(written))
     return 0

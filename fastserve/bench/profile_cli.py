@@ -31,7 +31,8 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:  # type:
     p.add_argument("--time-budget-s", type=float, default=30.0,
                    help="stop adding grid points (or load rounds) after this long (default 30)")
     p.add_argument("--through-engine", action="store_true",
-                   help="time whole engine iterations (schedule, execute, update, detokenize, "
+                   help="(default: off, the executor alone) time whole engine iterations "
+                        "(schedule, execute, update, detokenize, "
                         "output delivery) under a synthetic load through AsyncLLM, instead of "
                         "the executor alone on a grid; what the simulator should use to "
                         "predict the real engine's job completion times")

@@ -50,10 +50,7 @@ _PLOTTED = (("jct_mean", "average JCT (s)"), ("jct_p99", "p99 JCT (s)"))
 def plot_sweep(path: str | Path, param: str, sweep: Mapping[str, Results], title: str = "") -> None:
     """Average and p99 JCT of each policy against the swept parameter (the paper's figure
     style), one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require_pyplot()
 
     values = list(sweep)
     xs = [float(v) for v in values]
@@ -73,10 +70,7 @@ def plot_sweep(path: str | Path, param: str, sweep: Mapping[str, Results], title
 
 def plot_bars(path: str | Path, results: Results, title: str = "") -> None:
     """Average and p99 JCT per policy (one workload, no sweep), one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require_pyplot()
 
     fig, axes = plt.subplots(1, len(_PLOTTED), figsize=(9.0, 3.6))
     for ax, (key, label) in zip(axes, _PLOTTED, strict=True):
@@ -87,6 +81,20 @@ def plot_bars(path: str | Path, results: Results, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def require_pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend; matplotlib is the `plot` extra, which
+    serving does not need."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: "
+                         "pip install 'fastserve-mlfq[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _fmt(x: float) -> str:

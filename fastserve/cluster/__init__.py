@@ -1,4 +1,4 @@
-"""The fleet on Ray Serve: `fastserve serve --replicas N` (optional extra `fastserve[cluster]`).
+"""The fleet on Ray Serve: `fastserve serve --replicas N` (optional extra `fastserve-mlfq[cluster]`).
 
 `cli` adds the flags (no Ray import); `app` starts a fleet: `replica` is the engine
 deployment, `router` the Ray Serve request routers around `fastserve.fleet`'s policies,

@@ -31,6 +31,7 @@ from fastserve.cluster.ingress import FleetIngress, RouteHints
 from fastserve.cluster.metrics import FleetMetrics, samples_of
 from fastserve.cluster.replica import REPLICA_DEPLOYMENT, ReplicaSpec, deployment
 from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, RouterBoard
+from fastserve.logs import configure_logging
 from fastserve.model.make_model import resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.server.cli import start_serving
@@ -130,7 +131,8 @@ class Fleet:
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)
         self.hints = None
         if opts.router in _PROMPT_ROUTERS:
-            self.hints = RouteHints(Tokenizer(resolve_model_path(config.model.model)),
+            self.hints = RouteHints(Tokenizer(resolve_model_path(config.model.model),
+                                              config.model.chat_template),
                                     config.cache.block_size,
                                     frozenset(name for name, _ in config.lora.adapters))
         self.metrics = FleetMetrics(self._replica_samples)
@@ -163,7 +165,7 @@ class Fleet:
 
 def serve_fleet(opts: FleetOptions, engine_args: argparse.Namespace) -> int:
     """Start-up, main loop, shutdown. Returns the process exit code."""
-    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(opts.log_level)
     sock = _bind(opts.host, opts.port)
     fit_open_files(opts.http_limits.max_connections)
     fleet: Fleet | None = None

@@ -1,6 +1,6 @@
 """`fastserve serve --replicas N [--ray-address ADDR] [--router NAME]`: the fleet's flags on
 the serve command. Without `--replicas` (or with 1 and no Ray address) `fastserve serve` is
-the plain single server and Ray is never imported: Ray is the optional `fastserve[cluster]`.
+the plain single server and Ray is never imported: Ray is the optional `fastserve-mlfq[cluster]`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ ROUTERS = ("fastserve", "prefix-affinity", "round-robin", "pow2")  # cluster.rou
 
 def add_fleet_args(serve_parser: argparse.ArgumentParser) -> None:
     """Add the fleet flags to `fastserve serve`; a fleet is served when they ask for one."""
-    g = serve_parser.add_argument_group("fleet options (Ray Serve; pip install 'fastserve[cluster]')")
+    g = serve_parser.add_argument_group("fleet options (Ray Serve; pip install 'fastserve-mlfq[cluster]')")
     g.add_argument("--replicas", type=int, default=None,
                    help="serve N engine replicas on Ray Serve behind one endpoint "
                         "(default: one plain server, no Ray)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto': the one `ray start` made here) "
-                        "instead of starting a local one")
+                        "instead of starting a local one (default: a local one)")
     g.add_argument("--router", choices=ROUTERS, default="fastserve",
                    help="how the fleet picks a replica: fastserve (MLFQ levels, KV room and "
                         "prefix hits), prefix-affinity, round-robin, or pow2 (Ray Serve's "
@@ -45,7 +45,7 @@ def _serve_fleet(args: argparse.Namespace) -> int:
         from fastserve.cluster.app import FleetOptions, serve_fleet
     except ImportError as exc:  # the optional extra is missing: say how to get it
         raise ValueError(f"--replicas needs Ray Serve ({exc}); "
-                         "install it with: pip install 'fastserve[cluster]'") from None
+                         "install it with: pip install 'fastserve-mlfq[cluster]'") from None
     from fastserve.server.http_limits import HTTPLimits
 
     opts = FleetOptions(

@@ -23,6 +23,7 @@ from fastserve.engine.loras import AdapterSlots, LoRAAdapters, ServedAdapter, re
 from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.engine.startup_checks import check_cache_writable, check_stop_ids, check_weights_fit
+from fastserve.executor.cpu_kernels import decode_attention_kernel
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
 from fastserve.executor.distributed.stage import pool_sizes
@@ -31,6 +32,7 @@ from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.kv_sizing import CPU_KV_CACHE_GIB, check_pool_holds, gpu_max_batch_size
 from fastserve.executor.memory_profile import KVPoolPlan, plan_kv_pool
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
+from fastserve.logs import startup_step
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.model.loader import load_model, read_arch_config
 from fastserve.model.lora import Adapter, LoRAWeights
@@ -79,14 +81,23 @@ class LLMEngine:
             raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
         # Read before the weights (and the dtype probe, which runs the model's shapes): a broken
         # config, tokenizer.json or stop token fails in a second, and an absurd size at once.
-        self.tokenizer = Tokenizer(path)
-        self.arch = read_arch_config(path)
+        self.arch = read_arch_config(path)  # first: it says what a model argument may be
+        try:
+            self.tokenizer = Tokenizer(path, config.model.chat_template)
+        except FileNotFoundError as exc:
+            raise ValueError(f"cannot load the tokenizer: {exc}") from None
         check_stop_ids(self.tokenizer.eos_token_ids, self.arch.vocab_size, path)
         parallel = config.parallel
         check_weights_fit(self.arch, TORCH_DTYPES.get(config.model.dtype, torch.bfloat16),
                           config.model.device,
                           parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                           path / "config.json")
+        on_cpu = config.model.device == "cpu" or (config.model.device == "auto"
+                                                  and not torch.cuda.is_available())
+        if on_cpu:
+            # Built (once per version and machine) now, with a line saying so, rather than in
+            # the middle of the dtype probe or the first request.
+            decode_attention_kernel()
         # "auto" becomes a dtype here, before anything (profile cache, workers) reads it.
         config, self.dtype_choice = resolve_config(config, path)
         self.config = config
@@ -98,8 +109,10 @@ class LLMEngine:
         lora = config.lora
         weights: AdapterSlots | None = None
         if not is_distributed:  # else every rank loads its own shard (start_executor)
-            model, self.arch = load_model(path, dtype, config.model.device,
-                                          load_format=config.model.load_format)  # names what is missing
+            with startup_step(logger, f"loading {path} ({config.model.dtype}, "
+                                      f"{config.model.device})"):
+                model, self.arch = load_model(path, dtype, config.model.device,
+                                              load_format=config.model.load_format)
             if lora.is_enabled:
                 weights = LoRAWeights(model, self.arch, lora.max_loras + 1)
                 model.lora_batch = weights.batch
@@ -135,13 +148,15 @@ class LLMEngine:
             assert isinstance(self.runner, DistributedExecutor)
             self.runner.grammars = self.grammars
         if config.model.warmup:
-            self._warmup()
+            with startup_step(logger, "warm-up passes", expect_slow=False):
+                self._warmup()
         cost, profile_path = self._cost_model()
         self._build_core(cost)
         if profile_path is not None:
             # A fresh executor profile: add the engine's own work per iteration, measured
             # through this engine, so that the cached model predicts whole iterations.
-            overhead = measure_engine_overhead(self)
+            with startup_step(logger, "measuring the engine's overhead per iteration"):
+                overhead = measure_engine_overhead(self)
             if overhead is not None:
                 cost = overhead.apply(cost)
                 logger.info("engine overhead per iteration: %.2f ms + %.3f ms per decode",
@@ -582,7 +597,10 @@ class LLMEngine:
                 cost = cached
             else:
                 try:
-                    cost, fresh = profile_engine(self.runner), path
+                    with startup_step(logger, "profiling the cost model the scheduler decides "
+                                      "with (once per model, dtype and machine; cached in "
+                                      f"{path.parent})"):
+                        cost, fresh = profile_engine(self.runner), path
                 except ValueError as exc:  # e.g. a KV pool too small for the profile's batches
                     logger.warning("start-up profile skipped (%s); using the default cost model",
                                    exc)

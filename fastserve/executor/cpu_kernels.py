@@ -1,4 +1,6 @@
-"""CPU kernels compiled on first use with torch's C++ extension tooling.
+"""CPU kernels compiled once per version and machine with torch's C++ extension tooling:
+ahead of the first request (`LLMEngine` builds them before it loads the model, `fastserve
+build-kernels` and `make install` before anything runs), with a log line saying so.
 
 Optional by design: if no C++ compiler is present, or the CPU kernels are switched off
 (`cpu_kernels_enabled`), callers get None and fall back to plain PyTorch ops, which are correct
@@ -14,6 +16,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +32,10 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("decode_attention.cpp", "cpu_layers.cpp", "cpu_gemm.cpp",
                                        "cpu_moe.cpp", "cpu_sampling.cpp", "cpu_attention_amx.cpp")]
-_HEADERS = [_CSRC / "vec.h"]
+_HEADERS = [_CSRC / "vec.h", _CSRC / "aten_api.h"]
+# CPU-seconds a cold build takes (six files, most of it parsing torch's headers; measured on a
+# Zen 4 EPYC): the estimate the build's progress line gives.
+_BUILD_CPU_S = 60.0
 
 # "0" switches off every CPU-specific fast path: the compiled attention kernels (built with
 # -march=native) and the oneDNN-packed weights (`cpu_linear`). What is left is the plain-torch
@@ -77,10 +83,44 @@ def avx2_kernel_variant() -> ModuleType | None:
     return _build_kernel(avx2_only=True)
 
 
+def is_built() -> bool:
+    """Whether this version's kernels are built for this machine (switched off: nothing to
+    build). Reads two small files; builds nothing."""
+    return not cpu_kernels_enabled() or _is_finished(*_library_paths(_build_folder(False), False))
+
+
 @functools.cache
 def kernel_sources_digest() -> str:
     """A short hash of the kernels' C++ sources: what a build, or a timing of one, is of."""
     return hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:12]
+
+
+def _cflags(avx2_only: bool) -> list[str]:
+    # No implicit multiply-adds: the layer kernels round as the tensor ops do.
+    return ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
+            *(["-DFS_NO_AVX512_BF16"] if avx2_only else [])]
+
+
+def _build_folder(avx2_only: bool) -> Path:
+    """One build folder per source version and build (the flags, torch's version): checkouts
+    of different versions sharing a cache (old vs new in a benchmark, worktrees) neither
+    rebuild over each other nor load each other's kernel. -march=native: a cache shared by
+    machines of other CPUs keeps a build per kind."""
+    variant = "-avx2" if avx2_only else ""
+    recipe = hashlib.sha256(" ".join([torch.__version__, *_cflags(avx2_only)]).encode()
+                            ).hexdigest()[:8]
+    return (cache_dir() / "torch_extensions"
+            / f"decode_attention-{kernel_sources_digest()}-{recipe}-{cpu_isa()}{variant}")
+
+
+def _module_name(avx2_only: bool) -> str:
+    return "fastserve_decode_attention" + ("_avx2" if avx2_only else "")
+
+
+def _library_paths(build: Path, avx2_only: bool) -> tuple[Path, Path]:
+    """The built library and the stamp written once it is whole."""
+    name = _module_name(avx2_only)
+    return build / f"{name}.so", build / f"{name}.done"
 
 
 @functools.cache
@@ -88,20 +128,9 @@ def _build_kernel(avx2_only: bool = False) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        variant = "-avx2" if avx2_only else ""
-        name = "fastserve_decode_attention" + variant.replace("-", "_")
-        # No implicit multiply-adds: the layer kernels round as the tensor ops do.
-        cflags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off",
-                  *(["-DFS_NO_AVX512_BF16"] if avx2_only else [])]
-        # One build folder per source version and build (the flags, torch's version): checkouts
-        # of different versions sharing a cache (old vs new in a benchmark, worktrees) neither
-        # rebuild over each other nor load each other's kernel. -march=native: a cache shared
-        # by machines of other CPUs keeps a build per kind.
-        recipe = hashlib.sha256(" ".join([torch.__version__, *cflags]).encode()).hexdigest()[:8]
-        build = (cache_dir() / "torch_extensions"
-                 / f"decode_attention-{kernel_sources_digest()}-{recipe}-{cpu_isa()}{variant}")
+        name, build = _module_name(avx2_only), _build_folder(avx2_only)
         build.mkdir(parents=True, exist_ok=True)
-        library, done = build / f"{name}.so", build / f"{name}.done"
+        library, done = _library_paths(build, avx2_only)
         with _build_lock(build):
             if _is_finished(library, done):
                 return _import(name, library)
@@ -111,11 +140,16 @@ def _build_kernel(avx2_only: bool = False) -> ModuleType | None:
             # under our lock no build is running.
             for stale in (done, library, build / "lock"):
                 stale.unlink(missing_ok=True)
-            logger.info("building the CPU kernels (once per version and machine; about a "
-                        "minute on two cores) in %s", build)
-            module = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=cflags,
-                          extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            cores = max(1, min(len(os.sched_getaffinity(0)), len(_SOURCES)))
+            logger.info("building the CPU kernels for %s (one time per version and machine, "
+                        "about %.0f s on %d cores) in %s", cpu_isa(), _BUILD_CPU_S / cores,
+                        cores, build)
+            start = time.perf_counter()
+            module = load(name=name, sources=[str(p) for p in _SOURCES],
+                          extra_cflags=_cflags(avx2_only), extra_ldflags=["-fopenmp"],
+                          build_directory=str(build), verbose=False)
             done.write_text(_stamp(library))
+            logger.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
             return module
     except Exception as exc:  # no compiler, or a failed build: fall back, loudly
         logger.warning("CPU decode-attention kernel unavailable, using PyTorch ops: %s", exc)

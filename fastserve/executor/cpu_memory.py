@@ -15,6 +15,7 @@ mode is `madvise` (the common default) or `always`; elsewhere, or with the CPU k
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import mmap
 import sys
@@ -23,6 +24,9 @@ from pathlib import Path
 import torch
 
 from fastserve.executor.cpu_kernels import cpu_kernels_enabled
+from fastserve.logs import startup_step
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -57,7 +61,10 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
     start = -raw.data_ptr() % HUGE_PAGE
     out = raw[start : start + nbytes].view(dtype).view(shape)
-    out.zero_()
+    # Seconds on a busy machine, whose kernel must first compact memory into 2 MiB pages.
+    with startup_step(logger, f"faulting in {nbytes / 2**30:.2f} GiB of huge pages (the KV "
+                      "cache, packed weights)", expect_slow=False):
+        out.zero_()
     return out
 
 

@@ -10,7 +10,7 @@ prefills. The engine loop never waits for it: the request sits out of the batch 
 first sampled token until `is_ready` (`Scheduler.preparing`). Compiled grammars sit in an LRU
 keyed by the spec's text, so a schema sent again is not compiled again.
 
-xgrammar is an optional dependency (`pip install 'fastserve[structured]'`): without it a
+xgrammar is an optional dependency (`pip install 'fastserve-mlfq[structured]'`): without it a
 structured request is refused (`is_available`), everything else runs.
 """
 
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (each holds masks over the vocabulary: about a MiB for 128k tokens).
 DEFAULT_CACHE_SIZE = 128
-INSTALL_HINT = "structured output needs the xgrammar package: pip install 'fastserve[structured]'"
+INSTALL_HINT = "structured output needs the xgrammar package: pip install 'fastserve-mlfq[structured]'"
 
 
 def is_available() -> bool:

@@ -31,6 +31,7 @@ from fastserve.executor.speculative import PendingVerdicts, check
 from fastserve.executor.staging import take_rows, to_device
 from fastserve.executor.swap import make_swapper
 from fastserve.executor.token_feed import TokenFeed, drawn_tokens
+from fastserve.logs import startup_step
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.request import TokenLogprobs
@@ -188,8 +189,10 @@ class ModelRunner:
         if self.attn.supports_cuda_graphs and self.can_capture_graphs and not model_config.enforce_eager \
                 and model.lora_batch is None and not arch.num_experts:
             max_len = model_config.max_model_len or arch.max_position_embeddings
-            self.graphs = DecodeGraphs(model, self.attn, model_config.cuda_graph_max_batch_size,
-                                       max_blocks_per_seq=-(-max_len // self.block_size))
+            with startup_step(logger, "capturing the decode CUDA graphs"):
+                self.graphs = DecodeGraphs(model, self.attn,
+                                           model_config.cuda_graph_max_batch_size,
+                                           max_blocks_per_seq=-(-max_len // self.block_size))
         self._last_draft: SampleDraft | None = None  # the latest launch's tokens
         self._last_finish_s = 0.0
         # What runs, as chosen at start-up (logged; /metrics shows it as fastserve_executor_info).

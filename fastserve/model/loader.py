@@ -56,7 +56,7 @@ def load_model(
     """
     root = Path(path)
     if not root.is_dir():
-        raise ModelLoadError(f"model directory {str(root)!r} does not exist")
+        raise ModelLoadError(_not_a_checkpoint(root))
     if load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     arch = read_arch_config(root)
@@ -92,7 +92,7 @@ def fill_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
 def read_arch_config(root: Path) -> ArchConfig:
     config_path = root / "config.json"
     if not config_path.is_file():
-        raise ModelLoadError(f"{str(root)!r} has no config.json")
+        raise ModelLoadError(_not_a_checkpoint(root))
     try:
         with open(config_path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -101,6 +101,30 @@ def read_arch_config(root: Path) -> ArchConfig:
         raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
     except ValueError as e:
         raise ModelLoadError(f"{config_path}: {e}") from e
+
+
+# What a model argument may be, said by every refusal of one.
+_SUPPORTED = ("fastserve serves a local Hugging Face-format directory (config.json, "
+              "tokenizer.json and *.safetensors weights, or config.json alone with "
+              "--load-format dummy) or a built-in preset (`fastserve make-model --preset NAME "
+              "--out DIR`)")
+
+
+def _not_a_checkpoint(root: Path) -> str:
+    """Why `root` cannot be served, what can be, and how to get it in that form."""
+    text = str(root)
+    if root.suffix.lower() == ".gguf":
+        return (f"{text!r}: GGUF files are not supported; {_SUPPORTED}. Download the model's "
+                "original checkpoint instead: huggingface-cli download ORG/NAME --local-dir DIR")
+    if root.is_dir():
+        return f"{text!r} has no config.json; {_SUPPORTED}"
+    if not root.exists() and text.count("/") == 1 and not text.startswith((".", "~")):
+        return (f"{text!r} is not a local directory (models are not fetched from the Hugging "
+                f"Face Hub); {_SUPPORTED}. Download it first: huggingface-cli download {text} "
+                "--local-dir DIR, then serve DIR")
+    if not root.exists():
+        return f"{text!r} does not exist; {_SUPPORTED}"
+    return f"{text!r} is not a model directory; {_SUPPORTED}"
 
 
 def find_safetensors_files(root: Path) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from fastserve.request import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 # Used when the checkpoint ships no template: role-tagged turns, each closed by EOS. With
 # `tools`, a system turn lists them and asks for Hermes-style calls (Hermes 2/3's and Qwen
@@ -75,7 +78,9 @@ def check_encodable(text: str, param: str) -> str:
 class Tokenizer:
     """Text <-> token ids for one checkpoint directory."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template`: a Jinja chat template, or a file holding one, used instead of the
+        checkpoint's (`--chat-template`)."""
         root = Path(path)
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -105,7 +110,18 @@ class Tokenizer:
         ).ids[:1] == [self.bos_token_id]
         own_template = _chat_template(root, config)
         self.has_own_chat_template = own_template is not None
-        self.chat_template: str = own_template or DEFAULT_CHAT_TEMPLATE
+        if chat_template is not None:
+            self.chat_template: str = read_chat_template(chat_template)
+        elif own_template is not None:
+            self.chat_template = own_template
+        else:
+            # A model trained on another chat format answers a wrong one worse, and nothing
+            # else would tell the user it is not the model's own.
+            logger.warning("%s has no chat template of its own (chat_template in "
+                           "tokenizer_config.json, or chat_template.jinja): chat requests use "
+                           "a built-in ChatML-style template; give the model's with "
+                           "--chat-template FILE", root)
+            self.chat_template = DEFAULT_CHAT_TEMPLATE
         self._compiled_template: jinja2.Template | None = None
         self._template_variables: frozenset[str] | None = None
 
@@ -353,6 +369,24 @@ def _stop_ids(*sources: Any) -> list[int]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`'s value: the text of the file it names, else the value itself when it
+    is a Jinja template; ValueError naming the flag when it is neither or does not compile."""
+    path = Path(value)
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else value
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template: cannot read {value!r}: {exc}") from None
+    if text is value and not ("{{" in value or "{%" in value):
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template "
+                         "(inline templates hold {{ ... }} or {% ... %})")
+    try:
+        _compiled(text)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"--chat-template: does not compile: {exc}") from None
+    return text
 
 
 def _chat_template(root: Path, config: dict[str, Any]) -> str | None:

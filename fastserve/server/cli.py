@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import logging
 import math
 import os
 import signal
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastserve.args import add_engine_args, engine_config_from_args
 from fastserve.children import stop_children_on_signal
+from fastserve.logs import configure_logging
 from fastserve.server import reasoning
 from fastserve.server.http_limits import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -110,7 +110,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
         help="Hugging Face model directory (default: the built-in tiny preset)",
     )
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 = any free port")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port to listen on; 0 = any free port (default: {DEFAULT_PORT})")
     p.add_argument(
         "--served-model-name", default=None,
         help="the model name clients send (default: MODEL as given, or 'tiny')",
@@ -129,7 +130,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     p.add_argument("--grace-period-s", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may take to finish (default: 30)")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="the least severe log lines shown (default: info)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request (default: on)")
     p.add_argument("--tool-call-parser", default="auto", choices=[AUTO, *FORMATS],
@@ -149,11 +151,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
                    help="let chat requests bring their own Jinja chat template (chat_template); "
                    "rendering runs a client's template, sandboxed but unbounded in time "
                    "(default: refused with a 400)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines; changes nothing here: requests with "
+                   "tools may always leave tool_choice at auto and get the calls the model "
+                   "writes parsed into tool_calls (by --tool-call-parser) (default: off, the "
+                   "same)")
     _add_http_limit_args(p)
-    add_engine_args(p, skip=("model",))
     # A server runs the faster dtype for its machine unless told (measured on a CPU:
     # executor/dtype_choice.py); the Python API stays float32 unless asked.
-    p.set_defaults(func=_serve, dtype="auto")
+    add_engine_args(p, skip=("model",), defaults={"dtype": "auto"})
+    p.set_defaults(func=_serve)
 
 
 def _add_http_limit_args(p: argparse.ArgumentParser) -> None:
@@ -199,7 +206,7 @@ def serve(opts: ServeOptions, engine_args: argparse.Namespace) -> int:
     from fastserve.engine.async_llm import AsyncLLM
     from fastserve.server.app import build_app
 
-    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(opts.log_level)
     config = engine_config_from_args(engine_args)
     name = opts.served_model_name or config.model.model or "tiny"
     sock = _bind(opts.host, opts.port)  # before the slow part: a taken port fails at once
@@ -240,6 +247,9 @@ async def _main_loop(app: FastAPI, llm: AsyncLLM, sock: socket.socket, name: str
         uvicorn.Config(
             app,
             log_level=opts.log_level,
+            # None: uvicorn's loggers write through the root's handler (timestamped lines)
+            # instead of its own format.
+            log_config=None,
             access_log=opts.access_log,
             lifespan="off",
             http=limited_protocol(opts.http_limits),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,24 @@ def test_bench_sim_defaults_show_the_scheduler_matters(tmp_path: Path,
     # A flag given wins over the simulator's default; a rate given is not rescaled.
     assert bench("--num-requests", "50", "--cv", "1", "--rate", "3") == 0
     assert "over" in capsys.readouterr().out
+
+
+def test_bench_fleet_plots_each_router(tmp_path: Path, profile: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out, plot = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    assert bench("--profile", str(profile), "--policies", "fcfs", "--replicas", "2",
+                 "--router", "fastserve,pow2", "--num-requests", "40", "--load", "0.5",
+                 "--out", str(out), "--plot", str(plot)) == 0
+    assert set(json.loads(out.read_text())["results"]) == {"fastserve", "pow2"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out} and {plot}" in capsys.readouterr().out
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_the_run(
+        tmp_path: Path, profile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without it imports
+    out = tmp_path / "fleet.json"
+    with pytest.raises(ValueError, match=r"--plot needs matplotlib.*fastserve-mlfq\[plot\]"):
+        bench("--profile", str(profile), "--replicas", "2", "--num-requests", "20",
+              "--out", str(out), "--plot", str(tmp_path / "x.png"))
+    assert not out.exists()

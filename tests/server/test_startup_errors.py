@@ -31,7 +31,13 @@ class Failure:
 
     @property
     def error_lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.strip()]
+        """What stderr says beyond the start-up's INFO progress lines (each step logs what it
+        does and how long it took)."""
+        return [line for line in self.stderr.splitlines()
+                if line.strip() and not _INFO_LINE.match(line)]
+
+
+_INFO_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ INFO ")
 
 
 def serve(model: Path | None, *args: str, env: dict[str, str] | None = None) -> Failure:

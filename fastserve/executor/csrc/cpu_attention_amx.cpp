@@ -15,8 +15,7 @@
 //    O = P V in float32 tiles, divided by the row sums and rounded to bfloat16.
 // Two passes over a row (scores kept whole) instead of an online softmax: no rescaling of the
 // output tiles. A tile's score rows are 16 x the context in float32 (256 KiB at 4096 tokens).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_api.h"
 
 #include <algorithm>
 #include <cmath>

@@ -24,8 +24,7 @@
 // the block's last panel also prefetch their shares of the next block into L2.
 // Sums are float32 (the products of two bfloat16 are exact), rounded once to bfloat16 (nearest
 // even), as torch's matmul does; only the order of the sums differs from it.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_api.h"
 
 #include <algorithm>
 #include <cstring>

@@ -10,8 +10,7 @@
 // result is bit for bit torch's in bfloat16, within a last place in float16 and float32.
 // With AVX-512 BF16, bfloat16 SiLU-and-mul and rotary too (below; elsewhere torch's ops); and
 // float32 rotary on every CPU.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_api.h"
 
 #include <cmath>
 #include <cstring>

@@ -11,8 +11,7 @@
 // router's choices by the same ATen ops, each expert's rows by the same grouped kernels, each
 // output rounded to bfloat16, scaled by its weight rounded to bfloat16 (the product rounded),
 // the choices summed in float32 in their order and rounded once (torch's sum of bfloat16).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_api.h"
 
 #include <cstring>
 #include <vector>

@@ -6,8 +6,7 @@
 //
 // Each row is summed on one thread in one order whatever the batch holds, so a seeded
 // request's tokens do not depend on the rows beside it.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten_api.h"
 
 namespace {
 

@@ -24,8 +24,11 @@
 // Where the CPU has AVX-512 BF16 (the build is -march=native), a bfloat16 cache's decode scores
 // are bfloat16 dot products instead and V is widened sixteen lanes at a time: 1.2-1.3x the AVX2
 // path on 2 AMD EPYC cores (small and 7B head shapes). FS_NO_AVX512_BF16 builds without it.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// The Python bindings need pybind11 and its tensor type caster only, not all of
+// <torch/extension.h> (a third of its compile time).
+#include <torch/csrc/utils/pybind.h>
+
+#include "aten_api.h"
 
 #include "vec.h"
 

@@ -39,6 +39,7 @@ from fastserve.executor.distributed.worker import (
     run_worker,
     set_cpu_threads,
 )
+from fastserve.logs import DATE_FORMAT
 from fastserve.model.loader import read_arch_config
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ def run_torchrun_worker(args: argparse.Namespace) -> int:
     """Rank > 0 of a torchrun launch: serve rank 0's plans until it stops (never returns)."""
     config = engine_config_from_args(args)  # for the backend and timeout; the rest comes from rank 0
     rank = env_rank()
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt=DATE_FORMAT,
+                        format=f"%(asctime)s.%(msecs)03d %(levelname)s rank{rank} %(name)s: "
+                               "%(message)s")
     _check_torchrun(config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size)
     set_cpu_threads(config, env_local_world_size())
     init_default_group(config, init_method="env://")

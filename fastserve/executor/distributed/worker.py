@@ -32,6 +32,7 @@ from fastserve.executor.distributed.heartbeat import Heartbeat
 from fastserve.executor.distributed.layout import RankLayout
 from fastserve.executor.distributed.messages import ClearLoRA, LoadLoRA, StatsRequest, Step, Stop
 from fastserve.executor.distributed.stage import StageRunner, load_stage, rank_device
+from fastserve.logs import DATE_FORMAT
 from fastserve.model.make_model import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,9 @@ def spawned_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-timeout-s", type=float, required=True)
     args = parser.parse_args(argv)
     rank = args.rank
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt=DATE_FORMAT,
+                        format=f"%(asctime)s.%(msecs)03d %(levelname)s rank{rank} %(name)s: "
+                               "%(message)s")
     # Only what joining needs; the rest of the configuration comes from the driver.
     config = EngineConfig(model=ModelConfig(device=args.device),
                           parallel=ParallelConfig(worker_timeout_s=args.worker_timeout_s))
