@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import subprocess
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from fastserve.args import engine_config_from_args
 from fastserve.config import EngineConfig
+from fastserve.executor.device_choice import choose_device
 from fastserve.executor.distributed.env import (
     env_local_rank,
     env_local_world_size,
@@ -140,6 +142,8 @@ def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
 def run_torchrun_worker(args: argparse.Namespace) -> int:
     """Rank > 0 of a torchrun launch: serve rank 0's plans until it stops (never returns)."""
     config = engine_config_from_args(args)  # for the backend and timeout; the rest comes from rank 0
+    device = choose_device(config.model.device, torch.cuda.is_available())  # as rank 0 resolves it
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
     rank = env_rank()
     logging.basicConfig(level=logging.INFO, datefmt=DATE_FORMAT,
                         format=f"%(asctime)s.%(msecs)03d %(levelname)s rank{rank} %(name)s: "
