@@ -502,7 +502,9 @@ def test_runner_in_float16_on_triton_tracks_the_portable_backend(tiny_model_path
     """The whole model in float16 (what `--dtype auto` runs for a float16 checkpoint, and on
     a GPU without bfloat16): every fused kernel (norm, activation, rotary, store, prefill,
     decode) in float16 against the portable backend, to float16's rounding of the logits."""
-    cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4)
+    # A float16 cache by name: "auto" keeps a float32 one on a CPU without the C++ kernels.
+    cache = CacheConfig(block_size=8, num_device_blocks=24, num_host_blocks=4,
+                        kv_cache_dtype="float16")
     runners = _triton_and_torch_runners(tiny_model_path, cache, torch.float16)
     assert [r.attn.kv_cache.dtype for r in runners] == [torch.float16, torch.float16]
     assert runners[0].model.model.norm.weight.dtype == torch.float16  # type: ignore[union-attr]
