@@ -44,21 +44,15 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: benchmarks.*
+from benchmarks.fleet.fleet_real import Server, stop, wait_started  # noqa: E402
+
 PROFILE = REPO / "profiles" / "cpu-tiny-2threads-quiet.json"
-_URL_RE = re.compile(r"serving .* at (http://127\.0\.0\.1:\d+)/v1")
 _NON_EMPTY_TEXT = re.compile(rb'"text":"[^"]')
 _REPLICA_CMD = "ServeReplica:fastserve:engine"
 
 
 # -- servers ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str = ""
 
 
 def start(name: str, extra: list[str], args: argparse.Namespace, tree: Path = REPO,
@@ -74,28 +68,7 @@ def start(name: str, extra: list[str], args: argparse.Namespace, tree: Path = RE
         # this script's process group.
         proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    server = Server(name, proc, log)
-    deadline = time.monotonic() + timeout_s
-    while not server.url:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(server)
-            raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
-        match = _URL_RE.search(log.read_text(errors="replace"))
-        if match:
-            server.url = match.group(1)
-        time.sleep(0.2)
-    return server
-
-
-def stop(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-    server.log.unlink(missing_ok=True)
+    return wait_started(Server(name, proc, log), timeout_s)
 
 
 # -- /proc ------------------------------------------------------------------------------------

@@ -66,13 +66,18 @@ def start(name: str, extra: list[str], timeout_s: float = 600.0) -> Server:
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "RAY_DEDUP_LOGS": "0"}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(name, proc, log)
+    return wait_started(Server(name, proc, log), timeout_s)
+
+
+def wait_started(server: Server, timeout_s: float) -> Server:
+    """`server` once its log names its URL; stopped, its log's tail raised, if it dies first
+    or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while not server.url:
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if server.proc.poll() is not None or time.monotonic() > deadline:
             stop(server)
-            raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
-        match = _URL_RE.search(log.read_text(errors="replace"))
+            raise RuntimeError(f"{server.name} did not start:\n{server.log.read_text()[-3000:]}")
+        match = _URL_RE.search(server.log.read_text(errors="replace"))
         if match:
             server.url = match.group(1)
         time.sleep(0.2)
