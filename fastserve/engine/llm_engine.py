@@ -24,6 +24,7 @@ from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.engine.startup_checks import check_cache_writable, check_stop_ids, check_weights_fit
 from fastserve.executor.cpu_kernels import decode_attention_kernel
+from fastserve.executor.device_choice import choose_device
 from fastserve.executor.distributed.executor import DistributedExecutor
 from fastserve.executor.distributed.launch import start_executor
 from fastserve.executor.distributed.stage import pool_sizes
@@ -92,9 +93,7 @@ class LLMEngine:
                           config.model.device,
                           parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                           path / "config.json")
-        on_cpu = config.model.device == "cpu" or (config.model.device == "auto"
-                                                  and not torch.cuda.is_available())
-        if on_cpu:
+        if choose_device(config.model.device, torch.cuda.is_available()) == "cpu":
             # Built (once per version and machine) now, with a line saying so, rather than in
             # the middle of the dtype probe or the first request.
             decode_attention_kernel()
