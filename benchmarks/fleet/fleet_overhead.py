@@ -45,7 +45,13 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: benchmarks.*
-from benchmarks.fleet.fleet_real import Server, stop, wait_started  # noqa: E402
+from benchmarks.fleet.fleet_real import (  # noqa: E402
+    Server,
+    is_under,
+    processes,
+    stop,
+    wait_started,
+)
 
 PROFILE = REPO / "profiles" / "cpu-tiny-2threads-quiet.json"
 _NON_EMPTY_TEXT = re.compile(rb'"text":"[^"]')
@@ -74,38 +80,13 @@ def start(name: str, extra: list[str], args: argparse.Namespace, tree: Path = RE
 # -- /proc ------------------------------------------------------------------------------------
 
 
-def _processes() -> tuple[dict[int, int], dict[int, float], dict[int, str]]:
-    """Every process's parent, CPU seconds so far (utime + stime, all threads) and command."""
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    cmd: dict[int, str] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            cmd[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    return parent, cpu, cmd
-
-
 def cpu_by_role(root: int) -> dict[str, float]:
     """CPU seconds so far of `root` itself ("ingress"), the Serve replicas under it
     ("replicas") and everything else under it ("ray": GCS, raylet, controller, ...)."""
-    parent, cpu, cmd = _processes()
-
-    def under(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
+    parent, cpu, cmd = processes()
     out = {"ingress": cpu.get(root, 0.0), "replicas": 0.0, "ray": 0.0}
     for pid, seconds in cpu.items():
-        if pid != root and under(pid):
+        if pid != root and is_under(pid, root, parent):
             out["replicas" if _REPLICA_CMD in cmd.get(pid, "") else "ray"] += seconds
     return out
 
@@ -185,7 +166,7 @@ def measure(urls: list[str], prompts: list[list[int]], args: argparse.Namespace,
 def _cpu(roots: list[int], fleet_root: int | None) -> dict[str, float]:
     if fleet_root is not None:
         return cpu_by_role(fleet_root)
-    _, cpu, _ = _processes()
+    _, cpu, _ = processes()
     return {"servers": sum(cpu.get(pid, 0.0) for pid in roots)}
 
 

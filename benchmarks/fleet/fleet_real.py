@@ -162,49 +162,43 @@ async def throughput(server: Server, concurrency: int, num_requests: int, max_to
         return tokens / (time.perf_counter() - t0)
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds used so far by `root` and the processes under it (Ray's included)."""
+def processes() -> tuple[dict[int, int], dict[int, float], dict[int, str]]:
+    """Every process's parent, CPU seconds so far (utime + stime, all threads) and command."""
     parent: dict[int, int] = {}
     cpu: dict[int, float] = {}
+    cmd: dict[int, str] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
         parent[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    return parent, cpu, cmd
 
-    def under(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parent.get(pid, 0)
-        return False
 
-    return sum(c for p, c in cpu.items() if under(p))
+def is_under(pid: int, root: int, parent: dict[int, int]) -> bool:
+    """Whether `pid` is `root` or in its process tree."""
+    while pid > 1:
+        if pid == root:
+            return True
+        pid = parent.get(pid, 0)
+    return False
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by `root` and the processes under it (Ray's included)."""
+    parent, cpu, _ = processes()
+    return sum(c for p, c in cpu.items() if is_under(p, root, parent))
 
 
 def replica_pids(root: int) -> list[int]:
     """Ray Serve replica processes in `root`'s process tree."""
-    parent: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            names[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-
-    def under(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    return [p for p, cmd in names.items() if "ServeReplica:fastserve:engine" in cmd and under(p)]
+    parent, _, names = processes()
+    return [p for p, cmd in names.items()
+            if "ServeReplica:fastserve:engine" in cmd and is_under(p, root, parent)]
 
 
 async def kill_one(fleet: Server, concurrency: int, max_tokens: int) -> None:
