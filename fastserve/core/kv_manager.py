@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from fastserve.core.block_pool import BlockPool
 from fastserve.core.prefix_cache import CachingBlockPool, HostPrefixCache
+from fastserve.core.stats import KVStats
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -506,6 +507,21 @@ class KVCacheManager:
     def _num_valid(self, request_id: str, num_cached_tokens: int) -> int:
         have = len(self._tables.get(request_id, ()))
         return min(have, num_blocks_for(num_cached_tokens, self.block_size))
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            num_total_blocks=self.num_total_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_total_host_blocks=self.num_total_host_blocks,
+            num_free_host_blocks=self.num_free_host_blocks,
+            peak_used_blocks=self.peak_used_blocks,
+            num_swap_out_blocks=self.num_swap_out_blocks,
+            num_swap_in_blocks=self.num_swap_in_blocks,
+            num_cached_blocks=self.num_cached_blocks,
+            num_cached_host_blocks=self.num_cached_host_blocks,
+            num_host_hit_tokens=self.num_host_hit_blocks * self.block_size,
+            num_prefetched_tokens=self.num_prefetched_blocks * self.block_size,
+        )
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.device.num_used)

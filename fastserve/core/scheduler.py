@@ -30,6 +30,7 @@ from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest,
 from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 from fastserve.core.speculative import Drafter
+from fastserve.core.stats import SchedulerStats
 from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
 
 
@@ -157,6 +158,24 @@ class Scheduler(ABC):
         return {1: len(self.requests)}
 
     # -- what a fleet router reads ------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            kv=self.kv.stats(),
+            queue_lengths=self.queue_lengths(),
+            num_running=self.count(RequestStatus.RUNNING),
+            num_waiting=self.count(RequestStatus.WAITING),
+            num_preempted=self.count(RequestStatus.PREEMPTED),
+            num_swapped=self.count(RequestStatus.SWAPPED),
+            num_preemptions=self.num_preemptions,
+            num_offloads=self.moves.num_offloads,
+            num_uploads=self.moves.num_uploads,
+            num_recomputes=self.moves.num_recomputes,
+            num_prefix_query_tokens=self.num_prefix_query_tokens,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+        )
 
     def replica_stats(self, replica_id: str, now: float,
                       max_prefix_hashes: int = 8192) -> ReplicaStats:
