@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from fastserve.model.arch import ArchConfig
-from fastserve.model.make_model import CACHE_ENV, cache_dir
+from fastserve.paths import CACHE_ENV, cache_dir
 
 _GIB = 1 << 30
 

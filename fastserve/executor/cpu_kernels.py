@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from fastserve.model.make_model import cache_dir
+from fastserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from fastserve.model.tokenizer import DEFAULT_CHAT_TEMPLATE
+from fastserve.paths import cache_dir
 
 # --------------------------------------------------------------------------- corpus
 
@@ -324,15 +325,6 @@ def make_model(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-CACHE_ENV = "FASTSERVE_CACHE"
-
-
-def cache_dir() -> Path:
-    """`$FASTSERVE_CACHE`, else ~/.cache/fastserve."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "fastserve"
 
 
 # Bumped whenever what make-model writes changes, so that a cache made by an older version is

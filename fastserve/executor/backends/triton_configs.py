@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fastserve.model.make_model import cache_dir
+from fastserve.paths import cache_dir
 
 PROVENANCE_KEY = "_provenance"
 
