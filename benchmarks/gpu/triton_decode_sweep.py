@@ -97,7 +97,7 @@ def _configs(quick: bool, group: int) -> list[DecodeConfig]:
     grid = [DecodeConfig(block_n=n, num_warps=w, num_stages=st, use_dot=dot)
             for n, w, st, dot in itertools.product(block_ns, warps, stages, (False, True))
             if dot or group <= 4]  # a wide group's broadcast product outgrows registers
-    # Register caps for more programs an SM (kernel_sass, sm_90, Triton 3.6): 64 fit 8 programs
+    # Register caps for more programs an SM (triton_sass.py, sm_90, Triton 3.6): 64 fit 8 programs
     # of 32 keys and 4 warps (ptxas's 72: 7), so batch 32's 1,024 MHA programs run in one wave
     # on 132 SMs; 96 fit 5 of 64 keys over a float8 cache (its 106: 4), as many as bf16's.
     return grid + [DecodeConfig(block_n=32, num_warps=4, num_stages=2, max_registers=64),

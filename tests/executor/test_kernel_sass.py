@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels are then Python functio
 
 import torch  # noqa: E402
 
-from fastserve.executor.backends import kernel_sass as ks  # noqa: E402
+from benchmarks.gpu import triton_sass as ks  # noqa: E402
 from fastserve.executor.backends import triton_layers as layers  # noqa: E402
 from fastserve.executor.backends import triton_ops as ops  # noqa: E402
 from fastserve.executor.backends.triton_configs import DecodeConfig  # noqa: E402

@@ -73,8 +73,8 @@ def _dot_dtype(cache: torch.Tensor, q: torch.Tensor) -> tl.dtype:
 
 def _fp8_asm(cache: torch.Tensor, dot_dtype: tl.dtype) -> bool:
     """Whether float8 tiles widen through `_widen`'s inline PTX: compiled for a GPU (CPU
-    tensors mean Triton's interpreter, which has no PTX; `kernel_sass` compiles for a GPU
-    from tensors on the meta device)."""
+    tensors mean Triton's interpreter, which has no PTX; `benchmarks/gpu/triton_sass.py`
+    compiles for a GPU from tensors on the meta device)."""
     return is_fp8(cache.dtype) and dot_dtype == tl.float16 and cache.device.type != "cpu"
 
 
