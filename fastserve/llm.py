@@ -16,6 +16,7 @@ from tqdm import tqdm
 from fastserve.args import engine_config
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.executor.openmp import has_released, note_parallel_ops
+from fastserve.executor.platform import platform_for
 from fastserve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class LLM:
         (fastserve/executor/openmp.py)."""
         here = threading.current_thread()
         if (self._is_thread_warned or here is self._built_on or not self._built_on.is_alive()
-                or self.config.model.device != "cpu" or has_released(self._built_on)):
+                or not platform_for(self.config.model.device).runs_on_host_cores
+                or has_released(self._built_on)):
             return
         self._is_thread_warned = True
         logger.warning(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from fastserve.executor.device_choice import choose_device
+from fastserve.executor.platform import platform_for
 from fastserve.model.arch import ArchConfig
 from fastserve.paths import CACHE_ENV, cache_dir
 
@@ -59,9 +61,6 @@ def check_stop_ids(eos_token_ids: list[int], vocab_size: int, model_path: Path) 
 
 
 def _device_memory_bytes(device: str) -> int | None:
-    if device.startswith("cuda"):
-        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # not a POSIX system that says
-        return None
+    # NOTE: checked before the engine resolves `--device auto`: resolved here as it will be.
+    resolved = torch.device(choose_device(device, torch.cuda.is_available()))
+    return platform_for(resolved).total_memory_bytes(resolved)

@@ -43,8 +43,9 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from fastserve.executor.cpu_kernels import cpu_isa, cpu_kernels_enabled, decode_attention_kernel
+from fastserve.executor.cpu_kernels import cpu_isa, decode_attention_kernel
 from fastserve.executor.cpu_memory import huge_page_views
+from fastserve.executor.platform import platform_for
 from fastserve.model.layers import LinearBase, PackedWeight, ParallelLMHead
 from fastserve.model.mlp import SparseMoeBlock
 
@@ -127,7 +128,7 @@ def weight_layout(dtype: torch.dtype, device: torch.device) -> str:
     """Which packed layout weights of this dtype take here (see the module docstring):
     KERNEL_LAYOUT, "onednn-<dtype>", or "plain" (not on CPU, the CPU kernels switched off:
     FASTSERVE_CPU_KERNELS=0, no oneDNN, or no fast path for the dtype on this CPU)."""
-    if not cpu_kernels_enabled() or device.type != "cpu":
+    if not platform_for(device).runs_cpu_kernels():
         return "plain"
     kernel = _bf16_kernel() if dtype == torch.bfloat16 else None
     if kernel is not None:

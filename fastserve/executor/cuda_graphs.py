@@ -19,6 +19,7 @@ import torch
 
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import PagedAttention
+from fastserve.executor.platform import platform_for
 from fastserve.executor.token_feed import TokenFeed
 from fastserve.model.llama import LlamaForCausalLM
 
@@ -52,7 +53,7 @@ class DecodeGraphs:
 
     def __init__(self, model: LlamaForCausalLM, attn: PagedAttention, max_batch_size: int,
                  max_blocks_per_seq: int) -> None:
-        assert attn.supports_cuda_graphs and attn.device.type == "cuda"
+        assert attn.supports_cuda_graphs and platform_for(attn.device).captures_graphs
         self.model = model
         self.attn = attn
         self.sizes = capture_sizes(max_batch_size)

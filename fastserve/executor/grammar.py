@@ -38,6 +38,7 @@ from fastserve.executor.grammar_workers import (
     error_message,
     load_xgrammar,
 )
+from fastserve.executor.platform import platform_for
 from fastserve.model.tokenizer import Tokenizer
 from fastserve.request import InvalidRequestError, Request, StructuredOutputParams
 
@@ -552,11 +553,11 @@ def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None
     """-inf where the rows' bits are 0 (xgrammar's kernels: on the CPU 0.7 ms for 16 rows
     of 4096 tokens, where unpacking the bits with torch ops took longer)."""
     xgr = load_xgrammar()
-    if logits.device.type == "cpu":
+    backend = platform_for(logits.device).grammar_mask_backend()
+    if backend is None:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                         indices=rows)
         return
-    backend = "triton" if importlib.util.find_spec("triton") else "torch_native"
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                     vocab_size=logits.shape[-1], indices=rows,
                                     backend=backend)

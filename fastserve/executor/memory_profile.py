@@ -27,6 +27,7 @@ from fastserve.executor.kv_sizing import (
     kv_pool_bytes,
 )
 from fastserve.executor.model_runner import ModelRunner, kv_block_bytes
+from fastserve.executor.platform import platform_for
 from fastserve.model.arch import ArchConfig
 from fastserve.model.llama import LlamaForCausalLM
 from fastserve.request import SamplingParams
@@ -61,7 +62,7 @@ def plan_kv_pool(config: EngineConfig, model: LlamaForCausalLM, arch: ArchConfig
     if cache.kv_cache_gib is not None:
         return KVPoolPlan(max(1, int(cache.kv_cache_gib * GIB) // block_bytes),
                           f"--kv-cache-gib {cache.kv_cache_gib:g}")
-    if device.type != "cuda":
+    if not platform_for(device).profiles_kv_pool:
         return KVPoolPlan(max(1, int(CPU_KV_CACHE_GIB * GIB) // block_bytes),
                           f"{CPU_KV_CACHE_GIB:g} GiB, a CPU's default")
     num_tokens = min(config.scheduler.max_num_batched_tokens, num_seqs * max_model_len)

@@ -21,6 +21,7 @@ from fastserve.executor.grammar import GrammarMasks, StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing, apply_min_p
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, read_sampled, sampled_table
 from fastserve.executor.nucleus import filter_top_k_top_p
+from fastserve.executor.platform import platform_for
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.executor.token_feed import drawn_tokens
 from fastserve.request import TokenLogprobs
@@ -89,10 +90,11 @@ class Sampler:
         # GPU the rows without a seed race instead (`race`), as measured there before; on a
         # CPU the race's exponentials cost 0.5 ms a 32,000-token row (torch.multinomial
         # 0.7 ms), the inverse transform 0.06 ms (sampling_overhead.py --draw-ab).
-        self.batched_draw = device.type == "cuda" if batched_draw is None else batched_draw
+        platform = platform_for(device)
+        self.batched_draw = platform.batched_draw if batched_draw is None else batched_draw
         # Top-k / top-p: a GPU sorts whole rows; elsewhere a sort costs more than the model's
         # step, and selections do instead (`fastserve.executor.nucleus`).
-        self.filters_by_selection = device.type != "cuda"
+        self.filters_by_selection = not platform.sorts_rows
         # Top-p on a CPU, for the rows drawn one by one: drawn inside the nucleus by rejection
         # (`draw_in_nucleus`), no row filtered first; each round reads its answer on the host.
         self.nucleus_in_draw = self.filters_by_selection and not self.batched_draw
@@ -151,12 +153,11 @@ class Sampler:
             lp_table = sampled_table(raw, drawn_tokens(tokens, [place.get(i, -1) for i in lp_rows]), k)
         draft = SampleDraft(all_reqs, out, rows, tokens, readback, checked, errors, lp_rows,
                             lp_table)
-        if readback.is_cuda:
-            # NOTE: the copies back of an iteration; nothing waits for them until `read`.
-            draft.readback = _to_pinned(readback)
-            draft.lp_table = None if lp_table is None else _to_pinned(lp_table)
-            draft.copied = torch.cuda.Event()
-            draft.copied.record()
+        # NOTE: the copies back of an iteration (a GPU's); nothing waits for them until `read`.
+        platform = platform_for(readback.device)
+        draft.readback = platform.copy_to_host(readback)
+        draft.lp_table = None if lp_table is None else platform.copy_to_host(lp_table)
+        draft.copied = platform.copies_done()
         return draft
 
     def read(self, draft: SampleDraft) -> Sampled:
@@ -327,8 +328,3 @@ def probabilities(logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list
         return torch.softmax(filtered, dim=-1).masked_fill_(
             ~torch.isfinite(apply_min_p(filtered, min_p)), 0.0)
     return torch.softmax(apply_min_p(filtered, min_p), dim=-1)
-
-
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    """A copy of device tensor `t` on its way into pinned host memory (non_blocking)."""
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

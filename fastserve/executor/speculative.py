@@ -38,6 +38,7 @@ from fastserve.executor.draws import argmax_rows
 from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logits_processing import apply_logits_processing
 from fastserve.executor.logprobs import logprob_rows, raw_logprobs, sampled_table, table_entry
+from fastserve.executor.platform import platform_for
 from fastserve.executor.sampler import Sampler
 from fastserve.executor.staging import put_rows, take_rows, to_device
 from fastserve.request import TokenLogprobs
@@ -146,16 +147,12 @@ def check(sampler: Sampler, logits: torch.Tensor, reqs: list[ScheduledRequest],
         got = torch.where(accept, draft_ids, tokens)  # [R]: each row's token
         lp_table = sampled_table(raw, take_rows(got, lp_rows), lp_k)
     pending = PendingVerdicts(reqs, drafts, readback, lp_rows, lp_table, lp_k, errors)
-    if readback.is_cuda:  # NOTE: nothing waits for the copies until `read`
-        pending.readback = _to_host(readback)
-        pending.lp_table = None if lp_table is None else _to_host(lp_table)
-        pending.copied = torch.cuda.Event()
-        pending.copied.record()
+    # NOTE: on a GPU nothing waits for the copies back until `read`.
+    platform = platform_for(readback.device)
+    pending.readback = platform.copy_to_host(readback)
+    pending.lp_table = None if lp_table is None else platform.copy_to_host(lp_table)
+    pending.copied = platform.copies_done()
     return pending
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def _judge_sampled(sampler: Sampler, logits: torch.Tensor, rows: list[ScheduledRequest],

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fastserve.executor.platform import platform_for
+
 
 def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -13,9 +15,7 @@ def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
     with non_blocking: a copy from pageable memory waits for everything queued on the stream,
     which would hold the host behind the batch on the device (async scheduling launches the
     next batch, sampling included, while the previous one runs)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return platform_for(device).to_device(values, dtype, device)
 
 
 def take_rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

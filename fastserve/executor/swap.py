@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastserve.executor.attention import PagedAttention, as_bytes
+from fastserve.executor.platform import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +399,7 @@ def make_swapper(attn: PagedAttention, num_host_blocks: int, cpu_worker: str = "
     """The swapper for the cache's device: a copy stream on CUDA; on a CPU a copy thread
     (`cpu_worker="thread"`), copies on the compute thread ("inline"), or ("auto") the thread
     only when a core is free for it."""
-    if attn.k_caches[0].device.type == "cuda":
+    if platform_for(attn.k_caches[0].device).has_copy_stream:
         return CudaSwapper(attn, num_host_blocks)
     if cpu_worker not in ("auto", "thread", "inline"):
         raise ValueError(f"cpu_copy_worker must be 'auto', 'thread' or 'inline', got {cpu_worker!r}")

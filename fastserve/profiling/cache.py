@@ -11,8 +11,9 @@ from pathlib import Path
 from fastserve.clock import Timer
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.executor.cpu_kernels import cpu_kernels_enabled, kernel_sources_digest
+from fastserve.executor.cpu_kernels import kernel_sources_digest
 from fastserve.executor.model_runner import ModelRunner
+from fastserve.executor.platform import platform_for
 from fastserve.profiling.fit import fit_cost_model
 from fastserve.profiling.measure import ProfileGrid, measure
 
@@ -76,8 +77,9 @@ def profile_cache_key(model_path: str | Path, config: EngineConfig) -> str:
     faster kernel makes the old timings stale)."""
     m, c, p = config.model, config.cache, config.parallel
     kernels = ""
-    if m.device.startswith("cpu"):
-        kernels = f"|kernels-{kernel_sources_digest()}" if cpu_kernels_enabled() else "|kernels-off"
+    platform = platform_for(m.device)
+    if platform.runs_on_host_cores:
+        kernels = f"|kernels-{kernel_sources_digest()}" if platform.runs_cpu_kernels() else "|kernels-off"
     return (f"{Path(model_path).resolve()}|{m.dtype}|kv-{c.kv_cache_dtype}|{m.device}"
             f"|threads{m.num_threads}|tp{p.tensor_parallel_size}|pp{p.pipeline_parallel_size}"
             f"|bs{c.block_size}|fit{FIT_VERSION}{kernels}")

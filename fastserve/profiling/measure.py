@@ -19,6 +19,7 @@ from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
+from fastserve.executor.platform import platform_for
 from fastserve.model.loader import load_model
 from fastserve.model.make_model import resolve_model_path
 from fastserve.profiling.fit import FEATURES, Sample
@@ -187,8 +188,7 @@ class _Timer:
         self.runner.execute(SchedulerOutput(scheduled=[], finished_ids=[r.request_id for r in reqs]))
 
     def _sync(self) -> None:
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        platform_for(self.runner.device).synchronize(self.runner.device)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fastserve.executor.distributed.layout import RankLayout
+from fastserve.executor.platform import platform_for
 
 CTRL_TIMEOUT = timedelta(days=365)
 TAG_ACTIVATIONS = 1
@@ -43,7 +44,7 @@ class Groups:
 
 
 def data_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    return platform_for(device).collective_backend
 
 
 def new_ctrl_group() -> dist.ProcessGroup:

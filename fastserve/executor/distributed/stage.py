@@ -44,6 +44,7 @@ from fastserve.executor.model_runner import (
     kv_block_bytes,
     kv_cache_dtype,
 )
+from fastserve.executor.platform import platform_for
 from fastserve.model.arch import ArchConfig
 from fastserve.model.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from fastserve.model.llama import LlamaForCausalLM
@@ -119,10 +120,7 @@ def pool_sizes(config: EngineConfig, arch: ArchConfig) -> PoolSizes:
 
 def rank_device(device: str, local_rank: int) -> str:
     """CUDA ranks use one GPU each, counted from the configured one; CPU ranks share the CPU."""
-    if not device.startswith("cuda"):
-        return device
-    base = int(device.partition(":")[2] or 0)
-    return f"cuda:{base + local_rank}"
+    return platform_for(device).rank_device(device, local_rank)
 
 
 class _StageAttention:
@@ -312,8 +310,7 @@ def load_stage(
 ) -> StageRunner:
     """Load this rank's shard of the checkpoint and build its runner."""
     device = rank_device(config.model.device, local_rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+    platform_for(device).make_current(device)
     model, arch = load_model(model_path, TORCH_DTYPES[config.model.dtype], device,
                              tp_rank=layout.tp_rank, tp_size=layout.tp_size, layers=layout.layers,
                              load_format=config.model.load_format)

@@ -32,6 +32,7 @@ from fastserve.executor.distributed.heartbeat import Heartbeat
 from fastserve.executor.distributed.layout import RankLayout
 from fastserve.executor.distributed.messages import ClearLoRA, LoadLoRA, StatsRequest, Step, Stop
 from fastserve.executor.distributed.stage import StageRunner, load_stage, rank_device
+from fastserve.executor.platform import platform_for
 from fastserve.logs import DATE_FORMAT
 from fastserve.model.make_model import resolve_model_path
 
@@ -50,7 +51,7 @@ class Init:
 def set_cpu_threads(config: EngineConfig, local_world_size: int) -> None:
     """CPU ranks on one machine share its cores: `num_threads` each if given, else an equal
     share (at least one)."""
-    if config.model.device == "cpu":
+    if platform_for(config.model.device).runs_on_host_cores:
         share = max(1, (os.cpu_count() or 1) // local_world_size)
         torch.set_num_threads(config.model.num_threads or share)
 
@@ -73,7 +74,7 @@ def join(rank: int, local_rank: int, init: Init | None) -> tuple[Init, RankLayou
     dist.broadcast_object_list(box, src=0, group=ctrl)
     init = box[0]
     assert init is not None
-    if init.config.model.device == "cpu" and init.config.model.num_threads:
+    if platform_for(init.config.model.device).runs_on_host_cores and init.config.model.num_threads:
         torch.set_num_threads(init.config.model.num_threads)  # the driver's explicit setting
     p = init.config.parallel
     layout = RankLayout(rank, p.tensor_parallel_size, p.pipeline_parallel_size, init.num_layers)
