@@ -16,6 +16,7 @@ from fastserve.bench.profile_cli import add_profile_parser
 from fastserve.cluster.cli import add_fleet_args
 from fastserve.executor.distributed.env import is_torchrun_worker
 from fastserve.logs import configure_logging
+from fastserve.openmp_env import set_openmp_defaults
 from fastserve.request import SamplingParams
 from fastserve.server.cli import add_serve_parser
 
@@ -192,6 +193,8 @@ def version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # NOTE: first, before anything loads torch (and with it OpenMP, which reads this once).
+    set_openmp_defaults()
     args = build_parser().parse_args(argv)
     configure_logging("info")  # `serve` sets its own --log-level
     try:

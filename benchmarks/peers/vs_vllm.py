@@ -62,7 +62,6 @@ from typing import Protocol
 import httpx
 import numpy as np
 
-import fastserve
 from fastserve.bench.workloads import WorkItem, gamma_arrivals, trace_workload, zipf_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
@@ -196,11 +195,10 @@ def vllm_env(num_threads: int | None = None) -> dict[str, str]:
     # at batch 16 (or offline at batch 32: 8k).
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("PYTHONPATH", None)  # the peer must not see this repo's packages
-    # NOTE: importing fastserve here set its OpenMP defaults in this environment; the peer runs
-    # with its own (until this was dropped, vLLM inherited OMP_WAIT_POLICY=PASSIVE: 0.77-0.8x
-    # its offline throughput on a 2-core Sapphire Rapids).
-    for name in fastserve.OPENMP_DEFAULTS:
-        env.pop(name, None)
+    # NOTE: the peer runs with its own OpenMP defaults: fastserve writes its short spin only
+    # into the environment of its own engine processes (fastserve/openmp_env.py), not into
+    # this one's (a peer that inherited OMP_WAIT_POLICY=PASSIVE ran 0.77-0.8x its offline
+    # throughput on a 2-core Sapphire Rapids).
     return env
 
 

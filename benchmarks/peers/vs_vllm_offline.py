@@ -32,6 +32,9 @@ def prompts_for(args: argparse.Namespace, run: int = 0) -> list[list[int]]:
 
 
 def fastserve_runner(args: argparse.Namespace) -> Any:
+    from fastserve.openmp_env import set_openmp_defaults
+
+    set_openmp_defaults()  # before torch loads, as the `fastserve` command does
     from fastserve import LLM, SamplingParams
 
     # NOTE: the default 1 GiB KV pool (as vLLM's here, see vs_vllm.vllm_env) holds the batch.

@@ -43,6 +43,7 @@ from fastserve.executor.distributed.worker import (
 )
 from fastserve.logs import DATE_FORMAT
 from fastserve.model.loader import read_arch_config
+from fastserve.openmp_env import openmp_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ def spawn_workers(config: EngineConfig, world_size: int, port: int) -> list[subp
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    # OpenMP's short spin, read by a worker's libgomp as it starts (fastserve/openmp_env.py).
+    env.update(openmp_defaults(env))
     return [
         subprocess.Popen(
             [sys.executable, "-m", "fastserve.executor.distributed.worker",
