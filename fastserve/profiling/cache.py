@@ -8,10 +8,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from fastserve.clock import Timer
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.executor.cpu_kernels import kernel_sources_digest
+from fastserve.executor.device_choice import choose_device
 from fastserve.executor.model_runner import ModelRunner
 from fastserve.executor.platform import platform_for
 from fastserve.profiling.fit import fit_cost_model
@@ -77,7 +80,7 @@ def profile_cache_key(model_path: str | Path, config: EngineConfig) -> str:
     faster kernel makes the old timings stale)."""
     m, c, p = config.model, config.cache, config.parallel
     kernels = ""
-    platform = platform_for(m.device)
+    platform = platform_for(choose_device(m.device, torch.cuda.is_available()))  # "auto" too
     if platform.runs_on_host_cores:
         kernels = f"|kernels-{kernel_sources_digest()}" if platform.runs_cpu_kernels() else "|kernels-off"
     return (f"{Path(model_path).resolve()}|{m.dtype}|kv-{c.kv_cache_dtype}|{m.device}"

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
@@ -27,7 +28,7 @@ class FakeRunner:
     block_size: int = 16
     block_bytes: int = 1234
     arch: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_position_embeddings=2048))
-    device: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(type="cpu"))
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     now: float = 0.0
     plans: list[SchedulerOutput] = field(default_factory=list)
 
