@@ -1,16 +1,18 @@
 """Speculative decoding in the scheduler: which decodes draft, how many tokens, and the
 verdicts' counters. The `Drafter` (`fastserve.core.speculative`) proposes the tokens; this
-decides how many pay for themselves and finds them KV blocks."""
+decides how many pay for themselves, finds them KV blocks and takes the verdicts (the
+scheduler counts them)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.plan import ScheduledRequest
 from fastserve.core.speculative import Drafter
-from fastserve.request import Request
+from fastserve.core.stop import stop_reason
+from fastserve.request import FinishReason, Request
 
 
 class Drafting:
@@ -19,9 +21,8 @@ class Drafting:
         # Proposes drafted tokens for decodes (None: no request drafts; the step loops that
         # schedule while a batch runs leave it out, see `build_engine_core`).
         self.drafter: Drafter | None = None
-        self.drafts: dict[str, list[int]] = {}  # this iteration's, by request id
-        self.num_draft_tokens = 0  # drafted tokens verified, all time (/metrics)
-        self.num_accepted_tokens = 0  # of those, the ones the model kept
+        # This iteration's, by request id. NOTE: never replaced (the scheduler reads it).
+        self.drafts: dict[str, list[int]] = {}
 
     def use(self, drafter: Drafter | None) -> None:
         """Draft with `drafter` from the next iteration on (None: no request drafts)."""
@@ -34,7 +35,7 @@ class Drafting:
 
     def begin(self) -> None:
         """A new iteration: no drafts yet."""
-        self.drafts = {}
+        self.drafts.clear()
 
     def drop(self, request_id: str) -> None:
         if self.drafter is not None:
@@ -94,11 +95,26 @@ class Drafting:
             return 1  # a probe: its verdict may show the drafts are worth more
         return best
 
-    def verified(self, req: Request, sched: ScheduledRequest, num_accepted: int) -> None:
-        """Count a decode's verdict on its drafts: `num_accepted` kept."""
+    def take_verified(self, req: Request, sched: ScheduledRequest, tokens: list[int],
+                      eos_token_ids: Collection[int]) -> FinishReason | None:
+        """A decode that verified drafts: its tokens (the accepted drafts, then the model's
+        next) join the output up to the first that stops it (returns why; the caller
+        finishes it). The KV of the tokens fed up to the last accepted draft stays computed;
+        a rejected draft's is overwritten later."""
+        num_accepted = len(tokens) - 1
         req.num_draft_tokens += sched.num_draft_tokens
         req.num_accepted_tokens += num_accepted
-        self.num_draft_tokens += sched.num_draft_tokens
-        self.num_accepted_tokens += num_accepted
         if self.drafter is not None:
             self.drafter.observe(req.request_id, sched.num_draft_tokens, num_accepted)
+        reason = None
+        num_kept = 0
+        for t in tokens:
+            req.output_token_ids.append(t)
+            num_kept += 1
+            reason = stop_reason(req, t, eos_token_ids)
+            if reason is not None:
+                break
+        # NOTE: position start_pos is the last token before the drafts; a stop before the
+        # last accepted draft leaves the KV past its tokens uncounted.
+        req.num_computed_tokens = sched.start_pos + 1 + min(num_accepted, num_kept)
+        return reason

@@ -55,7 +55,14 @@ class InFlight:
 
     def schedule_ahead(self, plan: SchedulerOutput, requests: Mapping[str, Request],
                        drafter: Drafter | None) -> None:
-        """See `Scheduler.schedule_ahead`."""
+        """Async scheduling: `plan` runs on the device while the next plan is scheduled. Its
+        jobs' new tokens count as computed, and each job that samples holds a placeholder
+        token (PENDING_TOKEN), which the next plan's decode feeds from the device (a
+        grammar's mask, made on the host, waits for it: the executor draws that plan's tokens
+        once these are back, `AsyncExecutor.draw`). A job whose next step needs its token on
+        the host (a logits processor, a draft, a token that may be its last by length) sits
+        the next plan out, as a pipeline's jobs in flight do. The scheduler's `update` puts
+        the real tokens in. NOTE: only for a policy that `can_schedule_ahead`."""
         for sched in plan.scheduled:
             rid = sched.request_id
             req = requests.get(rid)

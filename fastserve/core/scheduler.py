@@ -2,11 +2,12 @@
 
 Every iteration the batch is chosen afresh: the scheduling policy it is given
 (`fastserve.core.scheduling_policy`) orders the unfinished requests by priority, and the
-scheduler walks that order filling the batch up to the batch size, the token budget
-and the KV blocks. A prefill takes what is left of the token budget: a prompt
-longer than that is prefilled in chunks over several iterations (chunked prefill), beside the
-running decodes, and may be preempted between chunks like any started job. A request that ran last iteration and is not picked now is
-preempted between tokens and keeps its KV cache. When a request cannot get its blocks, the
+scheduler walks that order filling the batch up to the batch size, the token budget and the KV
+blocks. A prefill takes what is left of the token budget: a longer prompt is prefilled in
+chunks over several iterations (chunked prefill), beside the running decodes, and may be
+preempted between chunks like any started job. A request that ran last iteration and is not
+picked now is preempted between tokens and keeps its KV cache. When a request cannot get its
+blocks, the
 KV policy (`fastserve.core.kv_policy`) may take them from started requests less urgent than it
 and outside the batch: their KV is offloaded to host memory or dropped for recompute, so the
 engine never deadlocks and never drops a job. A swapped request is uploaded before it runs, and
@@ -20,7 +21,6 @@ Pure Python over ints and floats: no torch and no clock; `now` is passed in.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from operator import attrgetter
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
@@ -33,7 +33,7 @@ from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutpu
 from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.core.replica_stats import ReplicaStats
 from fastserve.core.routing_stats import RoutingStats
-from fastserve.core.scheduling_policy import SchedulingPolicy
+from fastserve.core.scheduling_policy import SchedulingPolicy, by_priority
 from fastserve.core.speculative import Drafter
 from fastserve.core.stats import SchedulerStats
 from fastserve.core.stop import mark_stop, stop_reason
@@ -65,32 +65,30 @@ class Scheduler:
         # Times the walk asked the KV policy to defer a job's turn, all time: what scheduling
         # under pressure costs (looking at every swapped job of a long queue made it grow).
         self.num_defer_asks = 0
-        # Prefix cache: tokens of the jobs started (or restarted after a recompute), and of
-        # those the tokens found cached (/metrics: queries and hits).
+        # Prefix cache: tokens of the jobs (re)started, and of those the tokens found cached.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
-        # What gives way when device blocks run short (default: proactive with no host pool,
-        # which acts as `defer`).
+        self.num_draft_tokens = 0  # drafted tokens verified, all time (/metrics)
+        self.num_accepted_tokens = 0  # of those, the ones the model kept
+        # What gives way when device blocks run short (default: `proactive`, no host pool).
         self.kv_policy = kv_policy or make_kv_policy(CacheConfig())
         self._order_now: Sequence[Request] = ()  # this iteration's order, for ENST
         self._resident_now: list[tuple[int, Request]] | None = None  # see `resident`
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # ENST per request, computed when asked
-        # Batches still running (the step loop reports them, `InFlight`): `in_flight` are
-        # their jobs, `ahead` and `_placeholders` async scheduling's (see `schedule_ahead`).
+        # Batches still running, as the step loop reports them (see `InFlight`).
         self.flight = InFlight()
         self.in_flight: Collection[str] = self.flight.ids
         self.ahead: Collection[str] = self.flight.ahead
         self._placeholders = self.flight.placeholders
-        # Jobs whose preparation is not done (a grammar compiling, beside the loop): they may
-        # prefill but not sample, so they sit out of the batch at their last prompt token, KV
-        # kept, until the engine says they are ready (`prepared`). Those past their prompt
-        # never wait.
+        # Jobs whose preparation (a grammar compiling) is not done: they may prefill but not
+        # sample, so they sit out at their last prompt token, KV kept, until `prepared`.
         self.preparing: set[str] = set()
         self.moves = KVMoves(kv, self.in_flight, policy.on_recompute)  # every KV move goes here
         self._routing = RoutingStats()
         self._num_prioritized = 0  # unfinished requests whose priority is not 0
-        self.drafting = Drafting(kv)  # speculative decoding: drafts and their counters
+        self.drafting = Drafting(kv)  # speculative decoding
+        self._drafts = self.drafting.drafts  # this iteration's, by request id
         policy.attach(self)
 
     # -- requests in and out ------------------------------------------------------------
@@ -135,17 +133,15 @@ class Scheduler:
         self.policy.on_finish(req, now)
 
     def prepare(self, request_id: str) -> None:
-        """The request's preparation (a grammar compiling) is not done: it may prefill but
-        not sample until `prepared`."""
+        """It may prefill but not sample until `prepared` (see `preparing`)."""
         self.preparing.add(request_id)
 
     def prepared(self, request_ids: Collection[str]) -> None:
         self.preparing.difference_update(request_ids)
 
     def recalibrate(self, cost: CostModel) -> None:
-        """Decide with `cost` from the next iteration on: the engine's running check found
-        its iterations taking a steady multiple of what the old model predicted
-        (`CostModelCheck`). Policies whose settings derive from the cost model rescale them."""
+        """Decide with `cost` from the next iteration on (the engine's `CostModelCheck` found
+        the old one off by a steady multiple); the policy rescales what derives from it."""
         self.cost = cost
         self.policy.recalibrate(cost)
 
@@ -154,34 +150,16 @@ class Scheduler:
         self.drafting.use(drafter)
 
     @property
-    def drafter(self) -> Drafter | None:
-        return self.drafting.drafter
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.drafting.num_draft_tokens
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self.drafting.num_accepted_tokens
-
-    @property
-    def can_schedule_ahead(self) -> bool:
-        return self.policy.can_schedule_ahead
-
-    @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def count(self, status: RequestStatus) -> int:
         return sum(1 for r in self.requests.values() if r.status is status)
 
-    def queue_lengths(self) -> dict[int, int]:
-        """Unfinished requests per priority queue (1 = most urgent), as the policy has them."""
+    def queue_lengths(self) -> dict[int, int]:  # (the policy's queues, 1 = most urgent)
         return self.policy.queue_lengths()
 
-    def level_of(self, request_id: str) -> int | None:
-        """The request's priority queue (0 = the most urgent), or None when it is not here."""
+    def level_of(self, request_id: str) -> int | None:  # (0 = the most urgent queue)
         return self.policy.level_of(request_id)
 
     def num_in_top_queues(self, num_queues: int) -> int:
@@ -201,16 +179,14 @@ class Scheduler:
             num_recomputes=self.moves.num_recomputes,
             num_prefix_query_tokens=self.num_prefix_query_tokens,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
-            num_draft_tokens=self.drafting.num_draft_tokens,
-            num_accepted_tokens=self.drafting.num_accepted_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def replica_stats(self, replica_id: str, now: float,
                       max_prefix_hashes: int = 8192) -> ReplicaStats:
-        """This replica's snapshot for a fleet router (`fastserve.fleet`): O(jobs + cached
-        hashes), changes nothing. The simulator's replicas and the real engine both call it.
-        NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
-        steps the engine, not from another thread while one runs."""
+        """This replica's snapshot for a fleet router (`fastserve.fleet`; see `RoutingStats`).
+        NOTE: call it between iterations, on the thread that steps the engine."""
         return self._routing.replica_stats(self, replica_id, now, max_prefix_hashes)
 
     # -- one iteration ------------------------------------------------------------------
@@ -230,7 +206,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
         order = self._order_now = self.flight.not_in_flight(
-            self._by_priority(self.policy.order(now)))
+            by_priority(self.policy.order(now), self._num_prioritized))
         max_jobs = self.flight.max_jobs(self.config.max_batch_size, len(self.requests))
         drafter = self.drafting.drafter
         # Started jobs the walk may pass without a look once the batch holds one (the KV
@@ -290,24 +266,9 @@ class Scheduler:
         self.policy.on_schedule(plan)
         return plan
 
-    def _by_priority(self, order: list[Request]) -> list[Request]:
-        """Requests' `priority` over the policy's order: a lower value runs first, whatever
-        the policy says; within one value, the policy's order (a stable sort). NOTE: strict,
-        as vLLM's priority scheduling: a steady stream of urgent requests starves the others
-        (the policy's starvation promotion works within a priority)."""
-        if not self._num_prioritized:
-            return order
-        return sorted(order, key=attrgetter("priority"))
-
     def schedule_ahead(self, plan: SchedulerOutput) -> None:
-        """Async scheduling: `plan` runs on the device while the next plan is scheduled. Its
-        jobs' new tokens count as computed, and each job that samples holds a placeholder
-        token (PENDING_TOKEN), which the next plan's decode feeds from the device (a
-        grammar's mask, made on the host, waits for it: the executor draws that plan's tokens
-        once these are back, `AsyncExecutor.draw`). A job whose next step needs its token on
-        the host (a logits processor, a draft, a token that may be its last by length) sits
-        the next plan out, as a pipeline's jobs in flight do.
-        `update` puts the real tokens in. NOTE: only for a policy that `can_schedule_ahead`."""
+        """Async scheduling: `plan` runs on the device while the next is scheduled (see
+        `InFlight.schedule_ahead`); `update` puts the real tokens in."""
         self.flight.schedule_ahead(plan, self.requests, self.drafting.drafter)
 
     def update(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> list[Request]:
@@ -332,7 +293,13 @@ class Scheduler:
                 touched.append(req)
                 continue
             if sched.num_draft_tokens:
-                self._take_verified(req, sched, out.verified_token_ids.get(rid, [token]), now)
+                tokens = out.verified_token_ids.get(rid, [token])
+                reason = self.drafting.take_verified(req, sched, tokens, self.eos_token_ids)
+                self.num_draft_tokens += sched.num_draft_tokens
+                self.num_accepted_tokens += len(tokens) - 1
+                self._cache_computed(req)
+                if reason is not None:
+                    self._end(req, req.output_token_ids[-1], reason, now)
                 touched.append(req)
                 continue
             if not is_ahead:  # (ahead: counted when scheduled ahead, or since dropped)
@@ -359,28 +326,6 @@ class Scheduler:
         self.policy.on_update(touched)
         return touched
 
-    def _take_verified(self, req: Request, sched: ScheduledRequest, tokens: list[int],
-                       now: float) -> None:
-        """A decode that verified drafts: its tokens (the accepted drafts, then the model's
-        next) join the output up to the first that stops it. The KV of the tokens fed up to
-        the last accepted draft stays computed; a rejected draft's is overwritten later."""
-        num_accepted = len(tokens) - 1
-        self.drafting.verified(req, sched, num_accepted)
-        reason = None
-        num_kept = 0
-        for t in tokens:
-            req.output_token_ids.append(t)
-            num_kept += 1
-            reason = stop_reason(req, t, self.eos_token_ids)
-            if reason is not None:
-                break
-        # NOTE: position start_pos is the last token before the drafts; a stop before the
-        # last accepted draft leaves the KV past its tokens uncounted.
-        req.num_computed_tokens = sched.start_pos + 1 + min(num_accepted, num_kept)
-        self._cache_computed(req)
-        if reason is not None:
-            self._end(req, req.output_token_ids[-1], reason, now)
-
     def _end(self, req: Request, token: int, reason: FinishReason, now: float) -> None:
         """Finish a request whose output `token` ended it (`stop_reason`)."""
         mark_stop(req, token, reason, self.eos_token_ids)
@@ -394,10 +339,6 @@ class Scheduler:
 
     def _admit_tokens(self, req: Request) -> int:
         return self.policy.admit_tokens(req)
-
-    @property
-    def _drafts(self) -> dict[str, list[int]]:
-        return self.drafting.drafts
 
     @property
     def order(self) -> Sequence[Request]:

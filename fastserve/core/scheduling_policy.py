@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
+from operator import attrgetter
 from typing import ClassVar, Protocol
 
 from fastserve.config import SchedulerConfig
@@ -159,3 +160,13 @@ class SchedulingPolicy(ABC):
             left = r.num_tokens - r.num_computed_tokens
             work += self.cost.prefill_s(left, r.num_computed_tokens) if left > 1 else step_s
         return [work]
+
+
+def by_priority(order: list[Request], num_prioritized: int) -> list[Request]:
+    """Requests' `priority` over a policy's order (`num_prioritized` of them not 0): a lower
+    value runs first, whatever the policy says; within one value, the policy's order (a
+    stable sort). NOTE: strict, as vLLM's priority scheduling: a steady stream of urgent
+    requests starves the others (a policy's starvation promotion works within a priority)."""
+    if not num_prioritized:
+        return order
+    return sorted(order, key=attrgetter("priority"))

@@ -50,7 +50,7 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
         scheduler.use_drafter(Drafter(config.speculative))
         return PipelinedEngineCore(scheduler, executor, clock)
     if asked or (asked is None and default_async_scheduling(config)):
-        if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
+        if isinstance(executor, AsyncExecutor) and scheduler.policy.can_schedule_ahead:
             if drafting:
                 logger.warning("speculative decoding: only requests with a prediction draft "
                                "under async scheduling (a draft follows the token still on "

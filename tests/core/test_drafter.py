@@ -118,9 +118,9 @@ def _drafts_under(cost: CostModel, verdicts: tuple[tuple[int, int], ...] = (),
     plan = sched.schedule(0.0)
     sched.update(plan, ExecutorOutput([100], 0.01), 0.01)
     if not fresh:
-        sched.drafter.propose(req, 0)  # a step that drafted nothing: the drafter knows it now
+        sched.drafting.drafter.propose(req, 0)  # a step that drafted nothing: the drafter knows it now
     for drafted, kept in verdicts:
-        sched.drafter.observe("a", drafted, kept)
+        sched.drafting.drafter.observe("a", drafted, kept)
     (s,) = sched.schedule(0.01).scheduled
     return s.num_draft_tokens
 
