@@ -79,7 +79,6 @@ class Scheduler:
         # Batches still running, as the step loop reports them (see `InFlight`).
         self.flight = InFlight()
         self.in_flight: Collection[str] = self.flight.ids
-        self.ahead: Collection[str] = self.flight.ahead
         self._placeholders = self.flight.placeholders
         # Jobs whose preparation (a grammar compiling) is not done: they may prefill but not
         # sample, so they sit out at their last prompt token, KV kept, until `prepared`.
@@ -109,13 +108,16 @@ class Scheduler:
             self.finish(req, FinishReason.ABORT, now)
         return req
 
-    def finish(self, req: Request, reason: FinishReason, now: float) -> None:
-        """End a request and free its blocks at once."""
+    def finish(self, req: Request, reason: FinishReason, now: float,
+               error: str | None = None) -> None:
+        """End a request (failed with `error`, if given) and free its blocks at once."""
         if req.is_finished:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_s = now
+        if error is not None:
+            req.error = error
         if req.request_id in self._placeholders:  # its last token never came back
             self._placeholders.discard(req.request_id)
             req.output_token_ids.pop()
@@ -132,8 +134,7 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
         self.policy.on_finish(req, now)
 
-    def prepare(self, request_id: str) -> None:
-        """It may prefill but not sample until `prepared` (see `preparing`)."""
+    def prepare(self, request_id: str) -> None:  # (see `preparing`)
         self.preparing.add(request_id)
 
     def prepared(self, request_ids: Collection[str]) -> None:
@@ -145,8 +146,7 @@ class Scheduler:
         self.cost = cost
         self.policy.recalibrate(cost)
 
-    def use_drafter(self, drafter: Drafter | None) -> None:
-        """Speculative decoding with `drafter` (None: no request drafts)."""
+    def use_drafter(self, drafter: Drafter | None) -> None:  # (None: no request drafts)
         self.drafting.use(drafter)
 
     @property
@@ -288,8 +288,8 @@ class Scheduler:
             if not keeps_result(sched):  # the policy abandoned this job's iteration
                 continue
             if rid in out.failed or (sched.samples and token < 0):  # its sampling failed
-                self.finish(req, FinishReason.ERROR, now)
-                req.error = out.failed.get(rid, "sampling failed on the sampler rank")
+                self.finish(req, FinishReason.ERROR, now,
+                            out.failed.get(rid, "sampling failed on the sampler rank"))
                 touched.append(req)
                 continue
             if sched.num_draft_tokens:

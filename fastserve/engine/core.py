@@ -133,8 +133,7 @@ class EngineCore:
         for s in plan.scheduled:
             req = self.scheduler.requests.get(s.request_id)
             if req is not None:
-                self.scheduler.finish(req, FinishReason.ERROR, now)
-                req.error = f"{type(exc).__name__}: {exc}"
+                self.scheduler.finish(req, FinishReason.ERROR, now, f"{type(exc).__name__}: {exc}")
                 failed.append(req)
         return failed
 

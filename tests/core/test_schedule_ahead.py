@@ -54,7 +54,7 @@ def test_the_next_plan_feeds_pending_tokens_and_update_puts_the_real_ones() -> N
     sched.abort("r2", 0.0)
     assert other.output_token_ids == [13, 23] and other.finish_reason is FinishReason.ABORT
     assert sched.update(third, _out(third, {"r1": 31, "r2": 33}), 0.0) == []
-    assert not sched.ahead and not sched.has_unfinished
+    assert not sched.flight.ahead and not sched.has_unfinished
     assert sched.kv.num_free_blocks == free_at_start
 
 
