@@ -236,7 +236,7 @@ def test_drafts_keep_to_the_grammar(llm: LLM) -> None:
     # The output itself, and a prediction that follows it for a few tokens, then leaves JSON.
     off = [tok.encode(tok.decode(w[:3]) + '"bad": \'x\', 7}}', add_special_tokens=False) for w in want]
     plans = record_launches(engine)
-    drafter = engine.scheduler.drafter
+    drafter = engine.scheduler.drafting.drafter
     assert drafter is not None and drafter.vet is not None
     vet, cuts = drafter.vet, []
     drafter.vet = lambda req, draft: cuts.append((len(draft), n := vet(req, draft))) or n

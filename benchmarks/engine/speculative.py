@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--every-draft", action="store_true",
                     help="also run each prediction with the cost model's cut of the drafts "
-                         "off (Scheduler._drafts_worth: every draft the step allows)")
+                         "off (Drafting.drafts_worth: every draft the step allows)")
     ap.add_argument("--schema", action="store_true",
                     help="hold every request to a JSON schema (structured output)")
     args = ap.parse_args()
@@ -112,11 +112,12 @@ def main() -> None:
                 for label in labels[shift:] + labels[:shift]:
                     kind, _, every = label.partition(", ")
                     if every:  # NOTE: a benchmark's A/B: the instance's method replaced
-                        scheduler._drafts_worth = lambda drafter, req, limit: limit  # type: ignore[method-assign]
+                        scheduler.drafting.drafts_worth = (  # type: ignore[method-assign]
+                            lambda req, limit, cost, num_jobs: limit)
                     try:
                         tps, got, drafted, accepted = run(llm, prompts, params[kind])
                     finally:
-                        scheduler.__dict__.pop("_drafts_worth", None)
+                        scheduler.drafting.__dict__.pop("drafts_worth", None)
                     assert got == want, f"{label}: the output changed"
                     figures[label].append(tps)
                     counts[label] = (drafted, accepted)

@@ -1,57 +1,61 @@
 """Iteration-level scheduler: the shared mechanism under every policy.
 
-Every iteration the batch is chosen afresh: the policy orders the unfinished requests by
-priority (`_order`), and the base class walks that order filling the batch up to the batch size,
-the token budget and the KV blocks. A prefill takes what is left of the token budget: a prompt
-longer than that is prefilled in chunks over several iterations (chunked prefill), beside the
-running decodes, and may be preempted between chunks like any started job. A request that ran last iteration and is not picked now is
-preempted between tokens and keeps its KV cache. When a request cannot get its blocks, the
+Every iteration the batch is chosen afresh: the scheduling policy it is given
+(`fastserve.core.scheduling_policy`) orders the unfinished requests by priority, and the
+scheduler walks that order filling the batch up to the batch size, the token budget and the KV
+blocks. A prefill takes what is left of the token budget: a longer prompt is prefilled in
+chunks over several iterations (chunked prefill), beside the running decodes, and may be
+preempted between chunks like any started job. A request that ran last iteration and is not
+picked now is preempted between tokens and keeps its KV cache. When a request cannot get its
+blocks, the
 KV policy (`fastserve.core.kv_policy`) may take them from started requests less urgent than it
 and outside the batch: their KV is offloaded to host memory or dropped for recompute, so the
 engine never deadlocks and never drops a job. A swapped request is uploaded before it runs, and
 the KV policy may move KV ahead of need once the batch is chosen; the plan carries the copies.
+Stop criteria (`stop`), drafting (`drafting`), the batches in flight (`in_flight`) and the
+fleet router's snapshot (`routing_stats`) live in modules of their own.
 
 Pure Python over ints and floats: no torch and no clock; `now` is passed in.
 """
 
 from __future__ import annotations
 
-import math
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from operator import attrgetter
+from collections.abc import Collection, Sequence
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
+from fastserve.core.drafting import Drafting
+from fastserve.core.in_flight import InFlight
 from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.kv_moves import KVMoves
 from fastserve.core.kv_policy import KVPolicy, make_kv_policy
-from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.prefix_cache import extend_block_hashes
-from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
+from fastserve.core.replica_stats import ReplicaStats
+from fastserve.core.routing_stats import RoutingStats
+from fastserve.core.scheduling_policy import SchedulingPolicy, by_priority
 from fastserve.core.speculative import Drafter
 from fastserve.core.stats import SchedulerStats
+from fastserve.core.stop import mark_stop, stop_reason
 from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
 
 
-class Scheduler(ABC):
-    """Base of all policies. Subclasses supply the priority order and their accounting."""
-
-    # Whether a plan may be scheduled while the previous one runs (`schedule_ahead`): not for
-    # a policy that may abandon a job's result after scheduling it again.
-    can_schedule_ahead = True
+class Scheduler:
+    """The walk, the requests' lifecycle and the KV moves, under the policy it is given."""
 
     def __init__(
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
         cost: CostModel,
+        policy: SchedulingPolicy,
         eos_token_ids: Sequence[int] = (),
         kv_policy: KVPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.cost = cost
+        self.policy = policy
         self.eos_token_ids = frozenset(eos_token_ids)
         # Unfinished requests in arrival order (dicts keep insertion order).
         self.requests: dict[str, Request] = {}
@@ -61,53 +65,42 @@ class Scheduler(ABC):
         # Times the walk asked the KV policy to defer a job's turn, all time: what scheduling
         # under pressure costs (looking at every swapped job of a long queue made it grow).
         self.num_defer_asks = 0
-        # Prefix cache: tokens of the jobs started (or restarted after a recompute), and of
-        # those the tokens found cached (/metrics: queries and hits).
+        # Prefix cache: tokens of the jobs (re)started, and of those the tokens found cached.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
-        # What gives way when device blocks run short (default: proactive with no host pool,
-        # which acts as `defer`).
+        self.num_draft_tokens = 0  # drafted tokens verified, all time (/metrics)
+        self.num_accepted_tokens = 0  # of those, the ones the model kept
+        # What gives way when device blocks run short (default: `proactive`, no host pool).
         self.kv_policy = kv_policy or make_kv_policy(CacheConfig())
         self._order_now: Sequence[Request] = ()  # this iteration's order, for ENST
         self._resident_now: list[tuple[int, Request]] | None = None  # see `resident`
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # ENST per request, computed when asked
-        # Pipeline parallelism: jobs of batches still in the pipeline are running. They are
-        # not scheduled, taken as victims or counted as preempted until their batch is back
-        # (`PipelinedEngineCore` keeps this set). With `pipeline_depth` batches in flight, a
-        # batch takes at most 1/depth of the unfinished jobs, so that every stage has one.
-        self.in_flight: set[str] = set()
-        self.pipeline_depth = 1
-        # Async scheduling (`schedule_ahead`): jobs of the batch on the device that the next
-        # plan may run again before its tokens are back (their KV counts as computed), and of
-        # those the ones holding a placeholder token (PENDING_TOKEN) at the end of their outputs.
-        self.ahead: set[str] = set()
-        self._placeholders: set[str] = set()
-        # Jobs whose preparation is not done (a grammar compiling, beside the loop): they may
-        # prefill but not sample, so they sit out of the batch at their last prompt token, KV
-        # kept, until the engine takes them out of this set. Those past their prompt never wait.
+        # Batches still running, as the step loop reports them (see `InFlight`).
+        self.flight = InFlight()
+        self.in_flight: Collection[str] = self.flight.ids
+        self._placeholders = self.flight.placeholders
+        # Jobs whose preparation (a grammar compiling) is not done: they may prefill but not
+        # sample, so they sit out at their last prompt token, KV kept, until `prepared`.
         self.preparing: set[str] = set()
-        self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
-        self._replica_model: ReplicaModel | None = None  # built by `replica_model`
+        self.moves = KVMoves(kv, self.in_flight, policy.on_recompute)  # every KV move goes here
+        self._routing = RoutingStats()
         self._num_prioritized = 0  # unfinished requests whose priority is not 0
-        # Speculative decoding: proposes drafted tokens for decodes (None: no request drafts;
-        # the step loops that schedule while a batch runs leave it out, see `build_engine_core`),
-        # and this iteration's drafts by request id.
-        self.drafter: Drafter | None = None
-        self._drafts: dict[str, list[int]] = {}
-        self.num_draft_tokens = 0  # drafted tokens verified, all time (/metrics)
-        self.num_accepted_tokens = 0  # of those, the ones the model kept
+        self.drafting = Drafting(kv)  # speculative decoding
+        self._drafts = self.drafting.drafts  # this iteration's, by request id
+        policy.attach(self)
 
     # -- requests in and out ------------------------------------------------------------
 
     def add_request(self, req: Request, now: float) -> None:
+        self.policy.check(req)  # NOTE: before anything is filed, so a bad one leaves no trace
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         check_fits(req, self.kv)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self._num_prioritized += req.priority != 0
-        self._on_add(req, now)
+        self.policy.on_add(req, now)
 
     def abort(self, request_id: str, now: float) -> Request | None:
         req = self.requests.get(request_id)
@@ -115,13 +108,16 @@ class Scheduler(ABC):
             self.finish(req, FinishReason.ABORT, now)
         return req
 
-    def finish(self, req: Request, reason: FinishReason, now: float) -> None:
-        """End a request and free its blocks at once."""
+    def finish(self, req: Request, reason: FinishReason, now: float,
+               error: str | None = None) -> None:
+        """End a request (failed with `error`, if given) and free its blocks at once."""
         if req.is_finished:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_s = now
+        if error is not None:
+            req.error = error
         if req.request_id in self._placeholders:  # its last token never came back
             self._placeholders.discard(req.request_id)
             req.output_token_ids.pop()
@@ -131,19 +127,27 @@ class Scheduler(ABC):
             self.kv.park(req.request_id, req.all_token_ids()[:n], req.cache_salt)
         else:
             self.kv.free(req.request_id)
-        if self.drafter is not None:
-            self.drafter.drop(req.request_id)
+        self.drafting.drop(req.request_id)
         self.preparing.discard(req.request_id)
         del self.requests[req.request_id]
         self._num_prioritized -= req.priority != 0
         self._finished_ids.append(req.request_id)
-        self._on_finish(req, now)
+        self.policy.on_finish(req, now)
+
+    def prepare(self, request_id: str) -> None:  # (see `preparing`)
+        self.preparing.add(request_id)
+
+    def prepared(self, request_ids: Collection[str]) -> None:
+        self.preparing.difference_update(request_ids)
 
     def recalibrate(self, cost: CostModel) -> None:
-        """Decide with `cost` from the next iteration on: the engine's running check found
-        its iterations taking a steady multiple of what the old model predicted
-        (`CostModelCheck`). Policies whose settings derive from the cost model rescale them."""
+        """Decide with `cost` from the next iteration on (the engine's `CostModelCheck` found
+        the old one off by a steady multiple); the policy rescales what derives from it."""
         self.cost = cost
+        self.policy.recalibrate(cost)
+
+    def use_drafter(self, drafter: Drafter | None) -> None:  # (None: no request drafts)
+        self.drafting.use(drafter)
 
     @property
     def has_unfinished(self) -> bool:
@@ -152,12 +156,14 @@ class Scheduler(ABC):
     def count(self, status: RequestStatus) -> int:
         return sum(1 for r in self.requests.values() if r.status is status)
 
-    def queue_lengths(self) -> dict[int, int]:
-        """Unfinished requests per priority queue (1 = most urgent). One queue by default;
-        the MLFQ policies report one entry per level."""
-        return {1: len(self.requests)}
+    def queue_lengths(self) -> dict[int, int]:  # (the policy's queues, 1 = most urgent)
+        return self.policy.queue_lengths()
 
-    # -- what a fleet router reads ------------------------------------------------------
+    def level_of(self, request_id: str) -> int | None:  # (0 = the most urgent queue)
+        return self.policy.level_of(request_id)
+
+    def num_in_top_queues(self, num_queues: int) -> int:
+        return self.policy.num_in_top_queues(num_queues)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -179,48 +185,9 @@ class Scheduler(ABC):
 
     def replica_stats(self, replica_id: str, now: float,
                       max_prefix_hashes: int = 8192) -> ReplicaStats:
-        """This replica's snapshot for a fleet router (`fastserve.fleet`): O(jobs + cached
-        hashes), changes nothing. The simulator's replicas and the real engine both call it.
-        NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
-        steps the engine, not from another thread while one runs."""
-        hashes, cut = (self.kv.cached_hashes(max_prefix_hashes) if self.kv.is_caching
-                       else (frozenset(), False))
-        return ReplicaStats(
-            replica_id=replica_id, time_s=now, num_requests=len(self.requests),
-            queued_work_s=tuple(self.queued_work_s()),
-            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_total_blocks,
-            prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut,
-            level_reach=tuple(self.level_reach()))
-
-    def replica_model(self) -> ReplicaModel:
-        """The static part of `replica_stats`, built once (again after `recalibrate`)."""
-        model = self._replica_model
-        if model is None or model.cost is not self.cost:
-            quanta_s, charge_mode = self._routing_levels()
-            model = self._replica_model = ReplicaModel(
-                block_size=self.kv.block_size, max_batch_size=self.config.max_batch_size,
-                max_num_batched_tokens=self.config.max_num_batched_tokens, quanta_s=quanta_s,
-                charge_mode=charge_mode, cost=self.cost, policy=self.config.policy)
-        return model
-
-    def _routing_levels(self) -> tuple[tuple[float, ...], str]:
-        """(quanta per level, charge mode) for `ReplicaModel`: one unbounded level by default."""
-        return (math.inf,), "own"
-
-    def level_reach(self) -> list[float]:
-        """`ReplicaStats.level_reach`: one level, which every job reaches."""
-        return [1.0]
-
-    def queued_work_s(self) -> list[float]:
-        """`ReplicaStats.queued_work_s`: by default one level, every job's rest of its prefill
-        (or one full-batch decode step's share, for a decoding job)."""
-        b = self.config.max_batch_size
-        step_s = self.cost.iteration_s(0, b, 0) / b
-        work = 0.0
-        for r in self.requests.values():
-            left = r.num_tokens - r.num_computed_tokens
-            work += self.cost.prefill_s(left, r.num_computed_tokens) if left > 1 else step_s
-        return [work]
+        """This replica's snapshot for a fleet router (`fastserve.fleet`; see `RoutingStats`).
+        NOTE: call it between iterations, on the thread that steps the engine."""
+        return self._routing.replica_stats(self, replica_id, now, max_prefix_hashes)
 
     # -- one iteration ------------------------------------------------------------------
 
@@ -230,7 +197,7 @@ class Scheduler(ABC):
         self._enst = None
         self._resident_now = None
         self._now = now
-        self._drafts = {}
+        self.drafting.begin()
         self.kv_policy.begin(self, now)
         batch: list[Request] = []
         in_batch: set[str] = set()
@@ -238,8 +205,10 @@ class Scheduler(ABC):
         num_tokens = 0
         budget = self.config.max_num_batched_tokens
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
-        order = self._order_now = self._not_in_flight(self._by_priority(self._order(now)))
-        max_jobs = self._max_jobs()
+        order = self._order_now = self.flight.not_in_flight(
+            by_priority(self.policy.order(now), self._num_prioritized))
+        max_jobs = self.flight.max_jobs(self.config.max_batch_size, len(self.requests))
+        drafter = self.drafting.drafter
         # Started jobs the walk may pass without a look once the batch holds one (the KV
         # policy's say), and the other started requests not yet walked past: once new
         # requests stop being admitted and this reaches 0, nothing later in the order can run
@@ -284,129 +253,30 @@ class Scheduler(ABC):
                 if not started:
                     admitting = False
                 continue
-            if num_new == 1 and self.drafter is not None and done == req.num_tokens - 1 \
+            if num_new == 1 and drafter is not None and done == req.num_tokens - 1 \
                     and req.request_id not in self._placeholders:  # (its last token is known)
-                num_new += self._draft(req, budget - num_tokens - 1)
+                num_new += self.drafting.draft(req, budget - num_tokens - 1, self.cost,
+                                               len(self._batch_ids))
             batch.append(req)
             in_batch.add(req.request_id)
             chunks[req.request_id] = num_new
             num_tokens += num_new
         self.kv_policy.plan_ahead(self, order, batch, now)
-        return self._plan(batch, chunks)
-
-    def _draft(self, req: Request, max_tokens: int) -> int:
-        """Speculative decoding: draft tokens for a decode of `req` that holds its blocks for
-        its next token (at most `max_tokens`, the iteration's token budget left); returns how
-        many (kept in `_drafts`). Drafts take a free block when they need one, never room
-        made by moving another job's KV: they fit in what is there or are cut short."""
-        assert self.drafter is not None
-        if not self.drafter.drafts_for(req):
-            return 0
-        p = req.params
-        # NOTE: k drafts give at most k + 1 tokens, and feed positions up to num_tokens - 1 + k.
-        limit = min(max_tokens, p.max_tokens - req.num_output_tokens - 1,
-                    req.max_model_len - req.num_tokens, self.drafter.num_speculative_tokens)
-        draft = self.drafter.propose(req, self._drafts_worth(self.drafter, req, limit))
-        if not draft:
-            return 0
-        rid = req.request_id
-        need = req.num_tokens + len(draft)
-        if self.kv.allocate(rid, need) is None:
-            held = len(self.kv.block_table(rid)) * self.kv.block_size
-            draft = draft[: max(0, len(draft) - (need - held))]
-        if draft:
-            self._drafts[rid] = draft
-        return len(draft)
-
-    def _drafts_worth(self, drafter: Drafter, req: Request, limit: int) -> int:
-        """How many drafts (at most `limit`) the cost model says pay for themselves: with the
-        request's acceptance a, j drafts yield a + a^2 + ... + a^j tokens on average, each
-        sparing it a decode step (its share of one: the fixed cost split over the last
-        batch's jobs, plus its own decode), for the cost of feeding j more tokens. Where a
-        step is weight-bound (a small batch, a GPU) that is cheap and every draft pays; where
-        it is compute-bound (a CPU's large batch) only well-kept drafts do."""
-        if limit <= 0:
-            return 0
-        cost = self.cost
-        a = drafter.acceptance(req)
-        ctx = req.num_tokens
-        num_jobs = max(1, len(self._batch_ids))
-        share_s = cost.iteration_s(0, num_jobs, num_jobs * ctx) / num_jobs
-        decode_s = cost.iteration_s(0, 1, ctx)
-        best, best_gain, expected, a_j = 0, 0.0, 0.0, 1.0
-        for j in range(1, limit + 1):
-            a_j *= a
-            expected += a_j
-            n = 1 + j  # the last token and j drafts, fed as a chunk after ctx - 1 cached ones
-            extra_s = cost.iteration_s(n, 0, 0, n * n + 2 * n * (ctx - 1), ctx - 1) - decode_s
-            gain = expected * share_s - extra_s
-            if gain > best_gain:
-                best, best_gain = j, gain
-        if best == 0 and drafter.is_due_probe(req):
-            return 1  # a probe: its verdict may show the drafts are worth more
-        return best
-
-    def _by_priority(self, order: list[Request]) -> list[Request]:
-        """Requests' `priority` over the policy's order: a lower value runs first, whatever
-        the policy says; within one value, the policy's order (a stable sort). NOTE: strict,
-        as vLLM's priority scheduling: a steady stream of urgent requests starves the others
-        (the policy's starvation promotion works within a priority)."""
-        if not self._num_prioritized:
-            return order
-        return sorted(order, key=attrgetter("priority"))
-
-    def _not_in_flight(self, order: Sequence[Request]) -> Sequence[Request]:
-        if not self.in_flight:
-            return order
-        return [r for r in order if r.request_id not in self.in_flight]
-
-    def _max_jobs(self) -> int:
-        if self.pipeline_depth == 1:
-            return self.config.max_batch_size
-        share = -(-len(self.requests) // self.pipeline_depth)
-        return max(1, min(self.config.max_batch_size, share))
+        plan = self._plan(batch, chunks)
+        self.policy.on_schedule(plan)
+        return plan
 
     def schedule_ahead(self, plan: SchedulerOutput) -> None:
-        """Async scheduling: `plan` runs on the device while the next plan is scheduled. Its
-        jobs' new tokens count as computed, and each job that samples holds a placeholder
-        token (PENDING_TOKEN), which the next plan's decode feeds from the device (a
-        grammar's mask, made on the host, waits for it: the executor draws that plan's tokens
-        once these are back, `AsyncExecutor.draw`). A job whose next step needs its token on
-        the host (a logits processor, a draft, a token that may be its last by length) sits
-        the next plan out, as a pipeline's jobs in flight do.
-        `update` puts the real tokens in. NOTE: only for a policy that `can_schedule_ahead`."""
-        for sched in plan.scheduled:
-            rid = sched.request_id
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            if not self._can_go_ahead(req, sched):
-                self.in_flight.add(rid)
-                continue
-            self.ahead.add(rid)
-            req.num_computed_tokens = sched.num_context_tokens
-            if sched.samples:
-                req.output_token_ids.append(PENDING_TOKEN)
-                self._placeholders.add(rid)
-
-    def _can_go_ahead(self, req: Request, sched: ScheduledRequest) -> bool:
-        if not sched.samples:  # a prefill chunk: the next chunk's tokens are the prompt's
-            return True
-        p = req.params
-        if p.max_tokens == 0:
-            return False
-        if p.logits_processors:  # NOTE: a processor may keep state from one step to the next
-            return False
-        if self.drafter is not None and self.drafter.wants_last_token(req):
-            return False  # its next step drafts after its last token: it sits one plan out
-        num_output = len(req.output_token_ids) + 1  # with the token on the device
-        return num_output < p.max_tokens and req.num_prompt_tokens + num_output < req.max_model_len
+        """Async scheduling: `plan` runs on the device while the next is scheduled (see
+        `InFlight.schedule_ahead`); `update` puts the real tokens in."""
+        self.flight.schedule_ahead(plan, self.requests, self.drafting.drafter)
 
     def update(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> list[Request]:
         """Take the sampled tokens; returns the requests that got a token (finished ones too)."""
-        self._on_iteration(plan, out, now)
+        self.policy.on_iteration(plan, out, now)
         touched: list[Request] = []
-        ahead, placeholders = self.ahead, self._placeholders  # NOTE: empty in step (no async)
+        keeps_result = self.policy.keeps_result
+        ahead, placeholders = self.flight.ahead, self._placeholders  # NOTE: empty in step
         for sched, token in zip(plan.scheduled, out.sampled_token_ids):
             rid = sched.request_id
             is_ahead = bool(ahead) and rid in ahead
@@ -415,15 +285,21 @@ class Scheduler(ABC):
             req = self.requests.get(rid)
             if req is None:  # aborted while the iteration ran
                 continue
-            if not self._keeps_result(sched):  # the policy abandoned this job's iteration
+            if not keeps_result(sched):  # the policy abandoned this job's iteration
                 continue
             if rid in out.failed or (sched.samples and token < 0):  # its sampling failed
-                self.finish(req, FinishReason.ERROR, now)
-                req.error = out.failed.get(rid, "sampling failed on the sampler rank")
+                self.finish(req, FinishReason.ERROR, now,
+                            out.failed.get(rid, "sampling failed on the sampler rank"))
                 touched.append(req)
                 continue
             if sched.num_draft_tokens:
-                self._take_verified(req, sched, out.verified_token_ids.get(rid, [token]), now)
+                tokens = out.verified_token_ids.get(rid, [token])
+                reason = self.drafting.take_verified(req, sched, tokens, self.eos_token_ids)
+                self.num_draft_tokens += sched.num_draft_tokens
+                self.num_accepted_tokens += len(tokens) - 1
+                self._cache_computed(req)
+                if reason is not None:
+                    self._end(req, req.output_token_ids[-1], reason, now)
                 touched.append(req)
                 continue
             if not is_ahead:  # (ahead: counted when scheduled ahead, or since dropped)
@@ -443,95 +319,26 @@ class Scheduler(ABC):
                 req.output_token_ids.append(token)
             if req.first_token_s is None:
                 req.first_token_s = now
-            reason = self._stop_reason(req, token)
+            reason = stop_reason(req, token, self.eos_token_ids)
             if reason is not None:
                 self._end(req, token, reason, now)
             touched.append(req)
+        self.policy.on_update(touched)
         return touched
 
-    def _take_verified(self, req: Request, sched: ScheduledRequest, tokens: list[int],
-                       now: float) -> None:
-        """A decode that verified drafts: its tokens (the accepted drafts, then the model's
-        next) join the output up to the first that stops it. The KV of the tokens fed up to
-        the last accepted draft stays computed; a rejected draft's is overwritten later."""
-        num_accepted = len(tokens) - 1
-        req.num_draft_tokens += sched.num_draft_tokens
-        req.num_accepted_tokens += num_accepted
-        self.num_draft_tokens += sched.num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if self.drafter is not None:
-            self.drafter.observe(req.request_id, sched.num_draft_tokens, num_accepted)
-        reason = None
-        num_kept = 0
-        for t in tokens:
-            req.output_token_ids.append(t)
-            num_kept += 1
-            reason = self._stop_reason(req, t)
-            if reason is not None:
-                break
-        # NOTE: position start_pos is the last token before the drafts; a stop before the
-        # last accepted draft leaves the KV past its tokens uncounted.
-        req.num_computed_tokens = sched.start_pos + 1 + min(num_accepted, num_kept)
-        self._cache_computed(req)
-        if reason is not None:
-            self._end(req, req.output_token_ids[-1], reason, now)
+    def _end(self, req: Request, token: int, reason: FinishReason, now: float) -> None:
+        """Finish a request whose output `token` ended it (`stop_reason`)."""
+        mark_stop(req, token, reason, self.eos_token_ids)
+        self.finish(req, reason, now)
 
-    # -- policy hooks ---------------------------------------------------------------------
-
-    @abstractmethod
-    def _order(self, now: float) -> list[Request]:
-        """Unfinished requests, most urgent first. Requests left out are not run."""
-
-    def _admit_tokens(self, req: Request) -> int:
-        """Tokens of KV to reserve when a request (re)starts, beyond what its first iteration
-        writes (0: blocks come as its chunks and tokens need them). Orca reserves the maximum."""
-        return 0
-
-    def level_of(self, request_id: str) -> int | None:
-        """The request's priority queue (0 = the most urgent), or None when it is not here.
-        One queue by default; the MLFQ policies have one per level."""
-        return 0 if request_id in self.requests else None
-
-    def num_in_top_queues(self, num_queues: int) -> int:
-        """Unfinished requests in the `num_queues` most urgent queues."""
-        return len(self.requests) if num_queues > 0 else 0
-
-    def estimate_next_run_s(self, order: Sequence[Request], now: float) -> list[float]:
-        """Estimated next scheduled time (ENST) of each request of `order`, in seconds from
-        `now`: the KV policies offload the largest first and upload the smallest first.
-
-        Default: the request's place in the order times a full batch's per-job decode step,
-        which only ranks them (a policy without levels cannot say more). MLFQ overrides it.
-        """
-        b = self.config.max_batch_size
-        step_s = self.cost.iteration_s(0, b, 0) / b
-        return [i / b * step_s for i in range(len(order))]
-
-    def _on_add(self, req: Request, now: float) -> None:
-        pass
-
-    def _on_finish(self, req: Request, now: float) -> None:
-        pass
-
-    def _on_recompute(self, req: Request) -> None:
-        """A request's KV was dropped: it has a prefill to redo."""
-
-    def _on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
-        """Accounting after an iteration (MLFQ charges attained service here)."""
-
-    def _keeps_result(self, sched: ScheduledRequest) -> bool:
-        """Whether the job keeps this iteration's token (called after `_on_iteration`).
-
-        False leaves the request as if the iteration had not run for it (its time is still
-        spent): `mlfq-preempt` abandons iterations that overrun a quantum.
-        """
-        return True
-
-    # -- shared mechanism -----------------------------------------------------------------
+    # -- what the KV policy and the allocation read ---------------------------------------
 
     def admit_tokens(self, req: Request) -> int:
         """Tokens of KV the request needs to start (its prompt, or Orca's reservation)."""
-        return max(req.num_tokens, self._admit_tokens(req))
+        return max(req.num_tokens, self.policy.admit_tokens(req))
+
+    def _admit_tokens(self, req: Request) -> int:
+        return self.policy.admit_tokens(req)
 
     @property
     def order(self) -> Sequence[Request]:
@@ -555,9 +362,8 @@ class Scheduler(ABC):
         """The request's ENST this iteration (see `estimate_next_run_s`), computed once."""
         if self._enst is None:
             order = self._order_now
-            self._enst = dict(
-                zip((r.request_id for r in order), self.estimate_next_run_s(order, self._now))
-            )
+            self._enst = dict(zip((r.request_id for r in order),
+                                  self.policy.estimate_next_run_s(order, self._now)))
         return self._enst.get(req.request_id, float("inf"))
 
     def _allocate(self, req: Request, target: int, start: int, in_batch: set[str], now: float,
@@ -725,32 +531,6 @@ class Scheduler(ABC):
             copies=copies,
             preempted_ids=preempted,
         )
-
-    def _end(self, req: Request, token: int, reason: FinishReason, now: float) -> None:
-        """Finish a request whose output `token` ended it (`_stop_reason`)."""
-        if reason is FinishReason.STOP:
-            if self._is_stop_token(req, token):
-                req.stop_token = token
-            else:
-                req.is_repetitive = True
-        self.finish(req, reason, now)
-
-    def _is_stop_token(self, req: Request, token: int) -> bool:
-        p = req.params
-        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        num_output = len(req.output_token_ids)
-        if num_output >= p.min_tokens and self._is_stop_token(req, token):
-            return FinishReason.STOP
-        if num_output >= p.max_tokens or len(req.prompt_token_ids) + num_output >= req.max_model_len:
-            return FinishReason.LENGTH
-        repetition = p.repetition_detection
-        if repetition is not None and num_output >= p.min_tokens and repetition.repeats(
-                req.output_token_ids):
-            return FinishReason.STOP
-        return None
 
 
 def check_fits(req: Request, kv: KVCacheManager) -> None:

@@ -47,10 +47,10 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
             logger.info("pipeline parallelism keeps its own batches in flight: "
                         "--async-scheduling adds nothing to it")
         # A request is in one batch in flight at most: it is scheduled with its tokens known.
-        scheduler.drafter = Drafter(config.speculative)
+        scheduler.use_drafter(Drafter(config.speculative))
         return PipelinedEngineCore(scheduler, executor, clock)
     if asked or (asked is None and default_async_scheduling(config)):
-        if isinstance(executor, AsyncExecutor) and scheduler.can_schedule_ahead:
+        if isinstance(executor, AsyncExecutor) and scheduler.policy.can_schedule_ahead:
             if drafting:
                 logger.warning("speculative decoding: only requests with a prediction draft "
                                "under async scheduling (a draft follows the token still on "
@@ -60,14 +60,14 @@ def build_engine_core(config: EngineConfig, executor: Executor, cost: CostModel,
                             "--no-async-scheduling turns it off)")
             # A request with a prediction sits out the plan after each of its steps, whose
             # token its next draft follows (`Drafter.wants_last_token`).
-            scheduler.drafter = Drafter(
-                dataclasses.replace(config.speculative, speculative_method=None))
+            scheduler.use_drafter(Drafter(
+                dataclasses.replace(config.speculative, speculative_method=None)))
             return AsyncEngineCore(scheduler, executor, clock)
     if asked:
         logger.warning("async scheduling needs an executor that launches (one stage) and a "
                        "policy that can schedule ahead (not %s): scheduling in step",
                        config.scheduler.policy)
-    scheduler.drafter = Drafter(config.speculative)
+    scheduler.use_drafter(Drafter(config.speculative))
     return EngineCore(scheduler, executor, clock)
 
 
@@ -133,8 +133,7 @@ class EngineCore:
         for s in plan.scheduled:
             req = self.scheduler.requests.get(s.request_id)
             if req is not None:
-                self.scheduler.finish(req, FinishReason.ERROR, now)
-                req.error = f"{type(exc).__name__}: {exc}"
+                self.scheduler.finish(req, FinishReason.ERROR, now, f"{type(exc).__name__}: {exc}")
                 failed.append(req)
         return failed
 
@@ -145,7 +144,7 @@ class PipelinedEngineCore(EngineCore):
 
     A step launches a batch while a pipeline slot is free and there is work to run; otherwise
     it waits for the oldest batch and hands its tokens to the scheduler. Jobs of batches in
-    flight are running: the scheduler leaves them out (`Scheduler.in_flight`), so batch k+1 is
+    flight are running: the scheduler leaves them out (`InFlight`), so batch k+1 is
     scheduled without waiting for batch k.
     """
 
@@ -159,7 +158,7 @@ class PipelinedEngineCore(EngineCore):
         super().__init__(scheduler, executor, clock)
         self.pipeline = executor
         self.max_in_flight = max_in_flight or executor.max_in_flight
-        scheduler.pipeline_depth = self.max_in_flight
+        scheduler.flight.set_depth(self.max_in_flight)
         self._in_flight: deque[SchedulerOutput] = deque()
 
     @property
@@ -180,13 +179,13 @@ class PipelinedEngineCore(EngineCore):
                 return self._fail(plan, exc)
             if not plan.is_empty:
                 self._in_flight.append(plan)
-                self.scheduler.in_flight.update(s.request_id for s in plan.scheduled)
+                self.scheduler.flight.launched(plan)
                 self.num_iterations += 1
                 return []
         if not self._in_flight:
             return []
         plan = self._in_flight.popleft()
-        self.scheduler.in_flight.difference_update(s.request_id for s in plan.scheduled)
+        self.scheduler.flight.back(plan)
         try:
             result = self.pipeline.collect(self.clock.now())
         except ExecutorDeadError:
@@ -280,6 +279,4 @@ class AsyncEngineCore(EngineCore):
     def _back(self, plan: SchedulerOutput) -> None:
         """The plan is back: its jobs that sat the next plan out may run again (and, had it
         failed, none of its jobs is still ahead of its tokens)."""
-        ids = [s.request_id for s in plan.scheduled]
-        self.scheduler.in_flight.difference_update(ids)
-        self.scheduler.ahead.difference_update(ids)
+        self.scheduler.flight.back(plan)

@@ -218,8 +218,8 @@ class LLMEngine:
         # NOTE: grammars take their tokens inside the step: async scheduling masks the next
         # batch's draw with them there.
         self.core.on_update = self._advance_grammars
-        if self.scheduler.drafter is not None:  # a structured request's drafts keep to its grammar
-            self.scheduler.drafter.vet = self.grammars.num_valid
+        # a structured request's drafts keep to its grammar
+        self.scheduler.drafting.vet_with(self.grammars.num_valid)
         self.kv = self.scheduler.kv
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -318,7 +318,7 @@ class LLMEngine:
             self.grammars.drop(req.request_id)
             raise
         if not self.grammars.is_ready(req.request_id):  # it compiles beside the loop
-            self.scheduler.preparing.add(req.request_id)
+            self.scheduler.prepare(req.request_id)
         self.outputs.add(req, prompt)
         return req
 
@@ -469,7 +469,7 @@ class LLMEngine:
         """Requests whose grammar has compiled join this step's batch; those whose compile
         failed (over the time limit) fail now, naming their field. NOTE: never waits."""
         ready = [rid for rid in self.scheduler.preparing if self.grammars.is_ready(rid)]
-        self.scheduler.preparing.difference_update(ready)
+        self.scheduler.prepared(ready)
         for rid in ready:
             failure = self.grammars.failure(rid)
             req = self.scheduler.requests.get(rid)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 
 from fastserve.core.policies.mlfq import MLFQBase
+from fastserve.core.scheduler import Scheduler
 from tests.core.factories import UNIT_COST, make_engine, make_requests, make_scheduler
 
 
-def _mlfq(**config: object) -> MLFQBase:
+def _mlfq(**config: object) -> Scheduler:
     config.setdefault("base_quantum_ms", 2.0)  # quanta 2, 4, 8, 16 ms
     sched = make_scheduler("skip-join-mlfq", cost=UNIT_COST, **config)  # type: ignore[arg-type]
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     return sched
 
 
@@ -41,7 +42,8 @@ def test_chunks_are_charged_and_a_short_arrival_preempts_between_chunks() -> Non
     core.step()
     core.step()
     assert long_req.num_computed_tokens == 8
-    assert sched._jobs[long_req.request_id].attained_s == 8e-3  # charged for its two chunks
+    assert isinstance(sched.policy, MLFQBase)
+    assert sched.policy._jobs[long_req.request_id].attained_s == 8e-3  # charged for its two chunks
     [short] = make_requests([2], [1], prefix="short")
     sched.add_request(short, core.clock.now())
     assert sched.level_of(short.request_id) == 0

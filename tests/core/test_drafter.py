@@ -66,7 +66,7 @@ def test_requests_whose_sampling_cannot_take_drafts_do_not_draft() -> None:
 
 def test_the_scheduler_feeds_drafts_within_max_tokens_and_the_token_budget() -> None:
     sched = make_scheduler("fcfs", block_size=4, num_blocks=64, max_num_batched_tokens=64)
-    sched.drafter = Drafter(SpeculativeConfig(num_speculative_tokens=5))
+    sched.use_drafter(Drafter(SpeculativeConfig(num_speculative_tokens=5)))
     pred = tuple(range(100, 120))
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=4, prediction_token_ids=pred), 0.0)
     sched.add_request(req, 0.0)
@@ -111,16 +111,16 @@ def _drafts_under(cost: CostModel, verdicts: tuple[tuple[int, int], ...] = (),
     """Drafts planned for a request's decode (prediction long enough for 5) under `cost`,
     after `verdicts` ((drafted, kept) pairs) of its earlier verifications."""
     sched = make_scheduler("fcfs", block_size=4, num_blocks=64, cost=cost)
-    sched.drafter = Drafter(SpeculativeConfig(num_speculative_tokens=5))
+    sched.use_drafter(Drafter(SpeculativeConfig(num_speculative_tokens=5)))
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=50, prediction_token_ids=tuple(
         range(100, 140))), 0.0)
     sched.add_request(req, 0.0)
     plan = sched.schedule(0.0)
     sched.update(plan, ExecutorOutput([100], 0.01), 0.01)
     if not fresh:
-        sched.drafter.propose(req, 0)  # a step that drafted nothing: the drafter knows it now
+        sched.drafting.drafter.propose(req, 0)  # a step that drafted nothing: the drafter knows it now
     for drafted, kept in verdicts:
-        sched.drafter.observe("a", drafted, kept)
+        sched.drafting.drafter.observe("a", drafted, kept)
     (s,) = sched.schedule(0.01).scheduled
     return s.num_draft_tokens
 

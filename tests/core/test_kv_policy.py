@@ -55,12 +55,12 @@ from tests.core.factories import (
 def test_enst_follows_the_levels_and_quanta_of_the_jobs_ahead() -> None:
     # Quanta 2, 4, 8, 16 ms; prefills of 1, 3, 6, 12 ms place the jobs in Q1..Q4.
     sched = kv_scheduler(base_quantum_ms=2.0)
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     reqs = make_requests([1, 3, 6, 12], [4] * 4)
     for r in reqs:
         sched.add_request(r, 0.0)
     assert [sched.level_of(r.request_id) for r in reqs] == [0, 1, 2, 3]
-    enst_ms = [t * 1e3 for t in sched.estimate_next_run_s(reqs, 0.0)]
+    enst_ms = [t * 1e3 for t in sched.policy.estimate_next_run_s(reqs, 0.0)]
     # Q2's job waits for Q1's 2 ms; Q3's for Q1's 2 + 4 (its Q2 quantum) and Q2's 4 ms;
     # Q4's for Q1's 2 + 4 + 8, Q2's 4 + 8 and Q3's 8 ms.
     assert enst_ms == pytest.approx([0.0, 2.0, 10.0, 34.0])
@@ -68,14 +68,14 @@ def test_enst_follows_the_levels_and_quanta_of_the_jobs_ahead() -> None:
 
 def test_enst_counts_only_what_is_left_of_a_quantum() -> None:
     sched = kv_scheduler(base_quantum_ms=2.0, max_batch_size=1)
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     a, b = make_requests([1, 1], [10, 10])
     sched.add_request(a, 0.0)
     sched.add_request(b, 0.0)
     run_one = EngineCore(sched, SimExecutor(UNIT_COST), VirtualClock())
     run_one.step()  # a runs its 1 ms prefill: 1 ms of its 2 ms quantum left
     order = [a, b]
-    assert [t * 1e3 for t in sched.estimate_next_run_s(order, 0.001)] == pytest.approx([0.0, 1.0])
+    assert [t * 1e3 for t in sched.policy.estimate_next_run_s(order, 0.001)] == pytest.approx([0.0, 1.0])
 
 
 def test_enst_is_the_time_to_starvation_promotion_when_that_comes_sooner() -> None:
@@ -88,7 +88,7 @@ def test_enst_is_the_time_to_starvation_promotion_when_that_comes_sooner() -> No
     for r in shorts:
         sched.add_request(r, 0.040)
     order = shorts + [long]
-    enst = sched.estimate_next_run_s(order, 0.045)
+    enst = sched.policy.estimate_next_run_s(order, 0.045)
     assert enst[-1] == pytest.approx(0.005)  # promoted in 5 ms, before 20 x 2 ms of Q1 work
     assert enst[-1] < enst[-2] and enst[:-1] == sorted(enst[:-1])
 

@@ -19,8 +19,8 @@ from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.policies.mlfq import (
     MLFQBase,
-    MLFQPreemptScheduler,
-    SkipJoinMLFQScheduler,
+    MLFQPreemptPolicy,
+    SkipJoinMLFQPolicy,
 )
 from fastserve.core.policies.mlfq_settings import (
     PAPER_LONGEST_JOB_STEPS,
@@ -29,22 +29,29 @@ from fastserve.core.policies.mlfq_settings import (
     ChargeModel,
     MLFQSettings,
 )
+from fastserve.core.scheduler import Scheduler
 from fastserve.request import SamplingParams
 from tests.core.factories import UNIT_COST, make_engine, make_requests, make_scheduler, serve
 
 
-def mlfq(policy: str = "skip-join-mlfq", **config: object) -> MLFQBase:
+def mlfq(policy: str = "skip-join-mlfq", **config: object) -> Scheduler:
     config.setdefault("base_quantum_ms", 2.0)  # quanta 2, 4, 8, 16 ms
     sched = make_scheduler(policy, cost=UNIT_COST, **config)  # type: ignore[arg-type]
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     return sched
+
+
+def policy_of(sched: Scheduler) -> MLFQBase:
+    """The scheduler's MLFQ policy, whose counters and settings the tests read."""
+    assert isinstance(sched.policy, MLFQBase)
+    return sched.policy
 
 
 def test_default_policy_is_skip_join_mlfq() -> None:
     config = SchedulerConfig()
     assert config.policy == "skip-join-mlfq"
     sched = build_scheduler(config, KVCacheManager(64, 16), CostModel())
-    assert isinstance(sched, SkipJoinMLFQScheduler)
+    assert isinstance(sched.policy, SkipJoinMLFQPolicy)
 
 
 def test_skip_join_places_long_prompts_in_lower_levels() -> None:
@@ -104,7 +111,7 @@ def test_job_is_demoted_after_using_up_each_quantum() -> None:
         levels.append(sched.level_of(req.request_id))
     # 2 ms in Q1, 4 ms in Q2, 8 ms in Q3, then the lowest level for good.
     assert levels == [0] + [1] * 4 + [2] * 8 + [3] * 7
-    assert sched.num_demotions == 3
+    assert policy_of(sched).num_demotions == 3
 
 
 @pytest.mark.parametrize("charge", ["iteration", "own"])
@@ -114,7 +121,7 @@ def test_demotion_target_is_chosen_from_the_next_iteration(charge: str) -> None:
                      per_context_token_s=1e-4)
     sched = make_scheduler("skip-join-mlfq", cost=cost, base_quantum_ms=2.0, mlfq_levels=5,
                            mlfq_charge=charge)
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     [req] = make_requests([100], [10])
     sched.add_request(req, 0.0)
     assert sched.level_of(req.request_id) == 0  # a 1 ms prefill fits Q1
@@ -125,7 +132,7 @@ def test_demotion_target_is_chosen_from_the_next_iteration(charge: str) -> None:
     assert sched.level_of(req.request_id) == 3
 
 
-def _starvation_setup(starve_limit_s: float) -> tuple[MLFQBase, list]:
+def _starvation_setup(starve_limit_s: float) -> tuple[Scheduler, list]:
     sched = mlfq(max_batch_size=1, starve_limit_s=starve_limit_s)
     # A 50 ms prompt (lowest level), then a crowd of 1 ms jobs that keep Q1 busy for 200 ms.
     return sched, make_requests([50] + [1] * 200, [10] + [1] * 200, prefix="j")
@@ -141,7 +148,7 @@ def test_starving_job_is_promoted_to_q1_with_an_extra_quantum() -> None:
     while long.first_token_s is None:
         core.step()
     # Promoted after ~20 ms of waiting and run ahead of the short jobs still queued.
-    assert sched.num_promotions == 1
+    assert policy_of(sched).num_promotions == 1
     assert long.first_token_s == pytest.approx(0.020 + 0.050, abs=1.01e-3)
     assert sum(not r.is_finished for r in reqs[1:]) > 100
     # The 50 ms prefill overran Q1's 2 ms, but the extra quantum (50 ms) kept it in Q1...
@@ -156,7 +163,7 @@ def test_without_starvation_promotion_the_long_job_waits_for_all_short_ones() ->
     sched, reqs = _starvation_setup(starve_limit_s=0.0)
     run = serve(sched, reqs)
     assert run.finished[-1].request_id == "j0"
-    assert sched.num_promotions == 0
+    assert policy_of(sched).num_promotions == 0
 
 
 def _switches(run_steps: list, ids: set[str]) -> int:
@@ -261,7 +268,7 @@ def test_mlfq_keep_batch_keeps_running_jobs_in_the_batch() -> None:
 
 def test_mlfq_preempt_abandons_an_iteration_that_overruns_the_quantum() -> None:
     sched = mlfq("mlfq-preempt")
-    assert isinstance(sched, MLFQPreemptScheduler)
+    assert isinstance(sched.policy, MLFQPreemptPolicy)
     [req] = make_requests([10], [3])  # a 10 ms prefill against Q1's 2 ms
     sched.add_request(req, 0.0)
     core, executor = make_engine(sched)
@@ -270,37 +277,37 @@ def test_mlfq_preempt_abandons_an_iteration_that_overruns_the_quantum() -> None:
     assert core.clock.now() == pytest.approx(0.010)
     assert req.output_token_ids == [] and req.num_computed_tokens == 0
     assert not sched.kv.has_blocks(req.request_id)  # an abandoned prefill keeps no blocks
-    assert sched.level_of(req.request_id) == 3 and sched.num_abandoned == 1
+    assert sched.level_of(req.request_id) == 3 and policy_of(sched).num_abandoned == 1
     core.step()  # the same prefill again, kept this time
     assert executor.steps[1][0].scheduled[0].start_pos == 0
     assert req.num_output_tokens == 1 and req.num_computed_tokens == 10
     while not req.is_finished:
         core.step()
-    assert req.num_output_tokens == 3 and sched.num_abandoned == 1
+    assert req.num_output_tokens == 3 and policy_of(sched).num_abandoned == 1
     assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
     assert req.first_token_s == pytest.approx(0.020)
 
 
 def test_quantum_is_derived_from_the_cost_model_when_not_set() -> None:
     sched = make_scheduler("skip-join-mlfq", cost=CostModel(), quantum_decode_steps=3.0)
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     step = ChargeModel(CostModel(), "own", sched.config.max_batch_size).step_s
-    assert sched.settings.quanta_s[0] == pytest.approx(3 * step)
-    assert math.isclose(sched.settings.quanta_s[1], 2 * sched.settings.quanta_s[0])
+    assert policy_of(sched).settings.quanta_s[0] == pytest.approx(3 * step)
+    assert math.isclose(policy_of(sched).settings.quanta_s[1], 2 * policy_of(sched).settings.quanta_s[0])
 
 
 def test_recalibrated_cost_model_keeps_derived_quanta_in_decode_steps() -> None:
     # The engine found its iterations taking 1.5x the profile: placements and quanta follow,
     # so a quantum still holds as many decode steps and a prompt still joins the same level.
     sched = make_scheduler("skip-join-mlfq", cost=CostModel(), quantum_decode_steps=3.0)
-    assert isinstance(sched, MLFQBase)
-    before = sched.settings.quanta_s
+    assert isinstance(sched.policy, MLFQBase)
+    before = policy_of(sched).settings.quanta_s
     [long] = make_requests([2000], [4])
-    level = sched.charge.prefill_s(2000)
+    level = policy_of(sched).charge.prefill_s(2000)
     sched.recalibrate(CostModel().scaled(1.5))
-    assert sched.cost == CostModel().scaled(1.5) and sched.charge.cost is sched.cost
-    assert sched.settings.quanta_s == pytest.approx([1.5 * q for q in before])
-    assert sched.charge.prefill_s(2000) == pytest.approx(1.5 * level)
+    assert sched.cost == CostModel().scaled(1.5) and policy_of(sched).charge.cost is sched.cost
+    assert policy_of(sched).settings.quanta_s == pytest.approx([1.5 * q for q in before])
+    assert policy_of(sched).charge.prefill_s(2000) == pytest.approx(1.5 * level)
     sched.add_request(long, 0.0)
     fresh = make_scheduler("skip-join-mlfq", cost=CostModel(), quantum_decode_steps=3.0)
     [same] = make_requests([2000], [4])
@@ -308,14 +315,14 @@ def test_recalibrated_cost_model_keeps_derived_quanta_in_decode_steps() -> None:
     assert sched.level_of(long.request_id) == fresh.level_of(same.request_id) > 0
     # A quantum set in milliseconds is the user's: it stays.
     fixed = make_scheduler("skip-join-mlfq", cost=CostModel(), base_quantum_ms=4.0)
-    assert isinstance(fixed, MLFQBase)
+    assert isinstance(fixed.policy, MLFQBase)
     fixed.recalibrate(CostModel().scaled(2.0))
-    assert fixed.settings.quanta_s[0] == pytest.approx(4e-3)
+    assert policy_of(fixed).settings.quanta_s[0] == pytest.approx(4e-3)
 
 
 def test_mlfq_preempt_redoes_an_abandoned_decode_with_its_kv_kept() -> None:
     sched = mlfq("mlfq-preempt", base_quantum_ms=2.5)  # quanta 2.5, 5, 10 ms
-    assert isinstance(sched, MLFQPreemptScheduler)
+    assert isinstance(sched.policy, MLFQPreemptPolicy)
     [req] = make_requests([1], [6])
     sched.add_request(req, 0.0)
     core, executor = make_engine(sched)
@@ -323,7 +330,7 @@ def test_mlfq_preempt_redoes_an_abandoned_decode_with_its_kv_kept() -> None:
     core.step()  # decode: 2 ms of 2.5
     blocks = list(sched.kv.block_table(req.request_id))
     core.step()  # a third 1 ms would overrun 2.5 ms: abandoned, demoted to Q2
-    assert sched.num_abandoned == 1 and sched.level_of(req.request_id) == 1
+    assert policy_of(sched).num_abandoned == 1 and sched.level_of(req.request_id) == 1
     assert req.num_output_tokens == 2 and sched.kv.block_table(req.request_id) == blocks
     core.step()  # the same decode again, kept
     feeds = [(p.scheduled[0].start_pos, p.scheduled[0].token_ids) for p, _ in executor.steps]

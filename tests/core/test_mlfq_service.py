@@ -12,14 +12,15 @@ import pytest
 
 from fastserve.core.plan import ExecutorOutput
 from fastserve.core.policies.mlfq import MLFQBase
+from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request
 from tests.core.factories import UNIT_COST, make_requests, make_scheduler, serve
 
 
-def mlfq(policy: str = "skip-join-mlfq") -> MLFQBase:
+def mlfq(policy: str = "skip-join-mlfq") -> Scheduler:
     sched = make_scheduler(policy, cost=UNIT_COST, base_quantum_ms=2.0, mlfq_levels=4,
                            max_batch_size=1)
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     return sched
 
 

@@ -14,14 +14,15 @@ from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.policies.mlfq import MLFQBase
 from fastserve.core.policies.mlfq_settings import ROBUST_OVERTAKE_BATCHES, MLFQSettings
+from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request
 from tests.core.factories import UNIT_COST, make_requests, make_scheduler, serve
 
 
-def mlfq(max_overtakes: int) -> MLFQBase:
+def mlfq(max_overtakes: int) -> Scheduler:
     sched = make_scheduler("skip-join-mlfq", cost=UNIT_COST, base_quantum_ms=2.0,
                            mlfq_levels=4, max_batch_size=1, mlfq_max_overtakes=max_overtakes)
-    assert isinstance(sched, MLFQBase)
+    assert isinstance(sched.policy, MLFQBase)
     return sched
 
 

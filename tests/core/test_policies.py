@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from fastserve.config import POLICIES
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.config import POLICIES, SchedulerConfig
+from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
 from fastserve.core.policies import POLICY_CLASSES
 from fastserve.core.scheduler import Scheduler
+from fastserve.core.scheduling_policy import SchedulingPolicy
 from fastserve.request import FinishReason, Request, RequestStatus
 from tests.core.factories import (
     UNIT_COST,
@@ -222,3 +223,20 @@ def test_request_level_forms_batches_in_arrival_order_up_to_the_batch_size() -> 
     first_batch = {s.request_id for s in run.steps[0][0].scheduled}
     assert first_batch == {"r0", "r1"}
     assert [r.request_id for r in run.finished][2:] == ["r2", "r3", "r4"]
+
+
+class NewestFirst(SchedulingPolicy):
+    """A policy written outside the package: the latest arrival runs first."""
+
+    def order(self, now: float) -> list[Request]:
+        return list(reversed(self.requests.values()))
+
+
+def test_a_policy_object_given_to_the_scheduler_decides_the_order() -> None:
+    # No subclass of Scheduler: the policy is an object the one scheduler is given.
+    config = SchedulerConfig(policy="fcfs", max_batch_size=1)
+    sched = Scheduler(config, KVCacheManager(64, 16), UNIT_COST, NewestFirst(config, UNIT_COST))
+    run = serve(sched, make_requests([4, 4, 4], [2, 2, 2]))
+    assert [r.request_id for r in run.finished] == ["r2", "r1", "r0"]
+    assert sched.level_of("r0") is None and sched.queue_lengths() == {1: 0}
+    assert not any(issubclass(cls, Scheduler) for cls in POLICY_CLASSES.values())

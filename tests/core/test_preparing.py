@@ -1,6 +1,6 @@
 """A job waiting on its preparation (a grammar compiling beside the loop) prefills but does
 not sample: it sits out at its last prompt token, KV kept, while the others get tokens, and
-joins the batch once the engine takes it out of `Scheduler.preparing`."""
+joins the batch once the engine takes it out of `Scheduler.preparing` (`prepared`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_a_preparing_job_prefills_then_waits_with_its_kv_while_others_run() -> N
     slow, other = make_requests([40, 8], [5, 5])
     sched.add_request(slow, 0.0)
     sched.add_request(other, 0.0)
-    sched.preparing.add(slow.request_id)
+    sched.prepare(slow.request_id)
     for _ in range(4):
         core.step()
     assert slow.num_output_tokens == 0 and slow.num_computed_tokens == 39  # all but the last
@@ -24,7 +24,7 @@ def test_a_preparing_job_prefills_then_waits_with_its_kv_while_others_run() -> N
     assert other.num_output_tokens == 4
     assert sched.num_preemptions == 0  # waiting on itself is not a preemption
 
-    sched.preparing.discard(slow.request_id)  # its grammar compiled
+    sched.prepared([slow.request_id])  # its grammar compiled
     core.step()
     assert slow.num_output_tokens == 1 and other.num_output_tokens == 5
 
@@ -33,6 +33,6 @@ def test_an_aborted_preparing_job_leaves_the_set() -> None:
     sched = make_scheduler("fcfs", cost=UNIT_COST)
     (req,) = make_requests([8], [4])
     sched.add_request(req, 0.0)
-    sched.preparing.add(req.request_id)
+    sched.prepare(req.request_id)
     sched.abort(req.request_id, 0.0)
     assert not sched.preparing and not sched.has_unfinished

@@ -43,7 +43,7 @@ def test_the_next_plan_feeds_pending_tokens_and_update_puts_the_real_ones() -> N
     third = sched.schedule(0.0)
     assert [s.request_id for s in third.scheduled] == ["r1", "r2"]
     sched.update(decodes, _out(decodes, {"r0": 21, "r1": EOS, "r2": 23}), 0.0)
-    sched.in_flight.clear()  # the engine core's part: the plan is back
+    sched.flight.back(decodes)  # the engine core's part: the plan is back
     assert short.finish_reason is FinishReason.LENGTH and short.output_token_ids == [11, 21]
     # The long job stopped at EOS while its next step was on the device: that step's token
     # is dropped when it comes back, and its blocks are already free.
@@ -54,7 +54,7 @@ def test_the_next_plan_feeds_pending_tokens_and_update_puts_the_real_ones() -> N
     sched.abort("r2", 0.0)
     assert other.output_token_ids == [13, 23] and other.finish_reason is FinishReason.ABORT
     assert sched.update(third, _out(third, {"r1": 31, "r2": 33}), 0.0) == []
-    assert not sched.ahead and not sched.has_unfinished
+    assert not sched.flight.ahead and not sched.has_unfinished
     assert sched.kv.num_free_blocks == free_at_start
 
 

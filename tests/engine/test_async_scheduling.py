@@ -276,7 +276,7 @@ def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> No
     assert all(f"injected {where} fault" in (o.error or "") for o in final.values())
     assert all(t >= 0 for o in outs for t in o.token_ids)
     scheduler = engine.scheduler
-    assert not scheduler.ahead and not scheduler.in_flight
+    assert not scheduler.flight.ahead and not scheduler.in_flight
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     (after,) = _run(engine, prompts[:1], [_greedy(5)])
     assert after.finish_reason == "length" and len(after.token_ids) == 5

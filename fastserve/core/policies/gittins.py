@@ -48,10 +48,8 @@ from itertools import accumulate
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.policies.finished_lengths import FinishedLengths, finished_length
-from fastserve.core.policies.keyed_order import KeyedOrderScheduler
+from fastserve.core.policies.keyed_order import KeyedOrderPolicy
 from fastserve.request import Request
 
 MIN_SAMPLES = 32
@@ -123,18 +121,11 @@ def _mean_min(sorted_lengths: list[int], prefix: list[int], x: int) -> float:
     return (prefix[k] + (n - k) * x) / n
 
 
-class GittinsScheduler(KeyedOrderScheduler):
+class GittinsPolicy(KeyedOrderPolicy):
     """Lowest Gittins rank first, re-decided every iteration (preemptive); see the module doc."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        cost: CostModel,
-        eos_token_ids: Sequence[int] = (),
-        kv_policy: KVPolicy | None = None,
-    ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
         self._lengths = FinishedLengths(WINDOW, MIN_SAMPLES, REFIT_EVERY)
         self._promoted: set[str] = set()  # overtaken too often: they run first
         self._num_finished = 0
@@ -144,12 +135,12 @@ class GittinsScheduler(KeyedOrderScheduler):
         self._step_s = cost.iteration_s(0, b, 0) / b  # one decode step's share of a full batch
         self.model: LengthModel | None = None
 
-    def _on_add(self, req: Request, now: float) -> None:
-        super()._on_add(req, now)
+    def on_add(self, req: Request, now: float) -> None:
+        super().on_add(req, now)
         self._promote_overtaken()  # (with a bound of 0, the oldest job runs first: FCFS)
 
-    def _on_finish(self, req: Request, now: float) -> None:
-        super()._on_finish(req, now)
+    def on_finish(self, req: Request, now: float) -> None:
+        super().on_finish(req, now)
         self._promoted.discard(req.request_id)
         self._num_finished += 1
         self._promote_overtaken()

@@ -4,22 +4,18 @@ Re-sorting every unfinished request each iteration costs O(n log n) Python compa
 millisecond at 10,000 jobs). Between two iterations only the batched jobs (at most
 max_batch_size) change priority, so each is moved instead: a binary search plus one C-level
 `memmove` of the list tail. Reading the order is then a plain list copy.
-`KeyedOrderScheduler` is the policy skeleton over it for keys that change only when a job runs.
+`KeyedOrderPolicy` is the policy skeleton over it for keys that change only when a job runs.
 """
 
 from __future__ import annotations
 
 import bisect
 from abc import abstractmethod
-from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
-from fastserve.core.plan import ExecutorOutput, SchedulerOutput
-from fastserve.core.scheduler import Scheduler
+from fastserve.core.scheduling_policy import SchedulingPolicy
 from fastserve.request import Request
 
 T = TypeVar("T")
@@ -71,44 +67,35 @@ class KeyedOrder(Generic[T]):
         del self._items[i]
 
 
-class KeyedOrderScheduler(Scheduler):
+class KeyedOrderPolicy(SchedulingPolicy):
     """A policy whose order is one number per job (lowest first, ties in arrival order) that
     changes only when the job runs or loses its KV: the batched jobs are re-keyed after each
     iteration, a recomputed job at once (`srpt-oracle`, `gittins`)."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        cost: CostModel,
-        eos_token_ids: Sequence[int] = (),
-        kv_policy: KVPolicy | None = None,
-    ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
         self._queue: KeyedOrder[Request] = KeyedOrder()
         self._seq: dict[str, int] = {}  # arrival number, the tie-break
         self._num_added = 0
 
-    def update(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> list[Request]:
-        touched = super().update(plan, out, now)
+    def on_update(self, touched: list[Request]) -> None:
         for req in touched:
             if not req.is_finished:
                 self._rekey(req)
-        return touched
 
-    def _on_recompute(self, req: Request) -> None:
+    def on_recompute(self, req: Request) -> None:
         self._rekey(req)  # it has a prefill to redo now
 
-    def _on_add(self, req: Request, now: float) -> None:
+    def on_add(self, req: Request, now: float) -> None:
         self._seq[req.request_id] = self._num_added
         self._num_added += 1
         self._rekey(req)
 
-    def _on_finish(self, req: Request, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         self._queue.remove(req.request_id)
         self._seq.pop(req.request_id, None)
 
-    def _order(self, now: float) -> list[Request]:
+    def order(self, now: float) -> list[Request]:
         return self._queue.items()
 
     def _rekey(self, req: Request) -> None:

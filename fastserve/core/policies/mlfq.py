@@ -28,13 +28,11 @@ from dataclasses import dataclass, replace
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.policies.finished_lengths import finished_length
 from fastserve.core.policies.keyed_order import Key, KeyedOrder
 from fastserve.core.policies.mlfq_settings import ChargeModel, MLFQSettings, TailEstimate
-from fastserve.core.scheduler import Scheduler
+from fastserve.core.scheduling_policy import SchedulingPolicy
 from fastserve.request import Request, RequestStatus
 
 FINAL_LEVELS_WINDOW = 1024  # finished jobs whose final level `level_reach` counts
@@ -64,18 +62,11 @@ class _Job:
     turn: tuple[float, float] = (0.0, 0.0)
 
 
-class MLFQBase(Scheduler):
+class MLFQBase(SchedulingPolicy):
     """Levels, charges, demotion and starvation promotion shared by the MLFQ policies."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        cost: CostModel,
-        eos_token_ids: Sequence[int] = (),
-        kv_policy: KVPolicy | None = None,
-    ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
         self.settings = MLFQSettings.from_config(config, cost)
         self.charge = ChargeModel(cost, self.settings.charge, config.max_batch_size)
         self._quanta_s = self.settings.quanta_s
@@ -121,7 +112,7 @@ class MLFQBase(Scheduler):
     def num_in_top_queues(self, num_queues: int) -> int:
         return sum(self._level_counts[:num_queues])
 
-    def _routing_levels(self) -> tuple[tuple[float, ...], str]:
+    def routing_levels(self) -> tuple[tuple[float, ...], str]:
         return self._quanta_s, self.charge.mode
 
     def level_reach(self) -> list[float]:
@@ -202,7 +193,7 @@ class MLFQBase(Scheduler):
         """Where a new job starts. Plain MLFQ: Q1."""
         return 0
 
-    def _on_add(self, req: Request, now: float) -> None:
+    def on_add(self, req: Request, now: float) -> None:
         level = self._join_level(req)
         job = _Job(req, self._num_added, level, self._allowance_s(level),
                    last_run_s=now, starve_clock_s=now, turn=(0.0, now))
@@ -230,7 +221,7 @@ class MLFQBase(Scheduler):
         if len(self._service) > SERVICE_MEMORY:
             self._service.popitem(last=False)
 
-    def _on_finish(self, req: Request, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         job = self._jobs.pop(req.request_id, None)
         if job is not None:
             self._level_counts[job.level] -= 1
@@ -258,7 +249,7 @@ class MLFQBase(Scheduler):
                 continue
             self._rekey(job)
 
-    def _order(self, now: float) -> list[Request]:
+    def order(self, now: float) -> list[Request]:
         if self.settings.starve_limit_s > 0:
             self._promote_starved(now)
         if self.settings.oldest_slots > 0:
@@ -273,7 +264,7 @@ class MLFQBase(Scheduler):
                 job.is_oldest = True
                 self._rekey(job)
 
-    def _on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
+    def on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
         charges = self.charge.charges(plan, out.duration_s)
         for sched, charge_s in zip(plan.scheduled, charges, strict=True):
             job = self._jobs.get(sched.request_id)
@@ -288,7 +279,7 @@ class MLFQBase(Scheduler):
             job.turn = (job.attained_s, job.last_run_s)
         if job.attained_s >= job.allowance_s:
             # NOTE: demoted before `update` knows whether this token finished the job; a
-            # finished job leaves in `_on_finish`, so the order is never wrong.
+            # finished job leaves in `on_finish`, so the order is never wrong.
             self._demote(job, self._charge_after_s(job.req, sched))
         self._rekey(job)
 
@@ -385,7 +376,7 @@ class MLFQBase(Scheduler):
         self._queue.put(job.req.request_id, self._key(job), job.req)
 
 
-class SkipJoinMLFQScheduler(MLFQBase):
+class SkipJoinMLFQPolicy(MLFQBase):
     """FastServe's skip-join MLFQ: a job starts in the level that fits its prefill.
 
     A long prompt's prefill would use up the top quanta at once, so the job skips them and
@@ -397,11 +388,11 @@ class SkipJoinMLFQScheduler(MLFQBase):
 
     def _join_level(self, req: Request) -> int:
         chunk = self.config.max_num_batched_tokens
-        cached = self.cached_prefix_tokens(req)
+        cached = self.view.cached_prefix_tokens(req)
         return self._level_for(self.charge.prefill_s(req.num_tokens - cached, cached, chunk))
 
 
-class MLFQScheduler(MLFQBase):
+class MLFQPolicy(MLFQBase):
     """FastServe's MLFQ baseline without preemption: every job joins Q1, and a job that used up
     its quantum finishes the iteration it is in, then is demoted (an iteration is never cut
     short). The batch is chosen anew each iteration by level, so a new job takes a slot from
@@ -411,7 +402,7 @@ class MLFQScheduler(MLFQBase):
     """
 
 
-class MLFQKeepBatchScheduler(MLFQBase):
+class MLFQKeepBatchPolicy(MLFQBase):
     """MLFQ whose running jobs keep their slots: every job joins Q1, and a job in the batch is
     never taken out until it finishes; new jobs get the slots that free up.
 
@@ -420,46 +411,38 @@ class MLFQKeepBatchScheduler(MLFQBase):
     FCFS's results exactly (no running job is ever preempted).
     """
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        cost: CostModel,
-        eos_token_ids: Sequence[int] = (),
-        kv_policy: KVPolicy | None = None,
-    ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
         # Last plan's batch. Being in it is the first element of the key, so running jobs
         # lead the order; only jobs that join or leave the batch are re-keyed.
         self._running: set[str] = set()
 
-    def schedule(self, now: float) -> SchedulerOutput:
-        plan = super().schedule(now)
+    def on_schedule(self, plan: SchedulerOutput) -> None:
         # Jobs of an earlier batch still in the pipeline keep running too.
-        batch = {s.request_id for s in plan.scheduled} | (self._running & self.in_flight)
+        batch = {s.request_id for s in plan.scheduled} | self._running.intersection(
+            self.view.in_flight)
         changed = batch ^ self._running
         self._running = batch
         for rid in changed:
             job = self._jobs.get(rid)
             if job is not None:
                 self._rekey(job)
-        return plan
 
-    def _on_finish(self, req: Request, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         self._running.discard(req.request_id)
-        super()._on_finish(req, now)
+        super().on_finish(req, now)
 
     def _key(self, job: _Job) -> Key:
         return (0 if job.req.request_id in self._running else 1, *super()._key(job))
 
 
-class MLFQPreemptScheduler(MLFQBase):
+class MLFQPreemptPolicy(MLFQBase):
     """MLFQ with preemption and no skip-join: every job joins Q1.
 
     An iteration cannot be stopped halfway, so an iteration that the cost model predicts would
     overrun the job's remaining quantum is abandoned: the job still runs in the batch (the
     time is spent and charged to it), its token is discarded before it is appended
-    (`_keeps_result`), and it is demoted to the level whose quantum covers that iteration, at
+    (`keeps_result`), and it is demoted to the level whose quantum covers that iteration, at
     least one down. Its KV blocks and `num_computed_tokens` are left as they were, so it redoes
     exactly the same iteration later; an abandoned prefill computed nothing worth keeping, so
     its blocks are freed at once. The lowest level has no quantum, so every job finishes.
@@ -467,28 +450,20 @@ class MLFQPreemptScheduler(MLFQBase):
 
     can_schedule_ahead = False  # it decides to abandon when it schedules
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        cost: CostModel,
-        eos_token_ids: Sequence[int] = (),
-        kv_policy: KVPolicy | None = None,
-    ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
         # This iteration's abandoned jobs -> the predicted charge of the iteration to redo.
         self._abandoned: dict[str, float] = {}
         self.num_abandoned = 0
 
-    def schedule(self, now: float) -> SchedulerOutput:
-        plan = super().schedule(now)
+    def on_schedule(self, plan: SchedulerOutput) -> None:
         # Batches still in the pipeline are charged when they are back: keep their entries.
-        self._abandoned = {r: s for r, s in self._abandoned.items() if r in self.in_flight}
+        in_flight = self.view.in_flight
+        self._abandoned = {r: s for r, s in self._abandoned.items() if r in in_flight}
         for sched, predicted_s in zip(plan.scheduled, self.charge.predict(plan), strict=True):
             job = self._jobs[sched.request_id]
             if job.attained_s + predicted_s > job.allowance_s:
                 self._abandoned[sched.request_id] = predicted_s
-        return plan
 
     def _charge(self, job: _Job, sched: ScheduledRequest, charge_s: float, now: float) -> None:
         redo_s = self._abandoned.get(sched.request_id)
@@ -499,11 +474,11 @@ class MLFQPreemptScheduler(MLFQBase):
         if sched.start_pos == 0:
             # Nothing it computed is kept, so its blocks would hold no KV: give them back.
             # (A later chunk keeps its blocks: they hold the earlier chunks.)
-            self.kv.free(sched.request_id)
+            self.view.kv.free(sched.request_id)
             job.req.status = RequestStatus.WAITING
         self._demote(job, redo_s)
         self.num_abandoned += 1
         self._rekey(job)
 
-    def _keeps_result(self, sched: ScheduledRequest) -> bool:
+    def keeps_result(self, sched: ScheduledRequest) -> bool:
         return sched.request_id not in self._abandoned

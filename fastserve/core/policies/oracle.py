@@ -6,11 +6,11 @@ mean JCT, and the only policy allowed to read `Request.oracle_output_len`.
 
 from __future__ import annotations
 
-from fastserve.core.policies.keyed_order import KeyedOrderScheduler
+from fastserve.core.policies.keyed_order import KeyedOrderPolicy
 from fastserve.request import Request
 
 
-class SRPTOracleScheduler(KeyedOrderScheduler):
+class SRPTOraclePolicy(KeyedOrderPolicy):
     """Least predicted remaining time first, re-decided every iteration (preemptive).
 
     Remaining time = remaining tokens x one decode step at the current context, plus a prefill
@@ -18,19 +18,17 @@ class SRPTOracleScheduler(KeyedOrderScheduler):
     earlier arrival.
     """
 
-    def add_request(self, req: Request, now: float) -> None:
-        # Checked before the base class files the request, so a bad one leaves no trace.
+    def check(self, req: Request) -> None:
         n = req.oracle_output_len
         if n is None or isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(
                 f"policy 'srpt-oracle' needs Request.oracle_output_len (the true output length, "
                 f"a positive int) for request {req.request_id!r}, got {n!r}"
             )
-        super().add_request(req, now)
 
     def _priority(self, req: Request) -> float:
         """The job's predicted remaining time."""
-        assert req.oracle_output_len is not None  # checked in add_request
+        assert req.oracle_output_len is not None  # checked in `check`
         total = min(req.oracle_output_len, req.params.max_tokens)
         left = max(1, min(total - req.num_output_tokens, req.max_model_len - req.num_tokens))
         step_s = self.cost.decode_s(req.num_tokens)

@@ -9,44 +9,32 @@ returns the whole batch at once; here a finished job leaves (and reports) at its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
 from fastserve.core.plan import SchedulerOutput
-from fastserve.core.scheduler import Scheduler
+from fastserve.core.scheduling_policy import SchedulingPolicy
 from fastserve.request import Request
 
 
-class RequestLevelScheduler(Scheduler):
+class RequestLevelPolicy(SchedulingPolicy):
     """Run-to-completion batches: the next batch starts when the last one has finished."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        cost: CostModel,
-        eos_token_ids: Sequence[int] = (),
-        kv_policy: KVPolicy | None = None,
-    ) -> None:
-        super().__init__(config, kv, cost, eos_token_ids, kv_policy)
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
         # The running batch's unfinished members, in arrival order (a dict as an ordered set).
         self._members: dict[str, None] = {}
+        self._is_forming = False  # whether this iteration's plan forms a new batch
 
-    def schedule(self, now: float) -> SchedulerOutput:
-        is_forming = not self._members
-        plan = super().schedule(now)
-        if is_forming:
+    def on_schedule(self, plan: SchedulerOutput) -> None:
+        if self._is_forming:
             self._members = dict.fromkeys(s.request_id for s in plan.scheduled)
-        return plan
 
-    def _order(self, now: float) -> list[Request]:
+    def order(self, now: float) -> list[Request]:
+        self._is_forming = not self._members
         if self._members:
             # NOTE: members that lost their KV to a recompute stay members and prefill again.
             return [self.requests[rid] for rid in self._members]
         return list(self.requests.values())
 
-    def _on_finish(self, req: Request, now: float) -> None:
+    def on_finish(self, req: Request, now: float) -> None:
         self._members.pop(req.request_id, None)
