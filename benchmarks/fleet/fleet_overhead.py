@@ -5,9 +5,10 @@ of 64-127 random token ids, all sent at the same moment after `--warmup` (8) req
 server runs the `tiny` model with `OMP_NUM_THREADS=1 --max-batch-size 16` and a measured
 cost-model profile. Each repetition:
 
-1. starts N plain `fastserve serve` processes; sends the whole burst to the first one alone
-   ("one"), then the burst split evenly over all N at the same moment ("N plain");
-2. stops them, starts `fastserve serve --replicas N` (a local Ray cluster) and sends it the
+1. starts one plain `fastserve serve` and sends it the whole burst ("one");
+2. starts N fresh plain `fastserve serve` processes and sends them the burst split evenly, all
+   at the same moment ("N plain");
+3. stops them, starts `fastserve serve --replicas N` (a local Ray cluster) and sends it the
    whole burst ("fleet").
 
 Printed per setup (medians over `--reps`): output tokens/s, mean TTFT, and the ratios
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,18 +151,46 @@ class Measured:
     mean_ttft_s: float
     num_tokens: int
     cpu_s: dict[str, float] = field(default_factory=dict)
+    # Server-side histograms over the burst (`_metric_sums`): the engines' TTFT from a
+    # request's arrival there, and the fleet ingress's time to the replica's first answer.
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def mean_s(self, histogram: str) -> float:
+        count = self.seconds.get(histogram + "_count", 0.0)
+        return self.seconds.get(histogram + "_sum", 0.0) / count if count else float("nan")
 
 
 def measure(urls: list[str], prompts: list[list[int]], args: argparse.Namespace,
             cpu_roots: list[int], fleet_root: int | None = None) -> Measured:
     burst(urls, prompts[:args.warmup], args.output_len)
     before = _cpu(cpu_roots, fleet_root)
+    seconds_before = _metric_sums(urls)
     results = burst(urls, prompts[args.warmup:], args.output_len)
     after = _cpu(cpu_roots, fleet_root)
     span = max(r.done_s for r in results) - min(r.sent_s for r in results)
     num_tokens = sum(r.num_tokens for r in results)
+    if fleet_root is not None:
+        time.sleep(1.5)  # the replicas' metrics reach the ingress with their routing stats
+    seconds = {k: v - seconds_before.get(k, 0.0) for k, v in _metric_sums(urls).items()}
     return Measured(num_tokens / span, statistics.fmean(r.first_s - r.sent_s for r in results),
-                    num_tokens, {k: after[k] - before[k] for k in after})
+                    num_tokens, {k: after[k] - before[k] for k in after}, seconds)
+
+
+# Server-side latencies, summed over replicas: (sum, count) of each histogram.
+_HISTOGRAMS = ("fastserve_ttft_seconds", "fastserve_fleet_first_byte_seconds")
+
+
+def _metric_sums(urls: list[str]) -> dict[str, float]:
+    """The `_sum` and `_count` of `_HISTOGRAMS` on the servers' /metrics, added up."""
+    out: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name.removesuffix("_sum").removesuffix("_count") in _HISTOGRAMS:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _cpu(roots: list[int], fleet_root: int | None) -> dict[str, float]:
@@ -228,13 +258,17 @@ def one_rep(args: argparse.Namespace, prompts: list[list[int]], rep: int,
             spy: bool) -> dict[str, Measured]:
     n = args.replicas
     out: dict[str, Measured] = {}
+    # NOTE: every setup starts on fresh servers: a server that served the burst before has
+    # its prompts in its prefix cache and would skip their prefills.
+    one = start("one", [], args)
+    try:
+        out["one"] = measure([one.url], prompts, args, [one.proc.pid])
+        print(f"  one: {out['one'].tok_per_s:,.0f} tok/s", flush=True)
+    finally:
+        stop(one)
     plain = [start(f"plain-{i}", [], args) for i in range(n)]
     try:
-        urls = [s.url for s in plain]
-        pids = [s.proc.pid for s in plain]
-        out["one"] = measure(urls[:1], prompts, args, pids[:1])
-        print(f"  one: {out['one'].tok_per_s:,.0f} tok/s", flush=True)
-        out["plain"] = measure(urls, prompts, args, pids)
+        out["plain"] = measure([s.url for s in plain], prompts, args, [s.proc.pid for s in plain])
         print(f"  {n} plain: {out['plain'].tok_per_s:,.0f} tok/s", flush=True)
     finally:
         for s in plain:
@@ -313,6 +347,19 @@ def report(args: argparse.Namespace, reps: list[dict[str, Measured]]) -> None:
         o_ttft = statistics.median(r["other"].mean_ttft_s / r["plain"].mean_ttft_s for r in reps)
         print(f"the fleet from {args.compare_tree} / {n} plain: {o_ratio:.2f}x tok/s, "
               f"mean TTFT {o_ttft:.2f}x")
+
+    print("\nwhere the mean TTFT goes (client: sent -> first token; engine: arrival at the "
+          "engine -> first token; ingress: the fleet's request read -> the replica's first "
+          "answer):")
+    for key, name in names.items():
+        client = med(key, "mean_ttft_s")
+        engine = statistics.median(r[key].mean_s("fastserve_ttft_seconds") for r in reps)
+        line = f"  {name}: client {client:.2f} s, engine {engine:.2f} s"
+        if key in ("fleet", "other"):
+            ingress = statistics.median(r[key].mean_s("fastserve_fleet_first_byte_seconds")
+                                        for r in reps)
+            line += f", ingress {ingress:.2f} s"
+        print(line + f"; client - engine {client - engine:.2f} s")
 
     def per(key: str, role: str, unit: str) -> float:
         scale = 1e6 if unit == "tok" else 1e3
