@@ -23,6 +23,7 @@ from fastserve.engine.loras import AdapterSlots, LoRAAdapters, ServedAdapter, re
 from fastserve.engine.output import OutputProcessor
 from fastserve.engine.overhead import measure_engine_overhead
 from fastserve.engine.startup_checks import check_cache_writable, check_stop_ids, check_weights_fit
+from fastserve.engine.stats import EngineStats, LoRAStats
 from fastserve.executor.cpu_kernels import decode_attention_kernel
 from fastserve.executor.device_choice import choose_device
 from fastserve.executor.distributed.executor import DistributedExecutor
@@ -535,50 +536,19 @@ class LLMEngine:
             "device": self.config.model.device.split(":")[0], "dtype": self.config.model.dtype}
         return {**base, "dtype_reason": self.dtype_choice.reason}
 
-    def stats(self) -> dict[str, object]:
-        s = self.scheduler
-        return {
-            "executor": self.executor_info(),
-            "queue_lengths": s.queue_lengths(),
-            "num_running": s.count(RequestStatus.RUNNING),
-            "num_waiting": s.count(RequestStatus.WAITING),
-            "num_preempted": s.count(RequestStatus.PREEMPTED),
-            "num_swapped": s.count(RequestStatus.SWAPPED),
-            "kv_blocks_free": self.kv.num_free_blocks,
-            "kv_blocks_total": self.kv.num_total_blocks,
-            "host_kv_blocks_free": self.kv.num_free_host_blocks,
-            "host_kv_blocks_total": self.kv.num_total_host_blocks,
-            "peak_kv_blocks": self.kv.peak_used_blocks,
-            "swap_out_blocks": self.kv.num_swap_out_blocks,
-            "swap_in_blocks": self.kv.num_swap_in_blocks,
-            "swap_wait_s": self.core.swap_wait_s,
-            "num_offloads": s.moves.num_offloads,
-            "num_uploads": s.moves.num_uploads,
-            "num_preemptions": s.num_preemptions,
-            "num_recomputes": s.moves.num_recomputes,
-            "num_iterations": self.core.num_iterations,
-            # Recent predicted (start-up profile) / measured iteration time, and the scale
-            # the engine's cost model puts on the profile (`CostModelCheck`).
-            "cost_model_ratio": self.cost_check.ratio,
-            "cost_model_scale": self.cost_check.scale,
-            "prefix_cache_query_tokens": s.num_prefix_query_tokens,
-            "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
-            "prefix_cache_device_blocks": self.kv.num_cached_blocks,
-            "prefix_cache_host_blocks": self.kv.num_cached_host_blocks,
-            "prefix_cache_host_hit_tokens": self.kv.num_host_hit_blocks * self.kv.block_size,
-            "prefix_cache_prefetched_tokens": self.kv.num_prefetched_blocks * self.kv.block_size,
-            "spec_decode_draft_tokens": s.num_draft_tokens,
-            "spec_decode_accepted_tokens": s.num_accepted_tokens,
-            **self._lora_stats(),
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.stats(), executor=self.executor_info(),
+            swap_wait_s=self.core.swap_wait_s, num_iterations=self.core.num_iterations,
+            cost_model_ratio=self.cost_check.ratio, cost_model_scale=self.cost_check.scale,
+            lora=self._lora_stats())
 
-    def _lora_stats(self) -> dict[str, object]:
+    def _lora_stats(self) -> LoRAStats | None:
         if self.loras.weights is None:
-            return {}
+            return None
         requests = self.scheduler.requests.values()
-        return {"max_loras": self.loras.max_loras,
-                "lora_requests": self.loras.requests_by_adapter(
-                    (r.lora_id, r.status is RequestStatus.RUNNING) for r in requests)}
+        return LoRAStats(self.loras.max_loras, self.loras.requests_by_adapter(
+            (r.lora_id, r.status is RequestStatus.RUNNING) for r in requests))
 
     # -- start-up -------------------------------------------------------------------------
 
