@@ -108,7 +108,7 @@ def test_outputs_report_the_cached_prompt_tokens() -> None:
                 cached[o.request_id] = o.num_cached_tokens
     # 62 tokens = 15 full blocks and 2 tokens: all 15 blocks hit the first run's cache.
     assert cached == {"again": 60, "other": 0}
-    assert engine.stats()["prefix_cache_hit_tokens"] == 60
+    assert engine.stats().scheduler.num_prefix_hit_tokens == 60
 
 
 def test_prefixes_evicted_to_the_host_tier_come_back_with_the_same_tokens(
@@ -126,6 +126,6 @@ def test_prefixes_evicted_to_the_host_tier_come_back_with_the_same_tokens(
     assert_same_greedy_tokens([got[i] for i in ids], [expected[i] for i in ids], prompts,
                               greedy_reference)
     stats = engine.stats()
-    assert stats["prefix_cache_host_hit_tokens"] > 0
-    assert stats["prefix_cache_host_blocks"] > 0
+    assert stats.scheduler.kv.num_host_hit_tokens > 0
+    assert stats.scheduler.kv.num_cached_host_blocks > 0
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks

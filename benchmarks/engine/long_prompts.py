@@ -128,7 +128,7 @@ def _serve(opts: dict[str, object], profile: str, n: int, budget: int) -> None:
                 tokens = o.token_ids
     print(f"1. a {n}-token prompt on tiny (context 32768): first token after {first:.1f} s, "
           f"{engine.core.num_iterations} iterations, {len(tokens)} tokens out "
-          f"({engine.stats()['num_preemptions']} preemptions)")
+          f"({engine.stats().scheduler.num_preemptions} preemptions)")
 
 
 def _gaps(opts: dict[str, object], profile: str, n: int, budget: int) -> list[float]:

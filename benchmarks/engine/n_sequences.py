@@ -27,8 +27,8 @@ from fastserve.engine.llm_engine import LLMEngine
 def run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[int, float]:
     """(prompt tokens computed, seconds) for one request, run alone to the end."""
     def computed() -> int:
-        s = engine.stats()
-        return int(s["prefix_cache_query_tokens"]) - int(s["prefix_cache_hit_tokens"])  # type: ignore[call-overload]
+        s = engine.stats().scheduler
+        return s.num_prefix_query_tokens - s.num_prefix_hit_tokens
 
     before = computed()
     start = time.perf_counter()

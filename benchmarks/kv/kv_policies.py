@@ -270,8 +270,8 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
         jobs += [JobTimes.from_output(o) for o in engine.step() if o.finished]
     run_s = time.monotonic() - start
     stats = engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], "device blocks leaked"
-    assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"], "host blocks leaked"
+    assert stats.scheduler.kv.num_free_blocks == stats.scheduler.kv.num_total_blocks, "device blocks leaked"
+    assert stats.scheduler.kv.num_free_host_blocks == stats.scheduler.kv.num_total_host_blocks, "host blocks leaked"
     engine.runner.swapper.close()  # type: ignore[union-attr]
     assert engine.recorder is not None
     samples = engine.recorder.samples(cycle=False)
@@ -279,7 +279,7 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
     predicted = sum(cost.iteration_s(x.num_prefill_tokens, x.num_decodes, x.num_context_tokens,
                                      x.sum_prefill_sq) for x in samples)
     slowdown = sum(x.duration_s for x in samples) / predicted if predicted > 0 else math.nan
-    return jobs, KVStats.from_engine_stats(stats), run_s, slowdown
+    return jobs, KVStats.from_stats(stats.scheduler, stats.swap_wait_s), run_s, slowdown
 
 
 def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1,

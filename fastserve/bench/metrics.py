@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastserve.core.cost_model import CostModel
+from fastserve.core.stats import SchedulerStats
 from fastserve.request import FinishReason, Request, RequestOutput
 
 METRIC_KEYS = (
@@ -47,14 +48,16 @@ class KVStats:
     prefix_hit_tokens: int = 0
 
     @classmethod
-    def from_engine_stats(cls, stats: dict[str, object]) -> KVStats:
+    def from_stats(cls, stats: SchedulerStats, swap_wait_s: float) -> KVStats:
+        """A run's counters from its scheduler's stats (`EngineStats.scheduler`,
+        `SimRun.scheduler`) and the time its iterations waited on copies."""
         return cls(
-            swap_out_blocks=int(stats.get("swap_out_blocks", 0)),  # type: ignore[call-overload]
-            swap_in_blocks=int(stats.get("swap_in_blocks", 0)),  # type: ignore[call-overload]
-            swap_wait_s=float(stats.get("swap_wait_s", 0.0)),  # type: ignore[arg-type]
-            peak_kv_blocks=int(stats.get("peak_kv_blocks", 0)),  # type: ignore[call-overload]
-            prefix_query_tokens=int(stats.get("prefix_cache_query_tokens", 0)),  # type: ignore[call-overload]
-            prefix_hit_tokens=int(stats.get("prefix_cache_hit_tokens", 0)),  # type: ignore[call-overload]
+            swap_out_blocks=stats.kv.num_swap_out_blocks,
+            swap_in_blocks=stats.kv.num_swap_in_blocks,
+            swap_wait_s=swap_wait_s,
+            peak_kv_blocks=stats.kv.peak_used_blocks,
+            prefix_query_tokens=stats.num_prefix_query_tokens,
+            prefix_hit_tokens=stats.num_prefix_hit_tokens,
         )
 
 

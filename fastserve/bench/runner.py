@@ -187,8 +187,7 @@ def run_sim(
     blocks = num_device_blocks or ample_blocks(workload, config.cache.block_size)
     run = simulate_run(workload, config, cost, blocks, progress)
     if kv_out is not None:
-        kv_out.append(KVStats(run.swap_out_blocks, run.swap_in_blocks, run.swap_wait_s,
-                              run.peak_kv_blocks))
+        kv_out.append(KVStats.from_stats(run.scheduler, run.swap_wait_s))
     return [JobTimes.from_request(r, cost) for r in run.finished]
 
 
@@ -234,7 +233,8 @@ async def run_real(
         bar.close()
         await llm.shutdown()
     if kv_out is not None:  # the engine loop has stopped: its counters are final
-        kv_out.append(KVStats.from_engine_stats(llm.engine.stats()))
+        stats = llm.engine.stats()
+        kv_out.append(KVStats.from_stats(stats.scheduler, stats.swap_wait_s))
     if iterations_out is not None and llm.engine.recorder is not None:
         iterations_out.append(llm.engine.recorder.samples())
     if scale_out is not None:

@@ -26,6 +26,7 @@ from typing import Any
 from fastserve.config import EngineConfig
 from fastserve.engine.llm_engine import LLMEngine
 from fastserve.engine.loras import ServedAdapter
+from fastserve.engine.stats import EngineStats
 from fastserve.executor.grammar import is_available
 from fastserve.executor.openmp import release_thread_team
 from fastserve.model.lora import Adapter
@@ -94,7 +95,7 @@ class AsyncLLM:
         self._closed = False  # set by the engine thread once it takes no more commands
         self._is_released = False  # set by `shutdown` once the engine (model, KV pool) is freed
         self.dead_reason: str | None = None
-        self._stats: dict[str, Any] = {}
+        self._stats: EngineStats  # set by the engine thread once the engine is built
         self._stats_s = time.monotonic()
         # When the engine loop last came round (an iteration, a command, an idle wait): the
         # watchdog's reading (`seconds_since_progress`). A float written by one thread.
@@ -136,13 +137,13 @@ class AsyncLLM:
         """True once `shutdown` has begun: no new requests, running ones may finish."""
         return self._stopping
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its latest iteration (up to 50 ms old)."""
-        return dict(self._stats)
+        return self._stats
 
-    async def current_stats(self) -> dict[str, Any]:
+    async def current_stats(self) -> EngineStats:
         """The engine's counts now, read on the engine thread between iterations."""
-        return dict(await self._call(self._stats_now))
+        return await self._call(self._stats_now)
 
     async def generate(
         self,
@@ -185,7 +186,7 @@ class AsyncLLM:
 
         def add() -> str:
             limit = self.config.scheduler.max_waiting
-            if limit and self._stats_now()["num_waiting"] >= limit:
+            if limit and self._stats_now().scheduler.num_waiting >= limit:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting)")
             req = self.engine.add_request(prompt, params, request_id,
                                           oracle_output_len=oracle_output_len, priority=priority,
@@ -398,7 +399,7 @@ class AsyncLLM:
             self._fail_all(EngineShutdownError(reason) if self._stopping else EngineDeadError(reason))
         self._close()
 
-    def _stats_now(self) -> dict[str, Any]:
+    def _stats_now(self) -> EngineStats:
         self._stats = self.engine.stats()
         self._stats_s = time.monotonic()
         return self._stats

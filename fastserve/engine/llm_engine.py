@@ -1,232 +1,74 @@
-"""The synchronous engine: a model, a tokenizer, the scheduler and the step loop."""
+"""The synchronous engine: requests in, the step loop, outputs out.
+
+Its parts, in the order of a request's path (vLLM V1's): the builder (`builder.py`: loads,
+sizes, picks the executor, warms up, profiles), the input processor (`inputs.py`), the engine
+core (`core.py`: scheduler, executor, step loop) and the output processor (`output.py`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
 import logging
-from pathlib import Path
-
-import torch
 
 from fastserve.clock import Clock, WallClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import num_blocks_for
-from fastserve.core.plan import ScheduledRequest, SchedulerOutput
+from fastserve.core.kv_manager import KVCacheManager
 from fastserve.core.scheduler import check_fits
 from fastserve.engine.beam_search import BeamSearches
+from fastserve.engine.builder import EngineParts, build_parts, with_engine_overhead
 from fastserve.engine.core import build_engine_core
 from fastserve.engine.group import RequestGroups
-from fastserve.engine.loras import AdapterSlots, LoRAAdapters, ServedAdapter, read_lora
+from fastserve.engine.inputs import InputProcessor
+from fastserve.engine.loras import ServedAdapter
 from fastserve.engine.output import OutputProcessor
-from fastserve.engine.overhead import measure_engine_overhead
-from fastserve.engine.startup_checks import check_cache_writable, check_stop_ids, check_weights_fit
-from fastserve.executor.cpu_kernels import decode_attention_kernel
-from fastserve.executor.device_choice import choose_device
-from fastserve.executor.distributed.executor import DistributedExecutor
-from fastserve.executor.distributed.launch import start_executor
-from fastserve.executor.distributed.stage import pool_sizes
-from fastserve.executor.dtype_choice import resolve_config
-from fastserve.executor.grammar import StructuredOutputs
-from fastserve.executor.kv_sizing import CPU_KV_CACHE_GIB, check_pool_holds, gpu_max_batch_size
-from fastserve.executor.memory_profile import KVPoolPlan, plan_kv_pool
-from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner
-from fastserve.logs import startup_step
-from fastserve.model.llama import LlamaForCausalLM
-from fastserve.model.loader import load_model, read_arch_config
-from fastserve.model.lora import Adapter, LoRAWeights
-from fastserve.model.make_model import cache_dir, resolve_model_path
-from fastserve.model.tokenizer import Tokenizer, check_encodable
-from fastserve.profiling.cache import (
-    cached_profile_path,
-    load_cached,
-    profile_cache_key,
-    profile_engine,
-    save_profile,
-)
+from fastserve.engine.stats import EngineStats, LoRAStats
+from fastserve.model.lora import Adapter
 from fastserve.profiling.recorder import CostModelCheck, IterationRecorder
-from fastserve.request import (
-    FinishReason,
-    InvalidRequestError,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-)
+from fastserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def _max_model_len(configured: int | None, max_position_embeddings: int) -> int:
-    """The context limit: the configured one, which may not exceed the checkpoint's."""
-    if configured is None:
-        return max_position_embeddings
-    if configured > max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={configured} exceeds the model's max_position_embeddings="
-            f"{max_position_embeddings}"
-        )
-    return configured
 
 
 class LLMEngine:
     """Add requests, call `step()`, get `RequestOutput`s. Not thread-safe (AsyncLLM wraps it)."""
 
     def __init__(self, config: EngineConfig, clock: Clock | None = None) -> None:
-        self.clock = clock or WallClock()
-        check_cache_writable()  # before the slow part: the profile is saved there at its end
-        path = resolve_model_path(config.model.model)
-        if config.model.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {config.model.device!r} requested but CUDA is not available")
-        # Read before the weights (and the dtype probe, which runs the model's shapes): a broken
-        # config, tokenizer.json or stop token fails in a second, and an absurd size at once.
-        self.arch = read_arch_config(path)  # first: it says what a model argument may be
-        try:
-            self.tokenizer = Tokenizer(path, config.model.chat_template)
-        except FileNotFoundError as exc:
-            raise ValueError(f"cannot load the tokenizer: {exc}") from None
-        check_stop_ids(self.tokenizer.eos_token_ids, self.arch.vocab_size, path)
-        parallel = config.parallel
-        check_weights_fit(self.arch, TORCH_DTYPES.get(config.model.dtype, torch.bfloat16),
-                          config.model.device,
-                          parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
-                          path / "config.json")
-        if choose_device(config.model.device, torch.cuda.is_available()) == "cpu":
-            # Built (once per version and machine) now, with a line saying so, rather than in
-            # the middle of the dtype probe or the first request.
-            decode_attention_kernel()
-        # "auto" becomes a dtype here, before anything (profile cache, workers) reads it.
-        config, self.dtype_choice = resolve_config(config, path)
-        self.config = config
-        self.model_path = path
-        if config.model.num_threads:
-            torch.set_num_threads(config.model.num_threads)
-        dtype = TORCH_DTYPES[config.model.dtype]
-        is_distributed = parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
-        lora = config.lora
-        weights: AdapterSlots | None = None
-        if not is_distributed:  # else every rank loads its own shard (start_executor)
-            with startup_step(logger, f"loading {path} ({config.model.dtype}, "
-                                      f"{config.model.device})"):
-                model, self.arch = load_model(path, dtype, config.model.device,
-                                              load_format=config.model.load_format)
-            if lora.is_enabled:
-                weights = LoRAWeights(model, self.arch, lora.max_loras + 1)
-                model.lora_batch = weights.batch
-        # LoRA adapters: a request names one (its slot of `weights`; 0: the base model). Read
-        # (and checked) before the workers start.
-        self.loras = LoRAAdapters(weights, self.arch, lora.max_lora_rank, lora.max_loras)
-        startup_adapters = [(read_lora(name, adapter_path, self.arch, lora.max_lora_rank), adapter_path)
-                            for name, adapter_path in lora.adapters]
-        self.max_model_len = _max_model_len(config.model.max_model_len,
-                                            self.arch.max_position_embeddings)
-        self.eos_token_ids = list(self.tokenizer.eos_token_ids)
-        # The KV pool's blocks (a GPU's from its memory), what one request may hold, and a
-        # GPU's batch: all before the runner, which captures graphs up to that batch.
-        config = self.config = self._size_for_device(config, None if is_distributed else model)
-        self.runner: ModelRunner | DistributedExecutor
-        if is_distributed:
-            self.runner = start_executor(config, path, self.eos_token_ids)
-            if lora.is_enabled:  # every rank holds its shard of each adapter
-                self.loras.weights = self.runner
-        else:
-            self.runner = ModelRunner(model, self.arch, config.model, config.cache, self.eos_token_ids)
-        for adapter, adapter_path in startup_adapters:
-            self.loras.add(adapter, adapter_path, busy_slots=())
-        # Structured output: grammars compile as requests are added; the sampler masks with them.
-        self.grammars = StructuredOutputs(self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
-                                          config.limits)
-        # The sampler in this process, if any: not a pipeline's (its last stage's rank samples).
-        local = self.runner if isinstance(self.runner, ModelRunner) else self.runner.stage
-        self._samples_here = local.is_sampler
-        if local.is_sampler:
-            local.sampler.grammars = self.grammars
-        else:  # a pipeline's driver fills the masks for the rank that samples
-            assert isinstance(self.runner, DistributedExecutor)
-            self.runner.grammars = self.grammars
-        if config.model.warmup:
-            with startup_step(logger, "warm-up passes", expect_slow=False):
-                self._warmup()
-        cost, profile_path = self._cost_model()
-        self._build_core(cost)
-        if profile_path is not None:
-            # A fresh executor profile: add the engine's own work per iteration, measured
-            # through this engine, so that the cached model predicts whole iterations.
-            with startup_step(logger, "measuring the engine's overhead per iteration"):
-                overhead = measure_engine_overhead(self)
-            if overhead is not None:
-                cost = overhead.apply(cost)
-                logger.info("engine overhead per iteration: %.2f ms + %.3f ms per decode",
-                            overhead.fixed_s * 1e3, overhead.per_job_s * 1e3)
-            save_profile(cost, profile_path, method="executor grid + engine overhead")
-            self._build_core(cost)
+        clock = clock or WallClock()
+        # NOTE: a profile measured now is completed through a probe engine built from the same
+        # parts and dropped: this engine's core is built once, over the final cost model.
+        parts = with_engine_overhead(build_parts(config), lambda p: LLMEngine.from_parts(p, clock))
+        self._start(parts, clock)
 
-    def _size_for_device(self, config: EngineConfig, model: LlamaForCausalLM | None
-                         ) -> EngineConfig:
-        """The config with the KV pool's blocks, the context limit and the batch settled for
-        this device (`model` None: distributed ranks size their pools from the config)."""
-        sched, cache = config.scheduler, config.cache
-        is_cuda = config.model.device.startswith("cuda")
-        if model is None:
-            if is_cuda and cache.kv_cache_gib is None and cache.num_device_blocks is None:
-                logger.warning("tensor/pipeline parallel ranks do not profile their memory yet: "
-                               "each takes a %g GiB KV pool; give --kv-cache-gib to size it",
-                               CPU_KV_CACHE_GIB)
-            plan = KVPoolPlan(pool_sizes(config, self.arch).num_device_blocks, "the configured size")
-        else:
-            # The profiled batch is the largest the scheduler may run: a GPU's default batch
-            # is at most what the graphs capture.
-            num_seqs = config.model.cuda_graph_max_batch_size \
-                if sched.is_max_batch_size_auto else sched.max_batch_size
-            plan = plan_kv_pool(config, model, self.arch, self.eos_token_ids,
-                                self.max_model_len, num_seqs)
-        bs = cache.block_size
-        model_config = config.model
-        if cache.num_device_blocks is not None and config.model.max_model_len is None \
-                and plan.num_blocks * bs < self.max_model_len:
-            # NOTE: a pool given in blocks and no context limit: the pool sets the limit (as
-            # many tests and small benchmarks size them); a limit given is checked below.
-            logger.warning("max_model_len %d -> %d: what --num-device-blocks %d of %d tokens "
-                           "hold (give --max-model-len to be refused instead)",
-                           self.max_model_len, plan.num_blocks * bs, plan.num_blocks, bs)
-            self.max_model_len = plan.num_blocks * bs
-            model_config = dataclasses.replace(model_config, max_model_len=self.max_model_len)
-        check_pool_holds(self.max_model_len, bs, plan.num_blocks, plan.how_sized)
-        logger.info("KV pool: %d blocks of %d tokens (%s); max_model_len %d",
-                    plan.num_blocks, bs, plan.how_sized, self.max_model_len)
-        if is_cuda and sched.is_max_batch_size_auto:
-            batch = gpu_max_batch_size(plan.num_blocks, model_config.cuda_graph_max_batch_size)
-            sched = dataclasses.replace(sched, max_batch_size=batch)
-            logger.info("max_batch_size %d: what the KV pool and the captured graphs hold", batch)
-        if is_cuda:  # graphs only up to the batch the scheduler runs
-            model_config = dataclasses.replace(model_config, cuda_graph_max_batch_size=min(
-                model_config.cuda_graph_max_batch_size, sched.max_batch_size))
-        return dataclasses.replace(
-            config, model=model_config, scheduler=sched,
-            cache=dataclasses.replace(cache, num_device_blocks=plan.num_blocks))
+    @classmethod
+    def from_parts(cls, parts: EngineParts, clock: Clock | None = None) -> LLMEngine:
+        """An engine over parts built already (`build_parts`)."""
+        engine = cls.__new__(cls)
+        engine._start(parts, clock or WallClock())
+        return engine
 
-    def _build_core(self, cost: CostModel) -> None:
-        """The scheduler, KV manager and step loop over `cost`, all fresh."""
-        config = self.config
-        self.cost = cost
-        self.core = build_engine_core(config, self.runner, self.cost, self.clock,
-                                      self.runner.num_blocks, self.runner.num_host_blocks,
-                                      self.eos_token_ids)
+    def _start(self, parts: EngineParts, clock: Clock) -> None:
+        config = self.config = parts.config
+        self.clock = clock
+        self.model_path, self.arch, self.tokenizer = parts.model_path, parts.arch, parts.tokenizer
+        self.eos_token_ids, self.max_model_len = parts.eos_token_ids, parts.max_model_len
+        self.dtype_choice, self.runner = parts.dtype_choice, parts.runner
+        self.loras, self.grammars, self.cost = parts.loras, parts.grammars, parts.cost
+        self.core = build_engine_core(config, self.runner, self.cost, clock, self.runner.num_blocks,
+                                      self.runner.num_host_blocks, self.eos_token_ids)
         self.scheduler = self.core.scheduler
         # NOTE: grammars take their tokens inside the step: async scheduling masks the next
         # batch's draw with them there.
         self.core.on_update = self._advance_grammars
         # a structured request's drafts keep to its grammar
         self.scheduler.drafting.vet_with(self.grammars.num_valid)
-        self.kv = self.scheduler.kv
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
+        self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                     self.eos_token_ids, self.loras, config.cache.block_size,
+                                     self.runner.is_sampler, clock)
+        self.outputs = OutputProcessor(self.tokenizer, self._finish)
         self._aborted: list[Request] = []
-        self.groups = RequestGroups(self.kv, self._add_sequence)  # requests with n, best_of > 1
-        self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode,  # use_beam_search
-                                  self.kv.unpark)
+        self.groups = RequestGroups(self.scheduler.kv, self._add_sequence)  # requests with n, best_of > 1
+        self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode, self.scheduler.kv.unpark)
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
         # each also scored against the cost model (`cost_check`, shown in /metrics), which
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
@@ -234,7 +76,7 @@ class LLMEngine:
         # cycle is about one stage's time, while the model predicts a batch's whole pass.
         calibrate = config.model.calibrate_cost_model \
             and config.parallel.pipeline_parallel_size == 1
-        self.cost_check = CostModelCheck(cost, calibrate=calibrate,
+        self.cost_check = CostModelCheck(self.cost, calibrate=calibrate,
                                          on_calibrate=self._recalibrate)
         self.recorder = IterationRecorder(max(1, config.model.record_iterations),
                                           check=self.cost_check)
@@ -243,6 +85,11 @@ class LLMEngine:
     def startup_cost(self) -> CostModel:
         """The start-up profile (or `--profile`): what calibration scales."""
         return self.cost_check.cost
+
+    @property
+    def kv(self) -> KVCacheManager:
+        """The scheduler's KV cache, for tests; the engine reads it through the scheduler."""
+        return self.scheduler.kv
 
     def _recalibrate(self, cost: CostModel) -> None:
         """Decide with `cost` (the start-up profile, rescaled) from the next iteration on."""
@@ -266,44 +113,20 @@ class LLMEngine:
         lower runs first (vLLM's), over the scheduling policy's order. `lora`: the name of a
         LoRA adapter to run with (`lora_modules`). `cache_salt`: the prefix cache finds for it
         only blocks computed for requests of the same salt (vLLM's)."""
-        params = self.tokenize_texts(params or SamplingParams()).for_vocab(self.arch.vocab_size)
-        params.check_allows_a_token(self.eos_token_ids)
-        adapter = None
-        if lora is not None:
-            adapter = self.loras.get(lora)
-            if adapter is None:
-                served = ", ".join(self.loras.paths) or "none"
-                raise InvalidRequestError(f"lora: no adapter named {lora!r} (served: {served})", "model")
-        if params.logits_processors and not self._samples_here:
-            raise InvalidRequestError(
-                "logits_processors run in the sampling process, a worker under pipeline "
-                "parallelism: not with pipeline parallelism", "logits_processors")
-        token_ids = self._tokenize(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        num_seqs = params.num_sequences
-        seq_ids = self.groups.sequence_ids(request_id, num_seqs)
-        if request_id in self.beams or any(
+        req = self.inputs.process(prompt, params or SamplingParams(), request_id, arrival_s,
+                                  oracle_output_len, priority, lora, cache_salt)
+        rid, params, text = req.request_id, req.params, prompt if isinstance(prompt, str) else None
+        seq_ids = self.groups.sequence_ids(rid, params.num_sequences)
+        if rid in self.beams or any(
                 sid in self.scheduler.requests or self.groups.is_reserved(sid) for sid in seq_ids):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_s=self.clock.now() if arrival_s is None else arrival_s,
-            oracle_output_len=oracle_output_len,
-            max_model_len=self.max_model_len,
-            priority=priority,
-            lora_id=adapter.slot if adapter else 0,
-            cache_salt=_salt(adapter.cache_salt if adapter else None, cache_salt),
-        )
-        text = prompt if isinstance(prompt, str) else None
+            raise ValueError(f"request id {rid!r} is already in use")
         if params.use_beam_search:  # its steps are requests of their own (`BeamSearches`)
-            check_fits(req, self.kv)  # (its last step's: the prompt and max_tokens)
+            check_fits(req, self.scheduler.kv)  # (its last step's: the prompt and max_tokens)
             self.beams.add(req, text, self.eos_token_ids)
             return req
-        if num_seqs == 1:
+        if params.num_sequences == 1:
             return self._queue(req, text)
-        return self.groups.add(request_id, params, text, add_leader=lambda p: self._queue(
+        return self.groups.add(rid, params, text, add_leader=lambda p: self._queue(
             dataclasses.replace(req, params=p), text))
 
     def _queue(self, req: Request, prompt: str | None) -> Request:
@@ -324,66 +147,15 @@ class LLMEngine:
 
     def _add_beam_step(self, step_id: str, token_ids: list[int], params: SamplingParams,
                        first: Request, fork_of: str | None) -> None:
-        """One step of a beam of `first`, a beam-search request (`BeamSearches`): a request of
-        its own, with the request's arrival, priority, adapter and scheduler service, that
-        parks its KV and forks its parent's."""
-        self._queue(Request(request_id=step_id, prompt_token_ids=token_ids, params=params,
-                            arrival_s=first.arrival_s, max_model_len=first.max_model_len,
-                            priority=first.priority, lora_id=first.lora_id,
-                            cache_salt=first.cache_salt, keep_kv=True, fork_of=fork_of,
-                            service_of=first.service_of or first.request_id), None)
+        self._queue(self.inputs.beam_step(step_id, token_ids, params, first, fork_of), None)
 
     def _add_sequence(self, request_id: str, params: SamplingParams, first: Request,
                       prompt: str | None) -> Request:
-        """A later sequence of `first`'s request: the same prompt (and its block hashes, so
-        it finds the cached blocks), arrival, limits and scheduler service."""
-        req = Request(request_id=request_id, prompt_token_ids=first.prompt_token_ids,
-                      params=params, arrival_s=first.arrival_s,
-                      oracle_output_len=first.oracle_output_len,
-                      max_model_len=first.max_model_len, cache_salt=first.cache_salt,
-                      priority=first.priority, lora_id=first.lora_id,
-                      service_of=first.service_of or first.request_id,
-                      block_hashes=list(first.block_hashes[: first.num_prompt_tokens
-                                                            // self.kv.block_size]))
-        return self._queue(req, prompt)
+        return self._queue(self.inputs.sequence(request_id, params, first), prompt)
 
     def tokenize_texts(self, params: SamplingParams) -> SamplingParams:
-        """`params.bad_words` as token sequences, beside any given as ids (vLLM tokenizes them
-        as a request is added), and `params.prediction` as the draft's token ids; the texts
-        are taken out, so that tokenizing again does nothing. Safe on any thread (`AsyncLLM`
-        runs it on a worker thread: a long prediction would stall the engine loop)."""
-        if params.bad_words:
-            ids = self.tokenizer.bad_words_token_ids(params.bad_words)
-            params = dataclasses.replace(
-                params, bad_words=(), bad_words_token_ids=(*params.bad_words_token_ids, *ids))
-        if params.prediction:
-            predicted = check_encodable(params.prediction, "prediction")
-            params = dataclasses.replace(params, prediction=None, prediction_token_ids=(
-                *params.prediction_token_ids,
-                *self.tokenizer.encode(predicted, add_special_tokens=False)))
-        return params
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty: give at least one character or token", "prompt")
-            token_ids = self.tokenizer.encode(check_encodable(prompt, "prompt"))
-        else:
-            token_ids = list(prompt)
-            vocab = self.arch.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty: give at least one character or token", "prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens but the model's maximum context length is "
-                f"{self.max_model_len} (the prompt must leave room for at least one new token)",
-                "prompt",
-            )
-        return token_ids
+        """`InputProcessor.tokenize_texts` (safe on any thread)."""
+        return self.inputs.tokenize_texts(params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks; its final output comes from `step()`.
@@ -395,8 +167,6 @@ class LLMEngine:
             req = self.scheduler.abort(sid, self.clock.now())
             if req is not None:
                 self._aborted.append(req)
-
-    # -- LoRA adapters while serving ----------------------------------------------------
 
     def add_lora(self, adapter: Adapter, path: str, replace: bool = False) -> ServedAdapter:
         """Serve `adapter` (read by `self.loras.read`, on any thread) under its name; requests
@@ -416,15 +186,13 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise `ExecutorDeadError` once the executor can run no more (a distributed rank
         died or stopped answering)."""
-        if isinstance(self.runner, DistributedExecutor):
-            self.runner.check_health()
+        self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stop the grammar compile workers, and the distributed workers, if any (safe to
-        call more than once)."""
+        """Stop the grammar compile workers, and the executor's workers, if any (safe to call
+        more than once)."""
         self.grammars.shutdown()
-        if isinstance(self.runner, DistributedExecutor):
-            self.runner.shutdown()
+        self.runner.shutdown()
 
     @property
     def has_unfinished(self) -> bool:
@@ -444,26 +212,21 @@ class LLMEngine:
         if self.scheduler.preparing:
             self._take_prepared()
         touched = self.core.step()
-        if self.core.last_output is not None:
-            self.outputs.take_logprobs(touched, self.core.last_output)
-        for req in touched:
-            if req.is_finished or not req.params.final_only or req.params.stop:
-                self._detokenize(req)
-        for req in self._aborted:
-            if req.params.final_only:  # its text was not kept up as it grew
-                self._detokenize(req)
-        touched += self._aborted
-        self._aborted = []
+        aborted, self._aborted = self._aborted, []
+        self.outputs.detokenize_step(touched, aborted, self.core.last_output)
+        touched += aborted
         self.groups.after_step()
-        outputs = self.beams.outputs(self.groups.outputs(
-            [self._output(r) for r in touched if r.is_finished or not r.params.final_only]),
-            self.clock.now())
+        outputs = self.beams.outputs(self.groups.outputs(self.outputs.request_outputs(touched)),
+                                     self.clock.now())
         if len(self.grammars):
             for req in touched:
                 if req.is_finished:
                     self.grammars.drop(req.request_id)
         self.recorder.end(start_s, self.core.last_plan, self.has_unfinished)
         return outputs
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason, self.clock.now())
 
     def _take_prepared(self) -> None:
         """Requests whose grammar has compiled join this step's batch; those whose compile
@@ -474,7 +237,7 @@ class LLMEngine:
             failure = self.grammars.failure(rid)
             req = self.scheduler.requests.get(rid)
             if failure is not None and req is not None:
-                self._fail(req, *failure)
+                self.outputs.fail(req, *failure)
                 self._aborted.append(req)  # (its output comes with this step's, as an abort's)
 
     def _advance_grammars(self, touched: list[Request]) -> None:
@@ -487,159 +250,28 @@ class LLMEngine:
                 continue
             try:
                 if self.grammars.advance(req) and not req.is_finished:
-                    self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
+                    self._finish(req, FinishReason.STOP)
             except Exception as exc:
                 logger.exception("the grammar of request %s failed; failing it", req.request_id)
-                self._fail(req, f"structured output failed: {type(exc).__name__}: {exc}")
+                self.outputs.fail(req, f"structured output failed: {type(exc).__name__}: {exc}")
 
-    def _detokenize(self, req: Request) -> None:
-        """Take the request's new tokens into its text and check its stop strings.
-
-        NOTE: a failure here fails this request alone; the batch's others keep their tokens.
-        """
-        try:
-            if self.outputs.detokenize(req):
-                if not req.is_finished:
-                    self.scheduler.finish(req, FinishReason.STOP, self.clock.now())
-                elif req.finish_reason is FinishReason.LENGTH:
-                    req.finish_reason = FinishReason.STOP  # its text ends at the stop string
-        except Exception as exc:
-            logger.exception("detokenizing request %s failed; failing it", req.request_id)
-            self._fail(req, f"detokenization failed: {type(exc).__name__}: {exc}")
-
-    def _output(self, req: Request) -> RequestOutput:
-        try:
-            return self.outputs.output(req)
-        except Exception as exc:
-            logger.exception("the output of request %s failed; failing it", req.request_id)
-            self._fail(req, f"output failed: {type(exc).__name__}: {exc}")
-            self.outputs.discard(req.request_id)
-            return RequestOutput(
-                request_id=req.request_id, prompt=None, prompt_token_ids=req.prompt_token_ids,
-                token_ids=list(req.output_token_ids), text="", finished=True,
-                finish_reason=FinishReason.ERROR.value, arrival_s=req.arrival_s,
-                first_token_s=req.first_token_s, finish_s=req.finish_s, error=req.error,
-            )
-
-    def _fail(self, req: Request, error: str, param: str | None = None) -> None:
-        if not req.is_finished:
-            self.scheduler.finish(req, FinishReason.ERROR, self.clock.now())
-        req.finish_reason = FinishReason.ERROR  # NOTE: also when it had just finished by length
-        req.error = error
-        req.error_param = param
+    # -- what it runs, and how it is doing ------------------------------------------------
 
     def executor_info(self) -> dict[str, str]:
         """What the executor runs, as chosen at start-up: device, dtype (and why, for
         "auto"), KV cache dtype, attention backend, and the backend's own choices."""
-        base = self.runner.info if isinstance(self.runner, ModelRunner) else {
-            "device": self.config.model.device.split(":")[0], "dtype": self.config.model.dtype}
-        return {**base, "dtype_reason": self.dtype_choice.reason}
+        return {**self.runner.info, "dtype_reason": self.dtype_choice.reason}
 
-    def stats(self) -> dict[str, object]:
-        s = self.scheduler
-        return {
-            "executor": self.executor_info(),
-            "queue_lengths": s.queue_lengths(),
-            "num_running": s.count(RequestStatus.RUNNING),
-            "num_waiting": s.count(RequestStatus.WAITING),
-            "num_preempted": s.count(RequestStatus.PREEMPTED),
-            "num_swapped": s.count(RequestStatus.SWAPPED),
-            "kv_blocks_free": self.kv.num_free_blocks,
-            "kv_blocks_total": self.kv.num_total_blocks,
-            "host_kv_blocks_free": self.kv.num_free_host_blocks,
-            "host_kv_blocks_total": self.kv.num_total_host_blocks,
-            "peak_kv_blocks": self.kv.peak_used_blocks,
-            "swap_out_blocks": self.kv.num_swap_out_blocks,
-            "swap_in_blocks": self.kv.num_swap_in_blocks,
-            "swap_wait_s": self.core.swap_wait_s,
-            "num_offloads": s.moves.num_offloads,
-            "num_uploads": s.moves.num_uploads,
-            "num_preemptions": s.num_preemptions,
-            "num_recomputes": s.moves.num_recomputes,
-            "num_iterations": self.core.num_iterations,
-            # Recent predicted (start-up profile) / measured iteration time, and the scale
-            # the engine's cost model puts on the profile (`CostModelCheck`).
-            "cost_model_ratio": self.cost_check.ratio,
-            "cost_model_scale": self.cost_check.scale,
-            "prefix_cache_query_tokens": s.num_prefix_query_tokens,
-            "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
-            "prefix_cache_device_blocks": self.kv.num_cached_blocks,
-            "prefix_cache_host_blocks": self.kv.num_cached_host_blocks,
-            "prefix_cache_host_hit_tokens": self.kv.num_host_hit_blocks * self.kv.block_size,
-            "prefix_cache_prefetched_tokens": self.kv.num_prefetched_blocks * self.kv.block_size,
-            "spec_decode_draft_tokens": s.num_draft_tokens,
-            "spec_decode_accepted_tokens": s.num_accepted_tokens,
-            **self._lora_stats(),
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.stats(), executor=self.executor_info(),
+            swap_wait_s=self.core.swap_wait_s, num_iterations=self.core.num_iterations,
+            cost_model_ratio=self.cost_check.ratio, cost_model_scale=self.cost_check.scale,
+            lora=self._lora_stats())
 
-    def _lora_stats(self) -> dict[str, object]:
+    def _lora_stats(self) -> LoRAStats | None:
         if self.loras.weights is None:
-            return {}
+            return None
         requests = self.scheduler.requests.values()
-        return {"max_loras": self.loras.max_loras,
-                "lora_requests": self.loras.requests_by_adapter(
-                    (r.lora_id, r.status is RequestStatus.RUNNING) for r in requests)}
-
-    # -- start-up -------------------------------------------------------------------------
-
-    def _cost_model(self) -> tuple[CostModel, Path | None]:
-        """The given profile, else this machine's own, measured once and cached; and where
-        to cache it when it was measured just now (the engine's overhead is still to add)."""
-        fresh: Path | None = None
-        if self.config.profile_path:
-            cost = CostModel.from_json(self.config.profile_path)
-        elif self.config.model.startup_profile and isinstance(self.runner, ModelRunner):
-            path = cached_profile_path(profile_cache_key(self.model_path, self.config),
-                                       cache_dir() / "profiles")
-            cached = load_cached(path)
-            if cached is not None:
-                cost = cached
-            else:
-                try:
-                    with startup_step(logger, "profiling the cost model the scheduler decides "
-                                      "with (once per model, dtype and machine; cached in "
-                                      f"{path.parent})"):
-                        cost, fresh = profile_engine(self.runner), path
-                except ValueError as exc:  # e.g. a KV pool too small for the profile's batches
-                    logger.warning("start-up profile skipped (%s); using the default cost model",
-                                   exc)
-                    cost = CostModel()
-        else:  # NOTE: distributed executors are not profiled yet; the default model stands in
-            cost = CostModel()
-        if cost.kv_block_bytes == 0:  # what a swap costs: the proactive KV policy's copy budget
-            cost = dataclasses.replace(cost, kv_block_bytes=self.runner.block_bytes)
-        if isinstance(self.runner, ModelRunner):
-            # Whether copies overlap compute is this executor's, whatever profile was given.
-            # NOTE: their bandwidth is the profile's (`fastserve profile` measures it): timed
-            # at every start-up on a busy machine it swung 100x and starved the copy budget.
-            cost = dataclasses.replace(cost,
-                                       copies_overlap=self.runner.swapper.overlaps_compute)
-        return cost, fresh
-
-    def _warmup(self) -> None:
-        """Run a few real iterations so the first requests don't pay first-call costs."""
-        bs = self.config.cache.block_size
-        params = SamplingParams(max_tokens=4, temperature=0.0)
-        prompt_len = min(64, self.max_model_len - 8)
-        blocks_per = num_blocks_for(prompt_len + 8, bs)
-        num = max(1, min(4, self.runner.num_blocks // blocks_per))
-        tables = [list(range(i * blocks_per, (i + 1) * blocks_per)) for i in range(num)]
-        plans = [
-            [ScheduledRequest(f"warmup-{i}", [1] * prompt_len, 0, t, params, 0) for i, t in enumerate(tables)]
-        ] + [
-            [ScheduledRequest(f"warmup-{i}", [1], prompt_len + k, t, params, k + 1) for i, t in enumerate(tables)]
-            for k in range(3)
-        ]
-        for scheduled in plans:
-            self.runner.execute(SchedulerOutput(scheduled=scheduled))
-        self.runner.execute(SchedulerOutput(scheduled=[], finished_ids=[f"warmup-{i}" for i in range(num)]))
-
-
-def _salt(adapter_salt: str | None, cache_salt: str | None) -> str | None:
-    """A request's prefix-cache salt: its adapter's and its own. NOTE: as JSON, so no own salt
-    reads as an adapter's (whose blocks hold other weights' KV)."""
-    if cache_salt is None:
-        return adapter_salt
-    if not cache_salt:
-        raise InvalidRequestError("cache_salt: must be a non-empty string", "cache_salt")
-    return json.dumps([adapter_salt, cache_salt])
+        return LoRAStats(self.loras.max_loras, self.loras.requests_by_adapter(
+            (r.lora_id, r.status is RequestStatus.RUNNING) for r in requests))

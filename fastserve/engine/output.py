@@ -1,14 +1,17 @@
-"""Turns engine requests into `RequestOutput`s: incremental detokenization, stop strings and
-log-probabilities."""
+"""Turns engine requests into `RequestOutput`s (vLLM V1's output processor): incremental
+detokenization, stop strings and log-probabilities. A request whose text fails fails alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastserve.core.plan import ExecutorOutput
 from fastserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from fastserve.request import Request, RequestOutput, TokenLogprobs
+from fastserve.request import FinishReason, Request, RequestOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,11 +29,70 @@ class _Stream:
 
 
 class OutputProcessor:
-    """Per-request text state. `process` returns the output and whether a stop string hit."""
+    """Per-request text state: a step's tokens become text (`detokenize_step`), then outputs
+    (`request_outputs`)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, finish: Callable[[Request, FinishReason], None]
+                 ) -> None:
+        """`finish`: end a request in the scheduler (its stop string reached, or failed)."""
         self.tokenizer = tokenizer
+        self.finish = finish
         self._streams: dict[str, _Stream] = {}
+
+    def detokenize_step(self, touched: Sequence[Request], aborted: Sequence[Request],
+                        out: ExecutorOutput | None) -> None:
+        """Take a step's tokens and log-probabilities (`out`: what the executor returned for
+        `touched`) into the texts that are kept up as they grow, and the final texts of
+        those that finished or were aborted; a stop string reached finishes its request."""
+        if out is not None:
+            self.take_logprobs(touched, out)
+        for req in touched:
+            if req.is_finished or not req.params.final_only or req.params.stop:
+                self._detokenize(req)
+        for req in aborted:
+            if req.params.final_only:  # its text was not kept up as it grew
+                self._detokenize(req)
+
+    def request_outputs(self, reqs: Sequence[Request]) -> list[RequestOutput]:
+        """The outputs due of `reqs` (a final-only request's once it finishes)."""
+        return [self._output(r) for r in reqs if r.is_finished or not r.params.final_only]
+
+    def fail(self, req: Request, error: str, param: str | None = None) -> None:
+        """End `req` with an error its output names (`param`: the request field at fault)."""
+        if not req.is_finished:
+            self.finish(req, FinishReason.ERROR)
+        req.finish_reason = FinishReason.ERROR  # NOTE: also when it had just finished by length
+        req.error = error
+        req.error_param = param
+
+    def _detokenize(self, req: Request) -> None:
+        """`detokenize`, finishing the request at a stop string.
+
+        NOTE: a failure here fails this request alone; the batch's others keep their tokens.
+        """
+        try:
+            if self.detokenize(req):
+                if not req.is_finished:
+                    self.finish(req, FinishReason.STOP)
+                elif req.finish_reason is FinishReason.LENGTH:
+                    req.finish_reason = FinishReason.STOP  # its text ends at the stop string
+        except Exception as exc:
+            logger.exception("detokenizing request %s failed; failing it", req.request_id)
+            self.fail(req, f"detokenization failed: {type(exc).__name__}: {exc}")
+
+    def _output(self, req: Request) -> RequestOutput:
+        try:
+            return self.output(req)
+        except Exception as exc:
+            logger.exception("the output of request %s failed; failing it", req.request_id)
+            self.fail(req, f"output failed: {type(exc).__name__}: {exc}")
+            self.discard(req.request_id)
+            return RequestOutput(
+                request_id=req.request_id, prompt=None, prompt_token_ids=req.prompt_token_ids,
+                token_ids=list(req.output_token_ids), text="", finished=True,
+                finish_reason=FinishReason.ERROR.value, arrival_s=req.arrival_s,
+                first_token_s=req.first_token_s, finish_s=req.finish_s, error=req.error,
+            )
 
     def add(self, req: Request, prompt: str | None) -> None:
         skip = req.params.skip_special_tokens
@@ -124,7 +186,6 @@ class OutputProcessor:
         if req.is_finished:
             del self._streams[req.request_id]
         return out
-
 
 
 def _prompt_logprobs(req: Request, st: _Stream) -> list[TokenLogprobs | None] | None:

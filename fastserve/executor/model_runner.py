@@ -25,6 +25,7 @@ from fastserve.executor import kv_sizing
 from fastserve.executor.attention import AttentionMetadata, PagedAttention
 from fastserve.executor.backends import TORCH_DTYPES, attention_backend, kv_cache_dtype
 from fastserve.executor.cuda_graphs import DecodeGraphs
+from fastserve.executor.grammar import StructuredOutputs
 from fastserve.executor.logprobs import prompt_logprobs
 from fastserve.executor.sampler import FAILED_TOKEN, SampleDraft, Sampler
 from fastserve.executor.speculative import PendingVerdicts, check
@@ -204,6 +205,23 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> ExecutorOutput:
         return self.finish(self.draw(self.launch(plan)))
+
+    # -- what the engine asks besides plans (`fastserve.engine.builder.EngineExecutor`) ------
+
+    @property
+    def copies_overlap_compute(self) -> bool | None:
+        """Whether KV copies to and from host memory run beside the compute."""
+        return self.swapper.overlaps_compute
+
+    def use_grammars(self, grammars: StructuredOutputs) -> None:
+        """Mask structured requests' tokens with `grammars` (the engine's)."""
+        self.sampler.grammars = grammars
+
+    def check_health(self) -> None:
+        """Nothing to check: the model runs in this process."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the model and the KV pool go with the runner."""
 
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput) -> Launched:

@@ -6,7 +6,6 @@ Each app gets its own `CollectorRegistry`, so several apps (tests) never share o
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -23,54 +22,55 @@ _LATENCY_BUCKETS_S = (
 
 
 class _EngineCollector(Collector):
-    """Gauges and engine-side counters from `llm.stats()`, read when Prometheus scrapes."""
+    """Gauges and engine-side counters from `llm.stats()` (`EngineStats`), read when
+    Prometheus scrapes."""
 
     def __init__(self, llm: AsyncLLM) -> None:
         self.llm = llm
 
     def collect(self) -> Iterator[Metric]:
-        s: dict[str, Any] = self.llm.stats()
-        for name, key, doc in (
-            ("fastserve_requests_running", "num_running", "requests in the current batch"),
-            ("fastserve_requests_waiting", "num_waiting", "requests queued with no KV cache"),
-            ("fastserve_requests_preempted", "num_preempted", "started requests paused, KV kept"),
-            ("fastserve_requests_swapped", "num_swapped", "requests whose KV is in host memory"),
-            ("fastserve_kv_blocks_free", "kv_blocks_free", "free device KV-cache blocks"),
-            ("fastserve_kv_blocks_total", "kv_blocks_total", "device KV-cache blocks"),
-            ("fastserve_host_kv_blocks_free", "host_kv_blocks_free", "free host KV-cache blocks"),
-            ("fastserve_host_kv_blocks_total", "host_kv_blocks_total", "host KV-cache blocks"),
+        stats = self.llm.stats()
+        s, kv = stats.scheduler, stats.scheduler.kv
+        for name, value, doc in (
+            ("fastserve_requests_running", s.num_running, "requests in the current batch"),
+            ("fastserve_requests_waiting", s.num_waiting, "requests queued with no KV cache"),
+            ("fastserve_requests_preempted", s.num_preempted, "started requests paused, KV kept"),
+            ("fastserve_requests_swapped", s.num_swapped, "requests whose KV is in host memory"),
+            ("fastserve_kv_blocks_free", kv.num_free_blocks, "free device KV-cache blocks"),
+            ("fastserve_kv_blocks_total", kv.num_total_blocks, "device KV-cache blocks"),
+            ("fastserve_host_kv_blocks_free", kv.num_free_host_blocks, "free host KV-cache blocks"),
+            ("fastserve_host_kv_blocks_total", kv.num_total_host_blocks, "host KV-cache blocks"),
         ):
-            yield GaugeMetricFamily(name, doc, value=s.get(key, 0))
+            yield GaugeMetricFamily(name, doc, value=value)
         # NOTE: a leak in either tier shows as used blocks that stay up once requests end.
         used = GaugeMetricFamily("fastserve_kv_blocks_used", "KV-cache blocks in use per tier",
                                  labels=["tier"])
-        used.add_metric(["device"], s.get("kv_blocks_total", 0) - s.get("kv_blocks_free", 0))
-        used.add_metric(["host"], s.get("host_kv_blocks_total", 0) - s.get("host_kv_blocks_free", 0))
+        used.add_metric(["device"], kv.num_total_blocks - kv.num_free_blocks)
+        used.add_metric(["host"], kv.num_total_host_blocks - kv.num_free_host_blocks)
         yield used
         swapped = CounterMetricFamily("fastserve_swapped_blocks",
                                       "KV blocks copied between the tiers", labels=["direction"])
-        swapped.add_metric(["out"], s.get("swap_out_blocks", 0))  # device -> host
-        swapped.add_metric(["in"], s.get("swap_in_blocks", 0))  # host -> device
+        swapped.add_metric(["out"], kv.num_swap_out_blocks)  # device -> host
+        swapped.add_metric(["in"], kv.num_swap_in_blocks)  # host -> device
         yield swapped
         queues = GaugeMetricFamily(
             "fastserve_queue_length", "requests per scheduler queue level", labels=["level"]
         )
-        for level, count in sorted(s.get("queue_lengths", {}).items()):
+        for level, count in sorted(s.queue_lengths.items()):
             queues.add_metric([str(level)], count)
         yield queues
         yield GaugeMetricFamily(
             "fastserve_cost_model_ratio",
             "recent engine iterations: the start-up profile's predicted time over the measured "
-            "time", value=s.get("cost_model_ratio", 1.0))
+            "time", value=stats.cost_model_ratio)
         yield GaugeMetricFamily(
             "fastserve_cost_model_scale",
             "the start-up profile's times are multiplied by this in the cost model the engine "
             "decides with (calibrated to the recent iterations; 1 = as profiled)",
-            value=s.get("cost_model_scale", 1.0))
-        info = s.get("executor", {})
-        if info:  # what runs, as chosen at start-up (CPU instruction set, dtype, kernels)
+            value=stats.cost_model_scale)
+        if stats.executor:  # what runs, as chosen at start-up (CPU instruction set, dtype, kernels)
             yield InfoMetricFamily("fastserve_executor", "the executor's start-up choices",
-                                   value={k: str(v) for k, v in sorted(info.items())})
+                                   value={k: str(v) for k, v in sorted(stats.executor.items())})
         healthy = GaugeMetricFamily("fastserve_engine_healthy", "1 while the engine loop runs")
         healthy.add_metric([], 1.0 if self.llm.is_healthy else 0.0)
         yield healthy
@@ -80,34 +80,34 @@ class _EngineCollector(Collector):
             "seconds since the engine loop last came round (an iteration, or an idle wait of "
             "at most 0.5 s): a large value while requests run means the loop is stuck",
             value=self.llm.seconds_since_progress)
-        for name, key, doc in (
-            ("fastserve_preemptions", "num_preemptions", "requests preempted by the scheduler"),
-            ("fastserve_recomputes", "num_recomputes", "preemptions that dropped KV to recompute"),
-            ("fastserve_iterations", "num_iterations", "engine iterations run"),
-            ("fastserve_prefix_cache_queries", "prefix_cache_query_tokens",
+        for name, value, doc in (
+            ("fastserve_preemptions", s.num_preemptions, "requests preempted by the scheduler"),
+            ("fastserve_recomputes", s.num_recomputes, "preemptions that dropped KV to recompute"),
+            ("fastserve_iterations", stats.num_iterations, "engine iterations run"),
+            ("fastserve_prefix_cache_queries", s.num_prefix_query_tokens,
              "tokens of the requests started, looked up in the prefix cache"),
-            ("fastserve_prefix_cache_hits", "prefix_cache_hit_tokens",
+            ("fastserve_prefix_cache_hits", s.num_prefix_hit_tokens,
              "of those, tokens whose KV was found cached"),
-            ("fastserve_spec_decode_draft_tokens", "spec_decode_draft_tokens",
+            ("fastserve_spec_decode_draft_tokens", s.num_draft_tokens,
              "speculative decoding: drafted tokens verified (predictions, ngram lookups)"),
-            ("fastserve_spec_decode_accepted_tokens", "spec_decode_accepted_tokens",
+            ("fastserve_spec_decode_accepted_tokens", s.num_accepted_tokens,
              "of those, tokens the model kept"),
         ):
-            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+            yield CounterMetricFamily(name, doc, value=value)
         cached = GaugeMetricFamily("fastserve_prefix_cache_blocks",
                                    "KV blocks held by the prefix cache, per memory tier",
                                    labels=["tier"])
-        cached.add_metric(["device"], s.get("prefix_cache_device_blocks", 0))
-        cached.add_metric(["host"], s.get("prefix_cache_host_blocks", 0))
+        cached.add_metric(["device"], kv.num_cached_blocks)
+        cached.add_metric(["host"], kv.num_cached_host_blocks)
         yield cached
-        if "max_loras" in s:  # LoRA adapters served
+        if stats.lora is not None:  # LoRA adapters served
             yield GaugeMetricFamily("fastserve_max_loras", "LoRA adapters that may be loaded "
-                                    "at once (--max-loras)", value=s["max_loras"])
+                                    "at once (--max-loras)", value=stats.lora.max_loras)
             lora = GaugeMetricFamily(
                 "fastserve_lora_requests", "requests per LoRA adapter loaded (every one listed, "
                 "idle ones at 0) and state (running: in the batch; waiting: queued or paused)",
                 labels=["adapter", "state"])
-            for name, counts in s["lora_requests"].items():
+            for name, counts in stats.lora.requests.items():
                 for state, count in counts.items():
                     lora.add_metric([name, state], count)
             yield lora

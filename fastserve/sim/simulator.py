@@ -19,6 +19,7 @@ from fastserve.core.cost_model import CostModel
 from fastserve.core.kv_manager import num_blocks_for
 from fastserve.core.kv_policy import host_pool_blocks
 from fastserve.core.scheduler import check_fits
+from fastserve.core.stats import SchedulerStats
 from fastserve.engine.core import build_engine_core
 from fastserve.prompts import prompt_tokens
 from fastserve.request import Request, SamplingParams, WorkItem
@@ -72,13 +73,12 @@ def _params(memo: dict[int, SamplingParams], output_len: int) -> SamplingParams:
 
 @dataclass
 class SimRun:
-    """What a simulated run produced: the finished requests and the engine's KV counters."""
+    """What a simulated run produced: the finished requests, the scheduler's stats at the end
+    (its KV counters among them) and the loop's time."""
 
     finished: list[Request]  # in finish order
-    swap_out_blocks: int
-    swap_in_blocks: int
+    scheduler: SchedulerStats  # at the end of the run
     swap_wait_s: float  # time iterations spent waiting on KV copies
-    peak_kv_blocks: int  # most device blocks in use at once
     busy_s: float  # time spent in iterations (pipelined: each batch's time through every stage)
     # Busy time of the busiest pipeline stage, the bottleneck that offered load is counted
     # against (`busy_s` with one stage).
@@ -86,11 +86,39 @@ class SimRun:
     mean_batch_size: float = 0.0  # jobs per iteration, weighted by its duration (not pipelined)
     # Seconds of iterations by the device blocks their batch read (not pipelined).
     batch_kv_s: dict[int, float] = field(default_factory=dict)
-    # Prefix cache: tokens of the jobs (re)started, and of those found cached.
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_host_hit_tokens: int = 0  # of the hits, those uploaded from the host tier
-    prefix_prefetched_tokens: int = 0  # host-tier tokens uploaded ahead of their job's turn
+
+    @property
+    def swap_out_blocks(self) -> int:
+        return self.scheduler.kv.num_swap_out_blocks
+
+    @property
+    def swap_in_blocks(self) -> int:
+        return self.scheduler.kv.num_swap_in_blocks
+
+    @property
+    def peak_kv_blocks(self) -> int:
+        """Most device blocks in use at once."""
+        return self.scheduler.kv.peak_used_blocks
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        """Prefix cache: tokens of the jobs (re)started."""
+        return self.scheduler.num_prefix_query_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Of those, the tokens found cached."""
+        return self.scheduler.num_prefix_hit_tokens
+
+    @property
+    def prefix_host_hit_tokens(self) -> int:
+        """Of the hits, those uploaded from the host tier."""
+        return self.scheduler.kv.num_host_hit_tokens
+
+    @property
+    def prefix_prefetched_tokens(self) -> int:
+        """Host-tier tokens uploaded ahead of their job's turn."""
+        return self.scheduler.kv.num_prefetched_tokens
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -168,26 +196,21 @@ def simulate_run(
                 bar.update()
         if core.num_iterations == num_iterations and num_in_flight == 0:  # nothing could run
             if i == len(pending):
+                kv_now = scheduler.stats().kv
                 raise RuntimeError(
                     f"policy {config.scheduler.policy!r} scheduled nothing with "
                     f"{len(scheduler.requests)} requests left and no arrivals to come "
-                    f"({kv.num_free_blocks}/{kv.num_total_blocks} KV blocks free)"
+                    f"({kv_now.num_free_blocks}/{kv_now.num_total_blocks} KV blocks free)"
                 )
             clock.advance_to(pending[i].arrival_s)
     bar.close()
     return SimRun(
         finished=finished,
-        swap_out_blocks=kv.num_swap_out_blocks,
-        swap_in_blocks=kv.num_swap_in_blocks,
+        scheduler=scheduler.stats(),
         swap_wait_s=core.swap_wait_s,
-        peak_kv_blocks=kv.peak_used_blocks,
         busy_s=core.busy_s,
         stage_busy_s=(max(executor.stage_busy_s) if isinstance(executor, PipelinedSimExecutor)
                       else core.busy_s),
         mean_batch_size=executor.batch_job_s / core.busy_s if core.busy_s > 0 else 0.0,
         batch_kv_s=dict(executor.batch_kv_s),
-        prefix_query_tokens=scheduler.num_prefix_query_tokens,
-        prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
-        prefix_host_hit_tokens=kv.num_host_hit_blocks * kv.block_size,
-        prefix_prefetched_tokens=kv.num_prefetched_blocks * kv.block_size,
     )

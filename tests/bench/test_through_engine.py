@@ -205,7 +205,7 @@ def test_engine_started_on_a_wrong_profile_decides_with_a_calibrated_one(
     # NOTE: not tighter: the calibration follows the machine with a lag and the machine is
     # shared (1.35 was seen once in ~30 runs on an AVX2 EPYC, 1.51 once under CI on a Zen 4).
     assert 0.5 <= in_force_ratio(later) <= 2.0
-    assert engine.stats()["cost_model_scale"] == check.scale
+    assert engine.stats().cost_model_scale == check.scale
     # Off: the engine decides with the profile as given, whatever its iterations take.
     fixed = LLMEngine(dataclasses.replace(
         config, profile_path=str(wrong),

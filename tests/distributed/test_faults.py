@@ -40,7 +40,7 @@ async def _fail_a_worker(sig: signal.Signals, tp: int, pp: int) -> None:
             for i in range(3)
         ] + [asyncio.create_task(client.post("/v1/completions",
                                              json={**long, "prompt": [9, 9], "stream": True}))]
-        while llm.stats()["num_iterations"] < 5:  # generation is under way
+        while llm.stats().num_iterations < 5:  # generation is under way
             await asyncio.sleep(0.05)
         assert not any(r.done() for r in requests)
         sent_s = time.monotonic()

@@ -83,7 +83,7 @@ def test_greedy_tokens_match_one_device(reference: list[list[int]], tp: int, pp:
     tokens, stats = _generate(tp, pp, pool)
     assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
     if pool == "small":
-        assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
+        assert stats.scheduler.kv.num_swap_out_blocks > 0 and stats.scheduler.kv.num_swap_in_blocks > 0
 
 
 def test_experts_split_across_ranks_give_one_devices_tokens() -> None:
@@ -94,7 +94,7 @@ def test_experts_split_across_ranks_give_one_devices_tokens() -> None:
     model = str(cached_model_path("tiny-mixtral"))
     want, _ = _generate(1, 1, "ample", model=model, startup_profile=False)
     got, stats = _generate(2, 2, "small", model=model, startup_profile=False)
-    assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
+    assert stats.scheduler.kv.num_swap_out_blocks > 0 and stats.scheduler.kv.num_swap_in_blocks > 0
     if IS_EXACT_DTYPE:  # half types flip these random experts' routing (test_llm.py)
         assert got == want
     else:
@@ -109,7 +109,7 @@ def test_async_scheduling_with_tensor_parallelism(reference: list[list[int]], po
     tokens, stats = _generate(2, 1, pool, async_scheduling=True)
     assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
     if pool == "small":
-        assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
+        assert stats.scheduler.kv.num_swap_out_blocks > 0 and stats.scheduler.kv.num_swap_in_blocks > 0
 
 
 def test_async_scheduling_with_tensor_parallelism_masks_grammars() -> None:
@@ -147,6 +147,6 @@ def test_drafts_verified_across_ranks(reference: list[list[int]], tp: int, pp: i
     tokens, stats = _generate(tp, pp, pool, predictions=reference)
     assert_same_greedy_tokens(tokens, reference, _prompts(), greedy_reference)
     # (In a half type a near-tie may take an output off its prediction: fewer are kept.)
-    assert stats["spec_decode_accepted_tokens"] > (len(PROMPT_LENS) * 5 if IS_EXACT_DTYPE else 0)
+    assert stats.scheduler.num_accepted_tokens > (len(PROMPT_LENS) * 5 if IS_EXACT_DTYPE else 0)
     if pool == "small":
-        assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] > 0
+        assert stats.scheduler.kv.num_swap_out_blocks > 0 and stats.scheduler.kv.num_swap_in_blocks > 0

@@ -61,9 +61,9 @@ def test_abort_by_closing_the_stream_frees_blocks(llm: AsyncLLM) -> None:
 
     got, during, after = asyncio.run(run())
     assert got == 3
-    assert during["num_running"] == 1 and during["kv_blocks_free"] < during["kv_blocks_total"]
-    assert after["kv_blocks_free"] == after["kv_blocks_total"]
-    assert after["num_running"] == 0 and after["num_waiting"] == 0
+    assert during.scheduler.num_running == 1 and during.scheduler.kv.num_free_blocks < during.scheduler.kv.num_total_blocks
+    assert after.scheduler.kv.num_free_blocks == after.scheduler.kv.num_total_blocks
+    assert after.scheduler.num_running == 0 and after.scheduler.num_waiting == 0
 
 
 def test_caller_loop_closing_with_open_stream_aborts_it(llm: AsyncLLM) -> None:
@@ -84,7 +84,7 @@ def test_caller_loop_closing_with_open_stream_aborts_it(llm: AsyncLLM) -> None:
         outs = await _collect(llm, [7, 8, 9], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
         for _ in range(200):  # the engine notices the closed loop at its next delivery
             stats = await llm.current_stats()
-            if stats["num_running"] == 0:
+            if stats.scheduler.num_running == 0:
                 break
             await asyncio.sleep(0.01)
         return outs, stats
@@ -92,7 +92,7 @@ def test_caller_loop_closing_with_open_stream_aborts_it(llm: AsyncLLM) -> None:
     outs, stats = asyncio.run(after())
     assert llm.is_healthy
     assert outs[-1].finished and len(outs[-1].token_ids) == 5
-    assert stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.scheduler.num_running == 0 and stats.scheduler.kv.num_free_blocks == stats.scheduler.kv.num_total_blocks
 
 
 def test_bad_request_fails_alone(llm: AsyncLLM) -> None:
@@ -203,7 +203,7 @@ async def _settled(llm: AsyncLLM) -> dict[str, Any]:
     """The engine's counts once nothing runs or waits (an abort is a command behind others)."""
     for _ in range(500):
         stats = await llm.current_stats()
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+        if stats.scheduler.num_running == 0 and stats.scheduler.num_waiting == 0:
             break
         await asyncio.sleep(0.01)
     return stats
@@ -214,8 +214,8 @@ async def _still_serves(h: _Held) -> None:
     outs = await _collect(h.llm, [7, 8, 9], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert outs[-1].finished and len(outs[-1].token_ids) == 4
     stats = await _settled(h.llm)
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.scheduler.num_running == 0 and stats.scheduler.num_waiting == 0
+    assert stats.scheduler.kv.num_free_blocks == stats.scheduler.kv.num_total_blocks
 
 
 async def _read(llm: AsyncLLM, request_id: str, num_outputs: int | None = None) -> list[RequestOutput]:
@@ -283,7 +283,7 @@ def test_caller_cancelled_during_its_prefill(held: _Held) -> None:
 def test_caller_cancelled_mid_stream(held: _Held) -> None:
     async def run() -> None:
         victim = asyncio.create_task(_read(held.llm, "stream-victim", num_outputs=3))
-        while not held.llm.stats()["num_running"]:
+        while not held.llm.stats().scheduler.num_running:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
         await _cancel(victim)

@@ -106,11 +106,11 @@ def test_the_engine_with_an_fp8_cache_swaps_and_frees_everything(tiny_model_path
     assert [len(o.token_ids) for o in outs] == lengths
     assert all(o.finish_reason == "length" for o in outs)
     stats = llm.engine.stats()
-    assert stats["swap_out_blocks"] == stats["swap_in_blocks"]
-    assert int(stats["swap_out_blocks"]) > 10  # type: ignore[call-overload]
-    assert stats["num_recomputes"] == 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
-    assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 2000
+    assert stats.scheduler.kv.num_swap_out_blocks == stats.scheduler.kv.num_swap_in_blocks
+    assert int(stats.scheduler.kv.num_swap_out_blocks) > 10  # type: ignore[call-overload]
+    assert stats.scheduler.num_recomputes == 0
+    assert stats.scheduler.kv.num_free_blocks == stats.scheduler.kv.num_total_blocks == 24
+    assert stats.scheduler.kv.num_free_host_blocks == stats.scheduler.kv.num_total_host_blocks == 2000
     llm.shutdown()
 
 
@@ -138,8 +138,8 @@ def test_an_fp8_cache_sharded_across_tensor_parallel_ranks(tiny_model_path: Path
             stats.append(llm.engine.stats())
         finally:
             llm.shutdown()
-    assert stats[1]["swap_out_blocks"] > 0 and stats[1]["swap_in_blocks"] > 0
-    assert stats[1]["kv_blocks_free"] == stats[1]["kv_blocks_total"]
+    assert stats[1].scheduler.kv.num_swap_out_blocks > 0 and stats[1].scheduler.kv.num_swap_in_blocks > 0
+    assert stats[1].scheduler.kv.num_free_blocks == stats[1].scheduler.kv.num_total_blocks
     pairs = [(a, b) for x, y in zip(*tokens, strict=True) for a, b in zip(x, y, strict=True)]
     assert len(pairs) == 6 * 16
     assert sum(a == b for a, b in pairs) >= len(pairs) // 2

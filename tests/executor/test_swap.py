@@ -229,13 +229,13 @@ def test_heavy_swapping_gives_the_tokens_of_an_unlimited_run(
     assert_same_greedy_tokens([o.token_ids for o in outs], unlimited_tokens, prompts,
                               greedy_reference)
     stats = llm.engine.stats()
-    assert stats["swap_out_blocks"] == stats["swap_in_blocks"]
-    assert int(stats["swap_out_blocks"]) > 50  # type: ignore[call-overload]  # heavy swapping
-    assert stats["num_recomputes"] == 0  # nothing was recomputed: every KV came back
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
-    assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 2000
-    assert stats["num_swapped"] == 0
-    assert stats["peak_kv_blocks"] == 24
+    assert stats.scheduler.kv.num_swap_out_blocks == stats.scheduler.kv.num_swap_in_blocks
+    assert int(stats.scheduler.kv.num_swap_out_blocks) > 50  # type: ignore[call-overload]  # heavy swapping
+    assert stats.scheduler.num_recomputes == 0  # nothing was recomputed: every KV came back
+    assert stats.scheduler.kv.num_free_blocks == stats.scheduler.kv.num_total_blocks == 24
+    assert stats.scheduler.kv.num_free_host_blocks == stats.scheduler.kv.num_total_host_blocks == 2000
+    assert stats.scheduler.num_swapped == 0
+    assert stats.scheduler.kv.peak_used_blocks == 24
     runner = llm.engine.runner
     assert isinstance(runner, ModelRunner)
     if worker != "auto":
@@ -295,19 +295,19 @@ def test_a_full_host_pool_back_pressures_and_loses_nothing(
         outputs |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
         stats = engine.stats()
         if len(host_free) == 0:  # the first iteration: every prompt in, the device full
-            assert stats["num_running"] == FULL_HOST_JOBS
-            assert stats["kv_blocks_free"] == 0
-        host_free.append(int(stats["host_kv_blocks_free"]))  # type: ignore[call-overload]
+            assert stats.scheduler.num_running == FULL_HOST_JOBS
+            assert stats.scheduler.kv.num_free_blocks == 0
+        host_free.append(int(stats.scheduler.kv.num_free_host_blocks))  # type: ignore[call-overload]
     assert min(host_free) == 0  # the host pool was full
     assert_same_greedy_tokens([outputs[i] for i in ids], full_host_unlimited, prompts,
                               greedy_reference)
     stats = engine.stats()
-    assert int(stats["swap_out_blocks"]) > 0  # type: ignore[call-overload]
-    assert int(stats["num_recomputes"]) > 0  # type: ignore[call-overload]  # the host was full
-    assert stats["swap_in_blocks"] == stats["swap_out_blocks"]  # all offloaded KV came back
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 24
-    assert stats["host_kv_blocks_free"] == stats["host_kv_blocks_total"] == 8
-    assert stats["num_swapped"] == 0
+    assert int(stats.scheduler.kv.num_swap_out_blocks) > 0  # type: ignore[call-overload]
+    assert int(stats.scheduler.num_recomputes) > 0  # type: ignore[call-overload]  # the host was full
+    assert stats.scheduler.kv.num_swap_in_blocks == stats.scheduler.kv.num_swap_out_blocks  # all offloaded KV came back
+    assert stats.scheduler.kv.num_free_blocks == stats.scheduler.kv.num_total_blocks == 24
+    assert stats.scheduler.kv.num_free_host_blocks == stats.scheduler.kv.num_total_host_blocks == 8
+    assert stats.scheduler.num_swapped == 0
     runner = engine.runner
     assert isinstance(runner, ModelRunner)
     runner.swapper.close()

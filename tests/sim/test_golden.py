@@ -34,6 +34,10 @@ from fastserve.sim.simulator import ample_blocks, simulate_run
 GOLDEN = Path(__file__).with_name("golden.json")
 PP_PROFILE = Path(__file__).parents[2] / "profiles" / "gpt3-175b_16xA100_tp8_pp2.json"
 BLOCK = 16
+# What the golden file holds of each `SimRun` (the names it had as a flat record).
+RUN_FIELDS = ("batch_kv_s", "busy_s", "mean_batch_size", "peak_kv_blocks", "prefix_hit_tokens",
+              "prefix_host_hit_tokens", "prefix_prefetched_tokens", "prefix_query_tokens",
+              "stage_busy_s", "swap_in_blocks", "swap_out_blocks", "swap_wait_s")
 
 
 def _workload(n: int = 120, cv: float = 4.0, theta: float = 1.2, load: float = 0.9,
@@ -59,8 +63,8 @@ def _sim_case(workload: list[WorkItem], cost: CostModel, blocks: int, **config: 
               ) -> dict[str, Any]:
     run = simulate_run(workload, engine_config(block_size=BLOCK, **config), cost, blocks)
     jobs = sorted(run.finished, key=lambda r: int(r.request_id.split("-")[1]))
-    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "finished"}
-    fields["batch_kv_s"] = sorted(fields["batch_kv_s"].items())
+    fields = {name: getattr(run, name) for name in RUN_FIELDS}
+    fields["batch_kv_s"] = sorted(run.batch_kv_s.items())
     return {
         "run": fields,
         "jobs": [[r.request_id, r.first_token_s, r.finish_s, r.num_output_tokens,
@@ -127,10 +131,10 @@ def engine_cases() -> Iterator[tuple[str, dict[str, Any]]]:
                     if out.finished:
                         lengths.append([out.request_id, out.index, len(out.token_ids),
                                         out.finish_reason])
-                s = engine.stats()
-                row: list[Any] = [s["num_running"], s["num_waiting"], s["num_preempted"]]
+                s = engine.stats().scheduler
+                row: list[Any] = [s.num_running, s.num_waiting, s.num_preempted]
                 if with_kv:
-                    row += [s["kv_blocks_free"], s["prefix_cache_hit_tokens"]]
+                    row += [s.kv.num_free_blocks, s.num_prefix_hit_tokens]
                 steps.append(row)
             yield f"engine/{name}", {"steps": steps, "lengths": sorted(lengths)}
 

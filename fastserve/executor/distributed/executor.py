@@ -120,6 +120,9 @@ class DistributedExecutor:
         # The engine's structured requests' grammars, which a pipeline's driver fills masks
         # from for its sampler rank (`_send`); the driver's own sampler reads them itself.
         self.grammars: StructuredOutputs | None = None
+        # What runs, as chosen at start-up (the ranks' own choices are not gathered yet).
+        self.info = {"device": init.config.model.device.split(":")[0],
+                     "dtype": init.config.model.dtype}
         self.heartbeat = Heartbeat(groups.heartbeat, self.timeout_s, is_driver=True,
                                    on_failure=self._on_failure, processes=self.processes)
         self.heartbeat.start()
@@ -250,6 +253,26 @@ class DistributedExecutor:
         """Wait for the sends of the plans up to `seq`: taken, since its batch is through."""
         while self._sends and self._sends[0][0] <= seq:
             self._sends.popleft()[1].wait(self.timeout_s)
+
+    # -- what the engine asks besides plans (`fastserve.engine.builder.EngineExecutor`) ------
+
+    @property
+    def is_sampler(self) -> bool:
+        """Whether this process samples (a pipeline's last stage samples on another rank)."""
+        return self.layout.is_sampler
+
+    @property
+    def copies_overlap_compute(self) -> bool | None:
+        """Not known here: each rank copies its own shards (the profile's setting stands)."""
+        return None
+
+    def use_grammars(self, grammars: StructuredOutputs) -> None:
+        """Mask structured requests' tokens with `grammars`: this process's sampler does, or
+        (a pipeline's driver) the masks it fills and sends to the rank that samples."""
+        if self.stage.is_sampler:
+            self.stage.use_grammars(grammars)
+        else:
+            self.grammars = grammars
 
     # -- health, stats, shutdown ----------------------------------------------------------
 
