@@ -2,11 +2,14 @@
 
 The real engine (`AsyncLLM` on the wall clock, the `tiny` preset unless `--model`) serves one
 heavy-tailed bursty workload (Zipf prompt and output lengths, Gamma arrivals of CV `--cv`)
-scaled to `--load` of the capacity that the engine's own start-up profile measures, once per
-policy, policies one after another on the same workload. Printed per policy: mean, p50, p99
-JCT and p99 slowdown (JCT over the job's time alone in that cost model), the ratios to FCFS's,
-and the simulator's prediction with the same cost model beside each (how far the machine's
-drift moved the real run). The targets of issue #56: the default's mean JCT >= 2x lower than
+scaled to `--load` of the engine's measured capacity, `--reps` times per policy, policies
+interleaved on the same workload (a slow spell of the shared machine hits all alike). The
+capacity is the engine's start-up profile times the scale its running calibration settles on
+over a warm-up run of `--warmup-requests` (FCFS, same load): the machine as it is now, not
+as it was when the profile was cached. Printed per policy and run: mean, p50, p99 JCT and
+p99 slowdown (JCT over the job's time alone in that cost model); then the medians over the
+runs, their ratios to the first policy's, and the simulator's prediction with the same cost
+model beside them. The targets of issue #56: the default's mean JCT >= 2x lower than
 FCFS's and its p99 JCT <= FCFS's.
 
     .venv/bin/python benchmarks/scheduling/real_tail.py [--num-requests 1000] [--load 0.95] \\
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,6 +53,10 @@ def main() -> int:
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=1, help="real runs per policy")
+    p.add_argument("--warmup-requests", type=int, default=300,
+                   help="requests of the warm-up run that measures the capacity (0 = take "
+                        "the start-up profile as it is)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dry-run", action="store_true",
                    help="print the workload and the simulator's figures only")
@@ -58,7 +66,17 @@ def main() -> int:
     config = engine_config(model=args.model, max_batch_size=args.max_batch_size,
                            dtype="float32", num_threads=args.num_threads, seed=args.seed)
     cost = engine_cost(config)
-    print(f"engine's cost model: {cost}", flush=True)
+    print(f"engine's start-up cost model: {cost}", flush=True)
+    if args.warmup_requests > 0:
+        warm = WorkloadSpec(num_requests=args.warmup_requests, cv=args.cv,
+                            zipf_theta=args.zipf_theta, max_input_len=args.max_input_len,
+                            max_output_len=args.max_output_len, load=args.load,
+                            seed=args.seed + 1000).build(cost, args.max_batch_size)
+        scale: list[float] = []
+        asyncio.run(run_real(warm, policy_config(config, "fcfs"), args.seed, scale_out=scale))
+        cost = cost.scaled(scale[0])
+        print(f"warm-up ({len(warm)} requests): iterations take {scale[0]:.3f}x the start-up "
+              f"profile; the capacity is that profile's / {scale[0]:.3f}", flush=True)
     spec = WorkloadSpec(num_requests=args.num_requests, cv=args.cv, zipf_theta=args.zipf_theta,
                         max_input_len=args.max_input_len, max_output_len=args.max_output_len,
                         load=args.load, seed=args.seed)
@@ -76,20 +94,32 @@ def main() -> int:
               f"makespan {m['makespan_s']:.1f} s", flush=True)
     if args.dry_run:
         return 0
-    real: dict[str, dict[str, float]] = {}
-    for pol in policies:
-        start = time.perf_counter()
-        jobs = asyncio.run(run_real(workload, policy_config(config, pol), args.seed))
-        if len(jobs) == len(workload):  # in workload order: price each job alone
-            jobs = [dataclasses.replace(j, alone_s=alone_s(w.input_len, j.num_output_tokens, cost))
+    runs: dict[str, list[dict[str, float]]] = {pol: [] for pol in policies}
+    for rep in range(args.reps):
+        for pol in policies:
+            start = time.perf_counter()
+            jobs = asyncio.run(run_real(workload, policy_config(config, pol), args.seed))
+            if len(jobs) == len(workload):  # in workload order: price each job alone
+                jobs = [dataclasses.replace(
+                    j, alone_s=alone_s(w.input_len, j.num_output_tokens, cost))
                     for j, w in zip(jobs, workload, strict=True)]
-        real[pol] = compute_metrics(jobs, len(workload))
-        m = real[pol]
-        print(f"  real {pol:16s} mean {m['jct_mean']:.3f} s p50 {m['jct_p50']:.3f} s p99 "
-              f"{m['jct_p99']:.3f} s, p99 slowdown {m['slowdown_p99']:.0f}, {m['num_finished']}/{len(workload)} finished, "
-              f"{time.perf_counter() - start:.0f} s wall", flush=True)
+            m = compute_metrics(jobs, len(workload))
+            runs[pol].append(m)
+            print(f"  real {pol:16s} rep {rep}: mean {m['jct_mean']:.3f} s p50 "
+                  f"{m['jct_p50']:.3f} s p99 {m['jct_p99']:.3f} s, p99 slowdown "
+                  f"{m['slowdown_p99']:.0f}, {m['num_finished']}/{len(workload)} finished, "
+                  f"{time.perf_counter() - start:.0f} s wall", flush=True)
+    real = {pol: {k: statistics.median(r[k] for r in runs[pol]) for k in runs[pol][0]}
+            for pol in policies}
     base = policies[0]
-    print(f"\npolicy | real mean s | real p99 s | {base}/x mean | x/{base} p99 | "
+    if args.reps > 1:
+        print(f"\nper run, {base}'s mean / x's and x's p99 / {base}'s:")
+        for pol in policies[1:]:
+            print(f"  {pol}: " + ", ".join(
+                f"{b['jct_mean'] / r['jct_mean']:.2f} / {r['jct_p99'] / b['jct_p99']:.3f}"
+                for b, r in zip(runs[base], runs[pol], strict=True)))
+    print(f"\nmedians over {args.reps} run(s)")
+    print(f"policy | real mean s | real p99 s | {base}/x mean | x/{base} p99 | "
           f"sim mean s | sim p99 s | sim {base}/x mean | sim x/{base} p99")
     print(" | ".join(["---"] * 9))
     for pol in policies:
@@ -101,7 +131,8 @@ def main() -> int:
               f"| {s['jct_p99'] / sim[base]['jct_p99']:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(
-            {"args": vars(args), "cost_model": str(cost), "real": real, "sim": sim}, indent=2))
+            {"args": vars(args), "cost_model": str(cost), "real_runs": runs, "real": real,
+             "sim": sim}, indent=2))
         print(f"wrote {args.out}")
     return 0
 
