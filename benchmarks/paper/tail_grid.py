@@ -162,7 +162,7 @@ def markdown(cells: list[Cell], res: dict[Cell, dict[str, dict[str, float]]],
             f"| {m['slowdown_p99']:.0f} | {f['jct_mean'] / m['jct_mean']:.2f} "
             f"| {m['jct_p99'] / f['jct_p99']:.3f} | {m['jct_mean'] / o['jct_mean']:.2f} "
             f"| {miss} |"
-            + (f" {', '.join(f'{x:.2f}' for x in seeds_p99[c])} |" if seeds_p99 else ""))
+            + (f" {', '.join(f'{x:.3f}' for x in seeds_p99[c])} |" if seeds_p99 else ""))
     return "\n".join(lines) + "\n"
 
 
