@@ -143,6 +143,9 @@ _HELP = {
     "mlfq_max_overtakes": "robust MLFQ: how many later started jobs may run ahead of an "
                           "unstarted one in the lowest queue (None = 4 x --max-batch-size; "
                           "0 = arrival order there)",
+    "mlfq_max_wait_steps": "robust MLFQ: a job that has waited this long in all (its age "
+                           "less its time in iterations, in full-batch decode iterations) runs "
+                           "with the oldest jobs, ahead of every queue (None = 0 = never)",
     "mlfq_variant": "MLFQ rules: robust (own-share charging, 4-6 queues, arrival order within "
                     "a queue) or paper (FastServe as published)",
     "tensor_parallel_size": "processes the model's layers are split across (tensor "

@@ -206,6 +206,10 @@ class SchedulerConfig:
     # in arrival order ahead of every level): the bound on the JCT tail. None = the
     # variant's default; 0 = none.
     mlfq_oldest_slots: int | None = None
+    # A job that has waited this long in all (its age less its time in iterations, counted in
+    # full-batch decode iterations) joins the oldest jobs: it runs in arrival order ahead of
+    # every level, in as many slots as such jobs need. None = the variant's default; 0 = off.
+    mlfq_max_wait_steps: float | None = None
     mlfq_variant: str = "robust"
     # Schedule the next iteration while this one runs on the device (one pipeline stage, a
     # policy that can schedule ahead; not mlfq-preempt): the host's work overlaps the GPU's.
@@ -247,6 +251,10 @@ class SchedulerConfig:
             self.mlfq_oldest_slots is None or 0 <= self.mlfq_oldest_slots <= self.max_batch_size,
             f"mlfq_oldest_slots must be in [0, max_batch_size={self.max_batch_size}], got "
             f"{self.mlfq_oldest_slots}",
+        )
+        _check(
+            self.mlfq_max_wait_steps is None or self.mlfq_max_wait_steps >= 0,
+            f"mlfq_max_wait_steps must be >= 0 (0 = off), got {self.mlfq_max_wait_steps}",
         )
         _check(
             self.mlfq_variant in MLFQ_VARIANTS,

@@ -189,7 +189,16 @@ def table(res: dict[Point, dict[str, float]]) -> str:
         kv.append(f"| {share:g} | " + " | ".join(
             f"{get('kv-slots', share, k)['jct_mean']:.1f} / {get('kv-slots', share, k)['jct_p99']:.0f}"
             for k in KV_POLICIES) + " |")
-    return "\n".join(lines + kv) + "\n"
+    rest = ["", "The other figures, every point (peak KV in blocks):", "",
+            "| figure | x | series | mean JCT s | p99 JCT s | peak KV blocks |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for fig in ("design", "kv-rate", "peak-kv", "gpus"):
+        for p in sorted((p for p in res if p.figure == fig), key=lambda p: (p.series, p.x)):
+            m = res[p]
+            rest.append(f"| {fig} | {p.x:g} | {p.series.replace('skip-join-mlfq', 'sj')} "
+                        f"| {m['jct_mean']:.2f} | {m['jct_p99']:.1f} "
+                        f"| {m['peak_kv_blocks']:.0f} |")
+    return "\n".join(lines + kv + rest) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

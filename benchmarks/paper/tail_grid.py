@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastserve.args import engine_config
-from fastserve.bench.metrics import compute_metrics
-from fastserve.bench.runner import WorkloadSpec, policy_config, run_sim
+from fastserve.bench.metrics import KVStats, compute_metrics
+from fastserve.bench.runner import WorkloadSpec, policy_config, run_sim, with_options
 from fastserve.core.cost_model import CostModel
 from fastserve.sim.profiles import A100_13B
+from fastserve.sim.simulator import ample_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = {
@@ -78,15 +79,28 @@ def cost_of(profile: str) -> CostModel:
     return A100_13B if path is None else CostModel.from_json(path)
 
 
-def run_one(cell: Cell, policy: str, num_requests: int, seed: int) -> tuple[Cell, str, dict]:
+def run_one(cell: Cell, policy: str, num_requests: int, seed: int,
+            kv_share: float | None = None) -> tuple[Cell, str, dict]:
+    """One simulation. `kv_share`: the device KV pool as a share of FCFS's peak demand with
+    ample memory (never below the largest job), with an ample host pool to swap to; None =
+    ample device memory."""
     cost = cost_of(cell.profile)
     _, max_len = PROFILES[cell.profile]
     spec = WorkloadSpec(kind="zipf", num_requests=num_requests, rate=1.0, cv=cell.cv,
                         zipf_theta=cell.theta, max_input_len=max_len, max_output_len=max_len,
                         load=cell.load, seed=seed)
     workload = spec.build(cost, BATCH)
-    jobs = run_sim(workload, policy_config(engine_config(max_batch_size=BATCH), policy), cost)
-    return cell, policy, compute_metrics(jobs, len(workload))
+    base = engine_config(max_batch_size=BATCH)
+    blocks = None
+    if kv_share is not None:
+        peak: list[KVStats] = []
+        run_sim(workload, policy_config(base, FCFS), cost, None, kv_out=peak)
+        largest = max(ample_blocks([w], base.cache.block_size) for w in workload)
+        blocks = max(largest, int(kv_share * peak[0].peak_kv_blocks))
+        base = with_options(base, num_host_blocks=ample_blocks(workload, base.cache.block_size))
+    kv: list[KVStats] = []
+    jobs = run_sim(workload, policy_config(base, policy), cost, blocks, kv_out=kv)
+    return cell, policy, compute_metrics(jobs, len(workload), kv=kv[0])
 
 
 def check(cell: Cell, r: dict[str, dict[str, float]], policy: str = DEFAULT) -> list[str]:
@@ -129,12 +143,14 @@ def grid(profiles: list[str], loads: tuple[float, ...] = LOADS, cvs: tuple[float
 
 
 def markdown(cells: list[Cell], res: dict[Cell, dict[str, dict[str, float]]],
-             policy: str = DEFAULT) -> str:
+             seeds_p99: dict[Cell, list[float]] | None = None, policy: str = DEFAULT) -> str:
+    """The default's row per cell; with `seeds_p99`, its p99 / FCFS's on every seed too."""
     lines = ["| profile | load | CV | theta | FCFS mean s | FCFS p99 s | FCFS p99 slowdown "
              "| oracle mean s | oracle p99 s | default mean s | default p99 s "
              "| default p99 slowdown | FCFS/default mean | default/FCFS p99 "
-             "| default/oracle mean | lines missed |",
-             "|" + " --- |" * 16]
+             "| default/oracle mean | lines missed |"
+             + (" default/FCFS p99 by seed |" if seeds_p99 else ""),
+             "|" + " --- |" * (17 if seeds_p99 else 16)]
     for c in cells:
         r = res[c]
         f, o, m = r[FCFS], r[ORACLE], r[policy]
@@ -145,7 +161,8 @@ def markdown(cells: list[Cell], res: dict[Cell, dict[str, dict[str, float]]],
             f"| {o['jct_p99']:.1f} | {m['jct_mean']:.2f} | {m['jct_p99']:.1f} "
             f"| {m['slowdown_p99']:.0f} | {f['jct_mean'] / m['jct_mean']:.2f} "
             f"| {m['jct_p99'] / f['jct_p99']:.3f} | {m['jct_mean'] / o['jct_mean']:.2f} "
-            f"| {miss} |")
+            f"| {miss} |"
+            + (f" {', '.join(f'{x:.3f}' for x in seeds_p99[c])} |" if seeds_p99 else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -184,6 +201,94 @@ def plot(path: str, cells: list[Cell], res: dict[Cell, dict[str, dict[str, float
     plt.close(fig)
 
 
+KV_POLICIES = ("proactive", "defer", "reactive")
+
+
+def kv_spec(kv_policy: str) -> str:
+    return f"{DEFAULT}:kv-policy={kv_policy}"
+
+
+def kv_misses(r: dict[str, dict[str, float]]) -> list[str]:
+    """Where proactive is worse than defer or reactive (mean or p99 JCT) in one cell."""
+    pro = r[kv_spec("proactive")]
+    out = []
+    for other in KV_POLICIES[1:]:
+        o = r[kv_spec(other)]
+        for key in ("jct_mean", "jct_p99"):
+            if pro[key] > o[key]:
+                out.append(f"{key[4:]} {pro[key] / o[key]:.3f}x {other}")
+    return out
+
+
+def kv_row(cell: Cell, r: dict[str, dict[str, float]], policies: list[str]) -> str:
+    parts = [f"{cell.name:36s}"]
+    for k in KV_POLICIES:
+        m = r[kv_spec(k)]
+        parts.append(f"{k} {m['jct_mean']:7.2f}s p99 {m['jct_p99']:7.1f}s "
+                     f"swap-out {m['swap_out_blocks']:7d} |")
+    miss = kv_misses(r)
+    parts.append("proactive worse: " + "; ".join(miss) if miss else "proactive no worse")
+    return " ".join(parts)
+
+
+def kv_summary(args: argparse.Namespace, cells: list[Cell],
+               res: dict[Cell, dict[str, dict[str, float]]]) -> int:
+    misses = [(c, kv_misses(res[c])) for c in cells]
+    misses = [(c, m) for c, m in misses if m]
+    for key in ("jct_mean", "jct_p99"):
+        for other in KV_POLICIES[1:]:
+            ratios = [res[c][kv_spec("proactive")][key] / res[c][kv_spec(other)][key]
+                      for c in cells]
+            print(f"proactive/{other} {key[4:]}: max {max(ratios):.3f}, median "
+                  f"{sorted(ratios)[len(ratios) // 2]:.3f}")
+    print(f"proactive is worse than defer or reactive in {len(misses)}/{len(cells)} cells")
+    for c, m in misses:
+        print(f"  {c.name}: {'; '.join(m)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            [{"profile": c.profile, "load": c.load, "cv": c.cv, "theta": c.theta,
+              "kv_share": args.kv_share, "results": res[c]} for c in cells], indent=1))
+    if args.md:
+        lines = ["| profile | load | CV | theta | " + " | ".join(
+            f"{k} mean / p99 s" for k in KV_POLICIES) + " | proactive worse |",
+            "|" + " --- |" * (5 + len(KV_POLICIES))]
+        for c in cells:
+            r = res[c]
+            lines.append(f"| {c.profile} | {c.load:g} | {c.cv:g} | {c.theta:g} | " + " | ".join(
+                f"{r[kv_spec(k)]['jct_mean']:.2f} / {r[kv_spec(k)]['jct_p99']:.1f}"
+                for k in KV_POLICIES) + f" | {'; '.join(kv_misses(r)) or '-'} |")
+        Path(args.md).write_text("\n".join(lines) + "\n")
+    if args.plot:
+        kv_plot(args.plot, cells, res)
+    return 1 if misses else 0
+
+
+def kv_plot(path: str, cells: list[Cell], res: dict[Cell, dict[str, dict[str, float]]]) -> None:
+    """Per profile: proactive's mean and p99 JCT over defer's and reactive's, cell by cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({c.profile for c in cells})
+    fig, axes = plt.subplots(2, len(profiles), figsize=(7 * len(profiles), 6.5), squeeze=False)
+    for j, prof in enumerate(profiles):
+        mine = [c for c in cells if c.profile == prof]
+        for i, key in enumerate(("jct_mean", "jct_p99")):
+            ax = axes[i][j]
+            for other in KV_POLICIES[1:]:
+                ax.plot(range(len(mine)), [res[c][kv_spec("proactive")][key]
+                                           / res[c][kv_spec(other)][key] for c in mine],
+                        marker=".", label=f"proactive / {other}")
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_ylabel(f"{key[4:]} JCT ratio")
+            ax.set_title(f"{prof}: cells by load, then CV, then theta")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,6 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--thetas", default=None)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--extra-seeds", default="",
+                    help="comma-separated seeds on which FCFS and the default are run again: "
+                         "the default's p99 over FCFS's per seed shows which cells it misses "
+                         "by the draw of one workload")
+    ap.add_argument("--kv-share", type=float, default=None,
+                    help="KV mode: the device KV pool at this share of FCFS's peak demand; runs "
+                         "the default with each KV policy (proactive, defer, reactive) and checks "
+                         "that proactive is no worse than the others in every cell")
     ap.add_argument("--out", help="every cell's metrics, JSON")
     ap.add_argument("--md", help="the default's table, markdown")
     ap.add_argument("--plot", help="PNG of the ratios to FCFS per cell")
@@ -204,25 +317,54 @@ def main(argv: list[str] | None = None) -> int:
     def floats(text: str | None, default: tuple[float, ...]) -> tuple[float, ...]:
         return default if text is None else tuple(float(x) for x in text.split(","))
 
-    policies = [p for p in args.policies.split(",") if p]
-    for p in (FCFS, ORACLE):
-        if p not in policies:
-            policies.append(p)
     cells = grid(args.profiles.split(","), floats(args.loads, LOADS), floats(args.cvs, CVS),
                  floats(args.thetas, THETAS))
+    if args.kv_share is not None:
+        policies = [kv_spec(k) for k in KV_POLICIES]
+    else:
+        policies = [p for p in args.policies.split(",") if p]
+        for p in (FCFS, ORACLE):
+            if p not in policies:
+                policies.append(p)
+    memory = "ample KV" if args.kv_share is None else f"KV pool at {args.kv_share:g} of peak"
     print(f"{len(cells)} cells x {len(policies)} policies, {args.num_requests} jobs each, "
-          f"batch {BATCH}, ample KV, {args.jobs} processes", flush=True)
+          f"batch {BATCH}, {memory}, {args.jobs} processes", flush=True)
     start = time.perf_counter()
     res: dict[Cell, dict[str, dict[str, float]]] = {c: {} for c in cells}
+    show = kv_row if args.kv_share is not None else row
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_one, c, p, args.num_requests, args.seed)
+        futures = [pool.submit(run_one, c, p, args.num_requests, args.seed, args.kv_share)
                    for c in cells for p in policies]
         for fut in futures:
             cell, policy, metrics = fut.result()
             res[cell][policy] = metrics
             if len(res[cell]) == len(policies):
-                print(row(cell, res[cell], policies), flush=True)
-    print(f"\n{len(futures)} simulations in {time.perf_counter() - start:.0f} s")
+                print(show(cell, res[cell], policies), flush=True)
+        extra_seeds = [int(x) for x in args.extra_seeds.split(",") if x]
+        extra_futures = [pool.submit(run_one, c, p, args.num_requests, seed)
+                         for seed in extra_seeds for c in cells for p in (FCFS, DEFAULT)]
+        seeds_p99: dict[Cell, list[float]] = {
+            c: [res[c][DEFAULT]["jct_p99"] / res[c][FCFS]["jct_p99"]] if DEFAULT in res[c]
+            else [] for c in cells}
+        extra: dict[tuple[int, Cell], dict[str, dict[str, float]]] = {}
+        for k, fut in enumerate(extra_futures):
+            cell, policy, metrics = fut.result()
+            r = extra.setdefault((extra_seeds[k // (2 * len(cells))], cell), {})
+            r[policy] = metrics
+            if len(r) == 2:
+                seeds_p99[cell].append(r[DEFAULT]["jct_p99"] / r[FCFS]["jct_p99"])
+    print(f"\n{len(futures) + len(extra_futures)} simulations in "
+          f"{time.perf_counter() - start:.0f} s")
+    if args.kv_share is not None:
+        return kv_summary(args, cells, res)
+    if extra_seeds:
+        n = 1 + len(extra_seeds)
+        met = [sum(x <= MAX_P99_VS_FCFS for x in seeds_p99[c]) for c in cells]
+        print(f"\ndefault p99 / FCFS's over seeds {[args.seed, *extra_seeds]}: met in all {n} "
+              f"in {sum(m == n for m in met)}/{len(cells)} cells, in none in "
+              f"{sum(m == 0 for m in met)}, in some in {sum(0 < m < n for m in met)}")
+        for c in cells:
+            print(f"  {c.name}: " + " ".join(f"{x:.3f}" for x in seeds_p99[c]))
     failed = 0
     for p in policies:
         if p in (FCFS, ORACLE):
@@ -242,9 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(
             [{"profile": c.profile, "load": c.load, "cv": c.cv, "theta": c.theta,
-              "results": res[c]} for c in cells], indent=1))
+              "results": res[c], "default_p99_vs_fcfs_by_seed": seeds_p99[c]}
+             for c in cells], indent=1))
     if args.md and DEFAULT in policies:
-        Path(args.md).write_text(markdown(cells, res))
+        Path(args.md).write_text(markdown(cells, res, seeds_p99 if extra_seeds else None))
     if args.plot:
         plot(args.plot, cells, res, policies)
     return 1 if failed else 0

@@ -229,16 +229,20 @@ async def run_real(
 
         done = await asyncio.gather(*(one(i, w) for i, w in enumerate(workload)),
                                     return_exceptions=True)
+        # Read before shutdown, which lets the engine go: every job has finished, so the
+        # engine loop is idle and its counters are final.
+        engine = llm.engine
+        if kv_out is not None:
+            stats = engine.stats()
+            kv_out.append(KVStats.from_stats(stats.scheduler, stats.swap_wait_s))
+        if iterations_out is not None and engine.recorder is not None:
+            iterations_out.append(engine.recorder.samples())
+        if scale_out is not None:
+            scale_out.append(engine.cost_check.scale)
+        del engine
     finally:
         bar.close()
         await llm.shutdown()
-    if kv_out is not None:  # the engine loop has stopped: its counters are final
-        stats = llm.engine.stats()
-        kv_out.append(KVStats.from_stats(stats.scheduler, stats.swap_wait_s))
-    if iterations_out is not None and llm.engine.recorder is not None:
-        iterations_out.append(llm.engine.recorder.samples())
-    if scale_out is not None:
-        scale_out.append(llm.engine.cost_check.scale)
     errors = [d for d in done if isinstance(d, BaseException)]
     if errors:
         # NOTE: a rejected job (say, a prompt over the model's context) counts as unfinished.

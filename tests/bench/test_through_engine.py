@@ -318,3 +318,27 @@ def test_through_engine_fit_predicts_engine_iterations_better(
     # (seen: 0.04-27%), so the comparison allows a small margin rather than a strict win.
     assert engine_err < np.log(1.10), (engine_err, executor_err)
     assert engine_err < executor_err + np.log(1.05), (engine_err, executor_err)
+
+
+def test_run_real_reports_the_engines_counters_after_the_run(tiny_model_path: Path) -> None:
+    # The engine goes at shutdown: its KV counters, recorded iterations and calibration
+    # scale must be read before (they were read after, which raised AttributeError).
+    import asyncio
+
+    from fastserve.args import engine_config
+    from fastserve.bench.metrics import KVStats
+    from fastserve.bench.runner import run_real
+    from fastserve.request import WorkItem
+
+    config = engine_config(model=str(tiny_model_path), warmup=False, startup_profile=False,
+                           record_iterations=1000, policy="fcfs", num_threads=1)
+    workload = [WorkItem(0.0, 5, 3), WorkItem(0.0, 9, 6)]
+    kv: list[KVStats] = []
+    iterations: list[list[Sample]] = []
+    scale: list[float] = []
+    jobs = asyncio.run(run_real(workload, config, kv_out=kv, iterations_out=iterations,
+                                scale_out=scale))
+    assert [j.num_output_tokens for j in jobs] == [3, 6]
+    assert kv[0].peak_kv_blocks > 0
+    assert len(iterations[0]) == 6  # one prefill iteration, then five decodes
+    assert scale[0] > 0

@@ -107,3 +107,40 @@ def test_oldest_slots_default_to_a_quarter_of_the_batch_for_robust_only() -> Non
         SchedulerConfig(max_batch_size=16, mlfq_variant="paper"), cost).oldest_slots == 0
     with pytest.raises(ValueError, match="mlfq_oldest_slots"):
         SchedulerConfig(max_batch_size=4, mlfq_oldest_slots=5)
+
+
+def _long_job_and_stream_ms(max_wait_steps: float) -> tuple[float, float, float]:
+    """As above, without oldest slots: (r0's finish, the last short job's finish, the bound in
+    ms: `max_wait_steps` full-batch decode iterations)."""
+    sched = make_scheduler("skip-join-mlfq", cost=UNIT_COST, base_quantum_ms=2.0,
+                           mlfq_levels=4, max_batch_size=2, mlfq_oldest_slots=0,
+                           mlfq_max_wait_steps=max_wait_steps)
+    policy = sched.policy
+    assert isinstance(policy, MLFQBase)
+    arrivals = [0.0] + [0.020 + 0.0015 * i for i in range(40)]
+    reqs = make_requests([1] * 41, [60] + [3] * 40, arrivals)
+    run = serve(sched, reqs)
+    finish = {r.request_id: (r.finish_s or 0.0) * 1e3 for r in run.finished}
+    return (finish["r0"], max(v for k, v in finish.items() if k != "r0"),
+            policy.settings.max_wait_s * 1e3)
+
+
+def test_wait_bound_lets_a_held_back_job_run_ahead_of_every_level() -> None:
+    starved, stream_done, _ = _long_job_and_stream_ms(0)
+    bounded, stream_done_bounded, bound_ms = _long_job_and_stream_ms(5)
+    assert starved > stream_done  # off: r0 waits for the whole stream
+    # On: once r0 has waited 5 iterations' worth in the lowest level it runs every iteration,
+    # in a slot of its own, and ends well before the stream (which it delays by its work).
+    assert 0 < bound_ms < 20
+    assert bounded < 0.65 * starved and bounded < stream_done_bounded
+    assert stream_done_bounded <= stream_done + 61
+
+
+def test_wait_bound_is_off_by_default_and_rejected_below_zero() -> None:
+    cost = CostModel()
+    assert MLFQSettings.from_config(SchedulerConfig(), cost).max_wait_s == float("inf")
+    set_ = MLFQSettings.from_config(SchedulerConfig(max_batch_size=4, mlfq_max_wait_steps=10),
+                                    UNIT_COST)
+    assert set_.max_wait_s == pytest.approx(10 * UNIT_COST.iteration_s(0, 4, 0))
+    with pytest.raises(ValueError, match="mlfq_max_wait_steps"):
+        SchedulerConfig(mlfq_max_wait_steps=-1)

@@ -21,6 +21,7 @@ With starvation promotion on, a job that has not run for `starve_limit_s` moves 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -53,7 +54,10 @@ class _Job:
     last_run_s: float = 0.0  # end of its last iteration, or its arrival (paper's turn-taking)
     starve_clock_s: float = 0.0  # since when it has waited, for starvation promotion
     is_started: bool = False  # has run an iteration (robust: it stays ahead of new jobs)
-    is_oldest: bool = False  # one of the `oldest_slots` oldest: ahead of every level
+    # One of the `oldest_slots` oldest, or held back `max_wait_s`: ahead of every level.
+    is_oldest: bool = False
+    arrived_s: float = 0.0  # when it was added
+    ran_s: float = 0.0  # time it spent in iterations (its wait: the rest of its age)
     # (attained_s, last_run_s) as of its last token, what the paper variant ranks by: a job
     # whose prefill runs in chunks keeps its place until the prefill is done, so jobs taking
     # turns in a level take them between tokens. Ranked by its chunks, each job would run one
@@ -82,6 +86,8 @@ class MLFQBase(SchedulingPolicy):
         # for starving jobs stops at the first one that is not.
         self._waiting: OrderedDict[str, _Job] = OrderedDict()
         self._num_added = 0
+        # (earliest time it may have waited max_wait_s, seq, request id) per job, a min-heap.
+        self._wait_due: list[tuple[float, int, str]] = []
         # Levels the latest finished jobs ended in (`level_reach`, for a fleet router).
         self._final_levels: deque[int] = deque(maxlen=FINAL_LEVELS_WINDOW)
         # Request id -> its latest job (live or finished), for the jobs that continue it.
@@ -196,8 +202,11 @@ class MLFQBase(SchedulingPolicy):
     def on_add(self, req: Request, now: float) -> None:
         level = self._join_level(req)
         job = _Job(req, self._num_added, level, self._allowance_s(level),
-                   last_run_s=now, starve_clock_s=now, turn=(0.0, now))
+                   last_run_s=now, starve_clock_s=now, turn=(0.0, now), arrived_s=now)
         self._num_added += 1
+        if math.isfinite(self.settings.max_wait_s):
+            heapq.heappush(self._wait_due, (now + self.settings.max_wait_s, job.seq,
+                                            req.request_id))
         self._continue_service(job)
         self._jobs[req.request_id] = job
         self._level_counts[level] += 1
@@ -254,6 +263,8 @@ class MLFQBase(SchedulingPolicy):
             self._promote_starved(now)
         if self.settings.oldest_slots > 0:
             self._mark_oldest()
+        if self._wait_due:
+            self._mark_held_back(now)
         return self._queue.items()
 
     def _mark_oldest(self) -> None:
@@ -264,11 +275,29 @@ class MLFQBase(SchedulingPolicy):
                 job.is_oldest = True
                 self._rekey(job)
 
+    def _mark_held_back(self, now: float) -> None:
+        """Mark the jobs that have waited `max_wait_s` in all (their age less the time they
+        spent in iterations) as oldest. `_wait_due` holds for each job the earliest time it
+        could have: an entry whose job ran since is pushed back to its new due time."""
+        limit_s = self.settings.max_wait_s
+        while self._wait_due and self._wait_due[0][0] <= now:
+            _, seq, rid = heapq.heappop(self._wait_due)
+            job = self._jobs.get(rid)
+            if job is None or job.is_oldest:
+                continue
+            due_s = job.arrived_s + job.ran_s + limit_s
+            if due_s <= now:
+                job.is_oldest = True
+                self._rekey(job)
+            else:
+                heapq.heappush(self._wait_due, (due_s, seq, rid))
+
     def on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
         charges = self.charge.charges(plan, out.duration_s)
         for sched, charge_s in zip(plan.scheduled, charges, strict=True):
             job = self._jobs.get(sched.request_id)
             if job is not None:  # None: aborted while the iteration ran
+                job.ran_s += out.duration_s
                 self._charge(job, sched, charge_s, now)
 
     # -- accounting -----------------------------------------------------------------------

@@ -68,6 +68,12 @@ ROBUST_OVERTAKE_BATCHES = 4
 # 1.09 with 2 or 8; the mean JCT gains over FCFS stay within 6% of those without at 4 slots
 # (8 slots cost up to 12% at theta 1.5, CV 8). Full grid: docs/results/2026-12-07-scheduling-tail.md.
 ROBUST_OLDEST_SLOTS_SHARE = 0.25
+# robust's default `max_wait_steps`: off. A wait bound gives each job JCT <= its FCFS JCT plus
+# the bound on one server (once it has waited that long only older jobs go first), but over
+# benchmarks/paper/tail_grid.py's grid no bound tried (100-800 full-batch iterations) met the
+# p99 line in more cells than the default without giving up most of the mean's gain
+# (docs/results/2026-12-07-scheduling-tail.md).
+ROBUST_MAX_WAIT_STEPS = 0.0
 
 
 class ChargeModel:
@@ -183,6 +189,9 @@ class MLFQSettings:
     # Batch slots that go to the oldest unfinished jobs, in arrival order ahead of every level
     # (0 = none).
     oldest_slots: int = 0
+    # A job that has waited this long in all (seconds of its age not spent in iterations)
+    # joins the oldest jobs, whatever their number (inf = never).
+    max_wait_s: float = math.inf
 
     @property
     def num_levels(self) -> int:
@@ -220,6 +229,9 @@ class MLFQSettings:
         oldest = config.mlfq_oldest_slots
         if oldest is None:
             oldest = 0 if is_paper else round(ROBUST_OLDEST_SLOTS_SHARE * config.max_batch_size)
+        wait_steps = config.mlfq_max_wait_steps
+        if wait_steps is None:
+            wait_steps = 0.0 if is_paper else ROBUST_MAX_WAIT_STEPS
         return cls(
             variant=config.mlfq_variant,
             charge=charge,
@@ -229,6 +241,8 @@ class MLFQSettings:
             max_overtakes=math.inf if is_paper else overtakes,
             shallow_levels=shallow,
             oldest_slots=oldest,
+            max_wait_s=(wait_steps * cost.iteration_s(0, config.max_batch_size, 0)
+                        if wait_steps > 0 else math.inf),
         )
 
 
