@@ -6,7 +6,7 @@ the token budget and the KV blocks. A prefill takes what is left of the token bu
 longer than that is prefilled in chunks over several iterations (chunked prefill), beside the
 running decodes, and may be preempted between chunks like any started job. A request that ran last iteration and is not picked now is
 preempted between tokens and keeps its KV cache. When a request cannot get its blocks, the
-KV policy (`fastserve.core.kv_policy`) may take them from started requests less urgent than it
+KV policy (`fastserve.core.kv`) may take them from started requests less urgent than it
 and outside the batch: their KV is offloaded to host memory or dropped for recompute, so the
 engine never deadlocks and never drops a job. A swapped request is uploaded before it runs, and
 the KV policy may move KV ahead of need once the batch is chosen; the plan carries the copies.
@@ -23,11 +23,15 @@ from operator import attrgetter
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
-from fastserve.core.kv_moves import KVMoves
-from fastserve.core.kv_policy import KVPolicy, make_kv_policy
+from fastserve.core.kv import (
+    KVCacheManager,
+    KVPolicy,
+    extend_block_hashes,
+    make_kv_policy,
+    num_blocks_for,
+)
+from fastserve.core.kv.moves import KVMoves
 from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
-from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 from fastserve.core.speculative import Drafter
 from fastserve.core.stats import SchedulerStats

@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv import KVCacheManager
 from fastserve.request import SEED_RANGE, Request, RequestOutput, SamplingParams
 
 # Adds a later sequence to the engine: (its id, its params, sequence 0, the prompt's text).

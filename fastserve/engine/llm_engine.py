@@ -13,7 +13,7 @@ import torch
 from fastserve.clock import Clock, WallClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.scheduler import check_fits
 from fastserve.engine.beam_search import BeamSearches

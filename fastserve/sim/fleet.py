@@ -23,7 +23,7 @@ from tqdm import tqdm
 from fastserve.clock import VirtualClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_policy import host_pool_blocks
+from fastserve.core.kv import host_pool_blocks
 from fastserve.core.scheduler import check_fits
 from fastserve.engine.core import EngineCore, build_engine_core
 from fastserve.fleet.router import Router, RouteRequest

@@ -15,8 +15,8 @@ from typing import Any
 from fastserve.clock import VirtualClock
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy, make_kv_policy
+from fastserve.core.kv import KVPolicy, make_kv_policy
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.scheduler import Scheduler

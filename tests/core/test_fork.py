@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.request import Request, SamplingParams
 from tests.core.factories import UNIT_COST, kv_scheduler, make_requests, make_scheduler, serve
 

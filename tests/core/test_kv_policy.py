@@ -21,8 +21,7 @@ from fastserve.bench.workloads import scale_to_load, zipf_workload
 from fastserve.clock import VirtualClock
 from fastserve.config import KV_POLICIES, POLICIES, CacheConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVLocation
-from fastserve.core.kv_policy import (
+from fastserve.core.kv import (
     KV_POLICY_CLASSES,
     ProactivePolicy,
     ReactivePolicy,
@@ -30,6 +29,7 @@ from fastserve.core.kv_policy import (
     host_pool_blocks,
     make_kv_policy,
 )
+from fastserve.core.kv.manager import KVLocation
 from fastserve.core.plan import SchedulerOutput
 from fastserve.core.policies.mlfq import MLFQBase
 from fastserve.core.scheduler import Scheduler

@@ -14,7 +14,7 @@ import pytest
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.policies.mlfq import (

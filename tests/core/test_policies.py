@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fastserve.config import POLICIES
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv.manager import num_blocks_for
 from fastserve.core.policies import POLICY_CLASSES
 from fastserve.core.scheduler import Scheduler
 from fastserve.request import FinishReason, Request, RequestStatus

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.prefix_cache import CachingBlockPool, extend_block_hashes
+from fastserve.core.kv.manager import KVCacheManager
+from fastserve.core.kv.prefix_cache import CachingBlockPool, extend_block_hashes
 from fastserve.request import Request, SamplingParams
 from tests.core.factories import UNIT_COST, make_requests, make_scheduler, serve
 

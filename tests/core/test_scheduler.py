@@ -14,9 +14,9 @@ from fastserve.bench.workloads import zipf_workload
 from fastserve.clock import VirtualClock
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_moves import KVMoves
-from fastserve.core.kv_policy import ReactivePolicy, RecomputePolicy, make_kv_policy
+from fastserve.core.kv import ReactivePolicy, RecomputePolicy, make_kv_policy
+from fastserve.core.kv.manager import KVCacheManager
+from fastserve.core.kv.moves import KVMoves
 from fastserve.core.policies import make_scheduler
 from fastserve.engine.core import EngineCore
 from fastserve.request import Request, RequestStatus

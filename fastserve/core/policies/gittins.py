@@ -48,8 +48,7 @@ from itertools import accumulate
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
+from fastserve.core.kv import KVCacheManager, KVPolicy
 from fastserve.core.policies.finished_lengths import FinishedLengths, finished_length
 from fastserve.core.policies.keyed_order import KeyedOrderScheduler
 from fastserve.request import Request

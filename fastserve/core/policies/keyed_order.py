@@ -16,8 +16,7 @@ from typing import Generic, TypeVar
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
+from fastserve.core.kv import KVCacheManager, KVPolicy
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request

@@ -28,8 +28,7 @@ from dataclasses import dataclass, replace
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
+from fastserve.core.kv import KVCacheManager, KVPolicy
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.policies.finished_lengths import finished_length
 from fastserve.core.policies.keyed_order import Key, KeyedOrder

@@ -4,7 +4,7 @@ Pure bookkeeping over block ids; the executor owns the tensors these ids index a
 the copies that `offload` / `upload` return. A request's KV moves as a whole, block by block,
 and its block table follows it from one pool to the other.
 
-With prefix caching (`fastserve.core.prefix_cache`) a request's device table may begin with
+With prefix caching (`fastserve.core.kv.prefix_cache`) a request's device table may begin with
 blocks it shares with others: leaving the device (free, offload) drops its references, and a
 cached block nobody references stays on the device until an allocation needs the room.
 
@@ -20,8 +20,8 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from fastserve.core.block_pool import BlockPool
-from fastserve.core.prefix_cache import CachingBlockPool, HostPrefixCache
+from fastserve.core.kv.block_pool import BlockPool
+from fastserve.core.kv.prefix_cache import CachingBlockPool, HostPrefixCache
 from fastserve.core.stats import KVStats
 
 

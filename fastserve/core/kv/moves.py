@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.request import Request, RequestStatus
 
 

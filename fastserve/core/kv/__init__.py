@@ -1,0 +1,41 @@
+"""KV memory: where each request's KV lives, what gives way when blocks run short, and the
+copies that follow. Only this module is imported from outside the package (`.importlinter`)."""
+
+from __future__ import annotations
+
+from fastserve.core.kv.block_pool import copy_runs, is_contiguous
+from fastserve.core.kv.manager import KVCacheManager, num_blocks_for
+from fastserve.core.kv.policy import (
+    DeferPolicy,
+    KVPolicy,
+    ReactivePolicy,
+    RecomputePolicy,
+    SchedulerView,
+)
+from fastserve.core.kv.prefix_cache import chain_block_hashes, extend_block_hashes
+from fastserve.core.kv.proactive import ProactivePolicy
+from fastserve.core.kv.registry import (
+    KV_POLICY_CLASSES,
+    host_pool_blocks,
+    make_kv_policy,
+    uses_host,
+)
+
+__all__ = [
+    "KV_POLICY_CLASSES",
+    "KVCacheManager",
+    "DeferPolicy",
+    "KVPolicy",
+    "ProactivePolicy",
+    "ReactivePolicy",
+    "RecomputePolicy",
+    "SchedulerView",
+    "chain_block_hashes",
+    "copy_runs",
+    "extend_block_hashes",
+    "host_pool_blocks",
+    "is_contiguous",
+    "make_kv_policy",
+    "num_blocks_for",
+    "uses_host",
+]
