@@ -18,24 +18,25 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv import (
     KVCacheManager,
+    KVCopies,
     KVPolicy,
-    extend_block_hashes,
+    KVSpace,
+    PrefixHold,
+    check_fits,
     make_kv_policy,
-    num_blocks_for,
 )
-from fastserve.core.kv.moves import KVMoves
 from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 from fastserve.core.speculative import Drafter
 from fastserve.core.stats import SchedulerStats
-from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
+from fastserve.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler(ABC):
@@ -54,7 +55,6 @@ class Scheduler(ABC):
         kv_policy: KVPolicy | None = None,
     ) -> None:
         self.config = config
-        self.kv = kv
         self.cost = cost
         self.eos_token_ids = frozenset(eos_token_ids)
         # Unfinished requests in arrival order (dicts keep insertion order).
@@ -62,18 +62,7 @@ class Scheduler(ABC):
         self._finished_ids: list[str] = []  # since the last plan, for the executor
         self._batch_ids: list[str] = []  # last plan's batch
         self.num_preemptions = 0  # times a started request was taken out of the batch
-        # Times the walk asked the KV policy to defer a job's turn, all time: what scheduling
-        # under pressure costs (looking at every swapped job of a long queue made it grow).
-        self.num_defer_asks = 0
-        # Prefix cache: tokens of the jobs started (or restarted after a recompute), and of
-        # those the tokens found cached (/metrics: queries and hits).
-        self.num_prefix_query_tokens = 0
-        self.num_prefix_hit_tokens = 0
-        # What gives way when device blocks run short (default: proactive with no host pool,
-        # which acts as `defer`).
-        self.kv_policy = kv_policy or make_kv_policy(CacheConfig())
         self._order_now: Sequence[Request] = ()  # this iteration's order, for ENST
-        self._resident_now: list[tuple[int, Request]] | None = None  # see `resident`
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # ENST per request, computed when asked
         # Pipeline parallelism: jobs of batches still in the pipeline are running. They are
@@ -91,7 +80,10 @@ class Scheduler(ABC):
         # prefill but not sample, so they sit out of the batch at their last prompt token, KV
         # kept, until the engine takes them out of this set. Those past their prompt never wait.
         self.preparing: set[str] = set()
-        self.moves = KVMoves(kv, self.in_flight, self._on_recompute)  # every KV move goes here
+        # The KV blocks: what gives way when they run short is `kv_policy`'s say (default:
+        # proactive with no host pool, which acts as `defer`).
+        self.kv = KVSpace(kv, kv_policy or make_kv_policy(CacheConfig()), self, self.in_flight,
+                          self._on_recompute, self._admit_tokens)
         self._replica_model: ReplicaModel | None = None  # built by `replica_model`
         self._num_prioritized = 0  # unfinished requests whose priority is not 0
         # Speculative decoding: proposes drafted tokens for decodes (None: no request drafts;
@@ -129,12 +121,8 @@ class Scheduler(ABC):
         if req.request_id in self._placeholders:  # its last token never came back
             self._placeholders.discard(req.request_id)
             req.output_token_ids.pop()
-        if req.keep_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            # NOTE: its last token was never fed (and may be a placeholder's)
-            n = min(req.num_computed_tokens, req.num_tokens - 1)
-            self.kv.park(req.request_id, req.all_token_ids()[:n], req.cache_salt)
-        else:
-            self.kv.free(req.request_id)
+        keep = req.keep_kv and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        self.kv.free(req.request_id, park=req if keep else None)
         if self.drafter is not None:
             self.drafter.drop(req.request_id)
         self.preparing.discard(req.request_id)
@@ -164,19 +152,20 @@ class Scheduler(ABC):
     # -- what a fleet router reads ------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
+        kv = self.kv.stats()
         return SchedulerStats(
-            kv=self.kv.stats(),
+            kv=kv,
             queue_lengths=self.queue_lengths(),
             num_running=self.count(RequestStatus.RUNNING),
             num_waiting=self.count(RequestStatus.WAITING),
             num_preempted=self.count(RequestStatus.PREEMPTED),
             num_swapped=self.count(RequestStatus.SWAPPED),
             num_preemptions=self.num_preemptions,
-            num_offloads=self.moves.num_offloads,
-            num_uploads=self.moves.num_uploads,
-            num_recomputes=self.moves.num_recomputes,
-            num_prefix_query_tokens=self.num_prefix_query_tokens,
-            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_offloads=kv.num_offloads,
+            num_uploads=kv.num_uploads,
+            num_recomputes=kv.num_recomputes,
+            num_prefix_query_tokens=kv.num_prefix_query_tokens,
+            num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )
@@ -187,12 +176,12 @@ class Scheduler(ABC):
         hashes), changes nothing. The simulator's replicas and the real engine both call it.
         NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
         steps the engine, not from another thread while one runs."""
-        hashes, cut = (self.kv.cached_hashes(max_prefix_hashes) if self.kv.is_caching
-                       else (frozenset(), False))
+        hashes, cut = self.kv.cached_hashes(max_prefix_hashes)
+        kv = self.kv.stats()
         return ReplicaStats(
             replica_id=replica_id, time_s=now, num_requests=len(self.requests),
             queued_work_s=tuple(self.queued_work_s()),
-            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_total_blocks,
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
             prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut,
             level_reach=tuple(self.level_reach()))
 
@@ -230,12 +219,9 @@ class Scheduler(ABC):
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Pick this iteration's batch, and the KV copies it needs."""
-        self.moves.take()  # NOTE: a new iteration: nothing moved yet
         self._enst = None
-        self._resident_now = None
         self._now = now
         self._drafts = {}
-        self.kv_policy.begin(self, now)
         batch: list[Request] = []
         in_batch: set[str] = set()
         chunks: dict[str, int] = {}  # tokens each batched job runs this iteration
@@ -249,8 +235,7 @@ class Scheduler(ABC):
         # requests stop being admitted and this reaches 0, nothing later in the order can run
         # (a long queue is not walked for nothing).
         # NOTE: an upper bound (victims dropped below were counted), so stopping stays safe.
-        passable = self.kv_policy.passable(self)
-        num_started_left = self.kv.num_requests - len(passable)
+        passable, num_started_left = self.kv.begin(now)
         for i, req in enumerate(order):
             if len(batch) >= max_jobs:
                 break
@@ -260,8 +245,10 @@ class Scheduler(ABC):
                         break
                     continue
                 started = True
+                reuse = None
             else:
-                started = self.kv.where(req.request_id) is not None
+                reuse = self.kv.lookup(req)
+                started = reuse.is_started
                 num_started_left -= started
             if not started and not admitting:
                 if num_started_left <= 0:
@@ -271,9 +258,7 @@ class Scheduler(ABC):
                 continue  # dropped for recompute while its token is on the device: not yet
             # A job starting (or restarting) with no KV forks the parked KV it continues, or
             # else shares the longest cached prefix.
-            forked = 0 if started else self._fork_tokens(req)
-            prefix = () if started or forked else self._cached_prefix(req)
-            done = req.num_computed_tokens + forked + len(prefix) * self.kv.block_size
+            done = req.num_computed_tokens + (reuse.num_tokens if reuse is not None else 0)
             num_new = req.num_tokens - done
             if self.preparing and req.request_id in self.preparing:
                 num_new -= 1  # NOTE: its last token samples, which waits for its preparation
@@ -284,7 +269,7 @@ class Scheduler(ABC):
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
-            if not self._allocate(req, done + num_new, i + 1, in_batch, now, prefix, forked):
+            if not self.kv.reserve(req, done + num_new, reuse, i + 1, len(in_batch), now):
                 if not started:
                     admitting = False
                 continue
@@ -295,8 +280,7 @@ class Scheduler(ABC):
             in_batch.add(req.request_id)
             chunks[req.request_id] = num_new
             num_tokens += num_new
-        self.kv_policy.plan_ahead(self, order, batch, now)
-        return self._plan(batch, chunks)
+        return self._plan(batch, chunks, self.kv.end_iteration(batch, now))
 
     def _draft(self, req: Request, max_tokens: int) -> int:
         """Speculative decoding: draft tokens for a decode of `req` that holds its blocks for
@@ -315,7 +299,7 @@ class Scheduler(ABC):
             return 0
         rid = req.request_id
         need = req.num_tokens + len(draft)
-        if self.kv.allocate(rid, need) is None:
+        if not self.kv.reserve(req, need):
             held = len(self.kv.block_table(rid)) * self.kv.block_size
             draft = draft[: max(0, len(draft) - (need - held))]
         if draft:
@@ -436,7 +420,7 @@ class Scheduler(ABC):
             if has_placeholder:  # NOTE: before the block hashes read the tokens
                 placeholders.discard(rid)
                 req.output_token_ids[-1] = token
-            self._cache_computed(req)
+            self.kv.commit(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet
                 continue
             if req.params.max_tokens == 0:  # a prefill alone (prompt log-probabilities)
@@ -476,7 +460,7 @@ class Scheduler(ABC):
         # NOTE: position start_pos is the last token before the drafts; a stop before the
         # last accepted draft leaves the KV past its tokens uncounted.
         req.num_computed_tokens = sched.start_pos + 1 + min(num_accepted, num_kept)
-        self._cache_computed(req)
+        self.kv.commit(req)
         if reason is not None:
             self._end(req, req.output_token_ids[-1], reason, now)
 
@@ -542,19 +526,6 @@ class Scheduler(ABC):
         """This iteration's order (what `schedule` walks)."""
         return self._order_now
 
-    def resident(self) -> list[tuple[int, Request]]:
-        """(place in this iteration's order, job) of the jobs whose KV was on the device when
-        the walk began, computed once per iteration: few jobs fit on the device, so this is
-        short even when the queue is long. NOTE: a superset later in the walk (jobs are
-        offloaded meanwhile); callers check residency. Jobs that gain blocks during the walk
-        are in the batch or were uploaded this iteration, and neither may be a victim."""
-        if self._resident_now is None:
-            kv = self.kv
-            self._resident_now = [
-                (i, r) for i, r in enumerate(self._order_now) if kv.has_blocks(r.request_id)
-            ]
-        return self._resident_now
-
     def next_run_s(self, req: Request) -> float:
         """The request's ENST this iteration (see `estimate_next_run_s`), computed once."""
         if self._enst is None:
@@ -564,113 +535,26 @@ class Scheduler(ABC):
             )
         return self._enst.get(req.request_id, float("inf"))
 
-    def _allocate(self, req: Request, target: int, start: int, in_batch: set[str], now: float,
-                  prefix: Sequence[int] = (), forked: int = 0) -> bool:
-        """Find KV blocks for the request to hold `target` tokens after this iteration,
-        making room if it must (parked KV goes first, then the jobs at place `start` on in the
-        order give way); a job holding no KV starts with the cached blocks of `prefix`, or
-        with the `forked` tokens of the parked KV it forks (`Request.fork_of`): their tokens
-        count as computed. A swapped request is uploaded first. Returns False when it cannot
-        run now."""
-        rid = req.request_id
-        fork_of = req.fork_of if forked else None
-        if self.kv_policy.is_landing(self, req, len(in_batch), start):
-            return False
-        if self.kv.is_swapped(rid):
-            if not self.moves.can_upload(req) or self._defer_turn(req, len(in_batch), start):
-                return False
-            if not self._make_room(req, self.kv.upload_shortfall(rid, target), start, now):
-                return False
-            self.moves.upload(req, target)
-        started = self.kv.has_blocks(rid)
-        num_tokens = target if started else max(target, self._admit_tokens(req))
-        if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-            return self._started(req, started, prefix, forked)
-        # Parked KV goes first, the longest parked first; not for a shortfall it cannot cover.
-        if self.kv.shortfall(rid, num_tokens, prefix, fork_of) <= self.kv.num_parked_blocks:
-            while self.kv.drop_parked(keep=fork_of):
-                if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-                    return self._started(req, started, prefix, forked)
-        if self._defer_turn(req, len(in_batch), start):
-            return False
-        shortfall = self.kv.shortfall(rid, num_tokens, prefix, fork_of)
-        if self._make_room(req, shortfall, start, now) \
-                and self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-            return self._started(req, started, prefix, forked)
-        if started:  # nothing below it gives way: it gives up its own blocks
-            self.kv_policy.give_up(self, req)
-        return False
-
     # -- prefix cache -------------------------------------------------------------------
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens of the request's longest prefix cached on the device, or of the parked KV
         it forks (changes nothing but the request's block hashes): what it would not compute
         if it started now."""
-        return self._fork_tokens(req) or len(self._cached_prefix(req)) * self.kv.block_size
+        return self.kv.lookup(req).num_tokens
 
-    def _fork_tokens(self, req: Request) -> int:
-        """Tokens the request would not compute by forking the parked KV it continues."""
-        if req.fork_of is None or req.params.prompt_logprobs is not None:
-            return 0
-        tokens = req.all_token_ids() if req.output_token_ids else req.prompt_token_ids
-        return self.kv.fork_tokens(req.fork_of, tokens, req.cache_salt)
+    def prefix_hold(self) -> PrefixHold | None:
+        """A handle that holds a prompt's cached blocks until released, for the sequences of
+        an `n` / `best_of` request that share it; None with prefix caching off."""
+        return self.kv.prefix_hold()
 
-    def _cached_prefix(self, req: Request) -> Sequence[int]:
-        """Hashes of the request's longest cached run of leading blocks, leaving at least one
-        token to compute (its logits give the next token)."""
-        if not self.kv.is_caching or req.params.prompt_logprobs is not None:
-            return ()  # NOTE: prompt log-probabilities need every prompt position's logits
-        hashes = extend_block_hashes(req, self.kv.block_size)
-        n = self.kv.num_cached_prefix(hashes, (req.num_tokens - 1) // self.kv.block_size)
-        return hashes[:n]
+    def unpark(self, request_ids: Iterable[str]) -> None:
+        """Drop the KV kept for these finished requests' forks (beam search's steps)."""
+        for rid in request_ids:
+            self.kv.free(rid)
 
-    def _started(self, req: Request, was_started: bool, prefix: Sequence[int],
-                 forked: int = 0) -> bool:
-        """A job got its blocks; one that was not started counts as a prefix-cache query
-        (with caching off too: then nothing hits, and the queries are what prefills compute;
-        a fork's `forked` tokens count as hits)."""
-        if not was_started:
-            cached = forked or len(prefix) * self.kv.block_size
-            req.num_computed_tokens = cached
-            self.num_prefix_query_tokens += req.num_tokens
-            self.num_prefix_hit_tokens += cached
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = min(cached, req.num_prompt_tokens)
-        return True
-
-    def _cache_computed(self, req: Request) -> None:
-        """Register the request's full blocks computed so far, for later requests to share."""
-        if self.kv.is_caching and req.num_computed_tokens >= self.kv.block_size:
-            hashes = extend_block_hashes(req, self.kv.block_size)
-            self.kv.cache_blocks(req.request_id, hashes,
-                                 req.num_computed_tokens // self.kv.block_size)
-
-    def _defer_turn(self, req: Request, batch_size: int, start: int) -> bool:
-        self.num_defer_asks += 1
-        return self.kv_policy.defer_turn(self, req, batch_size, start)
-
-    def _make_room(self, req: Request, shortfall: int, start: int, now: float) -> bool:
-        """Free `shortfall` more device blocks from the started requests at place `start` on
-        (its victims), as the KV policy decides; takes nothing when they could not give
-        enough."""
-        if shortfall <= 0:
-            return True
-        # NOTE: from the short resident list, not by walking the rest of the order: every
-        # swapped job in a long queue tries to come back, and scanning the queue for each made
-        # scheduling O(queue x swapped jobs) per iteration (0.58 ms of a 4 ms CPU iteration).
-        can_offload = self.moves.can_offload
-        victims = [r for i, r in self.resident() if i >= start and can_offload(r)]
-        if sum(len(self.kv.block_table(r.request_id)) for r in victims) < shortfall:
-            return False
-        goal = self.kv.num_free_blocks + shortfall
-        while self.kv.num_free_blocks < goal:
-            if not self.kv_policy.make_room(self, req, victims, now):
-                return False
-            victims = [r for r in victims if can_offload(r)]
-        return True
-
-    def _plan(self, batch: list[Request], chunks: dict[str, int]) -> SchedulerOutput:
+    def _plan(self, batch: list[Request], chunks: dict[str, int],
+              kv_copies: KVCopies) -> SchedulerOutput:
         preempted: list[str] = []
         for rid in self._batch_ids:
             req = self.requests.get(rid)
@@ -716,17 +600,12 @@ class Scheduler(ABC):
             rid for rid in self._batch_ids if rid in self.in_flight
         ]
         finished, self._finished_ids = self._finished_ids, []
-        swap_out, swap_in = self.moves.take()
-        # The prefix cache's host tier: evicted blocks copied out, host hits copied in.
-        demoted, from_host = self.kv.take_cache_copies()
-        copies = self.kv.take_fork_copies()
-        self.kv.end_iteration()
         return SchedulerOutput(
             scheduled=scheduled,
             finished_ids=finished,
-            swap_out=swap_out + demoted,
-            swap_in=swap_in + from_host,
-            copies=copies,
+            swap_out=kv_copies.swap_out,
+            swap_in=kv_copies.swap_in,
+            copies=kv_copies.copies,
             preempted_ids=preempted,
         )
 
@@ -755,17 +634,6 @@ class Scheduler(ABC):
                 req.output_token_ids):
             return FinishReason.STOP
         return None
-
-
-def check_fits(req: Request, kv: KVCacheManager) -> None:
-    """Refuse a job larger than the whole device pool: it could never run (the walk would
-    spin). The engine and the simulator both admit through `Scheduler.add_request`."""
-    need = num_blocks_for(req.max_total_tokens, kv.block_size)
-    if need > kv.num_total_blocks:
-        raise InvalidRequestError(
-            f"max_tokens: the prompt ({req.num_prompt_tokens} tokens) plus max_tokens "
-            f"({req.params.max_tokens}) needs {need} KV blocks but the cache has "
-            f"{kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib", "max_tokens")
 
 
 def _new_tokens(req: Request, n: int, num_tokens: int) -> list[int]:

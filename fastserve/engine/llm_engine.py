@@ -224,9 +224,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._aborted: list[Request] = []
-        self.groups = RequestGroups(self.kv, self._add_sequence)  # requests with n, best_of > 1
+        # Requests with n, best_of > 1.
+        self.groups = RequestGroups(self.scheduler.prefix_hold, self._add_sequence)
         self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode,  # use_beam_search
-                                  self.kv.unpark)
+                                  self.scheduler.unpark)
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
         # each also scored against the cost model (`cost_check`, shown in /metrics), which
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
@@ -537,6 +538,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, object]:
         s = self.scheduler
+        st = s.stats()
+        kv = st.kv
         return {
             "executor": self.executor_info(),
             "queue_lengths": s.queue_lengths(),
@@ -544,29 +547,29 @@ class LLMEngine:
             "num_waiting": s.count(RequestStatus.WAITING),
             "num_preempted": s.count(RequestStatus.PREEMPTED),
             "num_swapped": s.count(RequestStatus.SWAPPED),
-            "kv_blocks_free": self.kv.num_free_blocks,
-            "kv_blocks_total": self.kv.num_total_blocks,
-            "host_kv_blocks_free": self.kv.num_free_host_blocks,
-            "host_kv_blocks_total": self.kv.num_total_host_blocks,
-            "peak_kv_blocks": self.kv.peak_used_blocks,
-            "swap_out_blocks": self.kv.num_swap_out_blocks,
-            "swap_in_blocks": self.kv.num_swap_in_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_blocks_total": kv.num_total_blocks,
+            "host_kv_blocks_free": kv.num_free_host_blocks,
+            "host_kv_blocks_total": kv.num_total_host_blocks,
+            "peak_kv_blocks": kv.peak_used_blocks,
+            "swap_out_blocks": kv.num_swap_out_blocks,
+            "swap_in_blocks": kv.num_swap_in_blocks,
             "swap_wait_s": self.core.swap_wait_s,
-            "num_offloads": s.moves.num_offloads,
-            "num_uploads": s.moves.num_uploads,
+            "num_offloads": st.num_offloads,
+            "num_uploads": st.num_uploads,
             "num_preemptions": s.num_preemptions,
-            "num_recomputes": s.moves.num_recomputes,
+            "num_recomputes": st.num_recomputes,
             "num_iterations": self.core.num_iterations,
             # Recent predicted (start-up profile) / measured iteration time, and the scale
             # the engine's cost model puts on the profile (`CostModelCheck`).
             "cost_model_ratio": self.cost_check.ratio,
             "cost_model_scale": self.cost_check.scale,
-            "prefix_cache_query_tokens": s.num_prefix_query_tokens,
-            "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
-            "prefix_cache_device_blocks": self.kv.num_cached_blocks,
-            "prefix_cache_host_blocks": self.kv.num_cached_host_blocks,
-            "prefix_cache_host_hit_tokens": self.kv.num_host_hit_blocks * self.kv.block_size,
-            "prefix_cache_prefetched_tokens": self.kv.num_prefetched_blocks * self.kv.block_size,
+            "prefix_cache_query_tokens": st.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": st.num_prefix_hit_tokens,
+            "prefix_cache_device_blocks": kv.num_cached_blocks,
+            "prefix_cache_host_blocks": kv.num_cached_host_blocks,
+            "prefix_cache_host_hit_tokens": kv.num_host_hit_tokens,
+            "prefix_cache_prefetched_tokens": kv.num_prefetched_tokens,
             "spec_decode_draft_tokens": s.num_draft_tokens,
             "spec_decode_accepted_tokens": s.num_accepted_tokens,
             **self._lora_stats(),

@@ -153,7 +153,7 @@ def simulate_fleet(
         placements=placements,
         num_unfinished=len(pending) - len(finished),
         busy_s=[rep.core.busy_s for rep in replicas.values()],
-        prefix_query_tokens=sum(s.num_prefix_query_tokens for s in scheds),
-        prefix_hit_tokens=sum(s.num_prefix_hit_tokens for s in scheds),
+        prefix_query_tokens=sum(s.stats().kv.num_prefix_query_tokens for s in scheds),
+        prefix_hit_tokens=sum(s.stats().kv.num_prefix_hit_tokens for s in scheds),
         num_stats=num_stats,
     )

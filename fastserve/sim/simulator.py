@@ -170,23 +170,25 @@ def simulate_run(
                 raise RuntimeError(
                     f"policy {config.scheduler.policy!r} scheduled nothing with "
                     f"{len(scheduler.requests)} requests left and no arrivals to come "
-                    f"({kv.num_free_blocks}/{kv.num_total_blocks} KV blocks free)"
+                    f"({scheduler.stats().kv.num_free_blocks}/"
+                    f"{scheduler.stats().kv.num_total_blocks} KV blocks free)"
                 )
             clock.advance_to(pending[i].arrival_s)
     bar.close()
+    stats = scheduler.stats().kv
     return SimRun(
         finished=finished,
-        swap_out_blocks=kv.num_swap_out_blocks,
-        swap_in_blocks=kv.num_swap_in_blocks,
+        swap_out_blocks=stats.num_swap_out_blocks,
+        swap_in_blocks=stats.num_swap_in_blocks,
         swap_wait_s=core.swap_wait_s,
-        peak_kv_blocks=kv.peak_used_blocks,
+        peak_kv_blocks=stats.peak_used_blocks,
         busy_s=core.busy_s,
         stage_busy_s=(max(executor.stage_busy_s) if isinstance(executor, PipelinedSimExecutor)
                       else core.busy_s),
         mean_batch_size=executor.batch_job_s / core.busy_s if core.busy_s > 0 else 0.0,
         batch_kv_s=dict(executor.batch_kv_s),
-        prefix_query_tokens=scheduler.num_prefix_query_tokens,
-        prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
-        prefix_host_hit_tokens=kv.num_host_hit_blocks * kv.block_size,
-        prefix_prefetched_tokens=kv.num_prefetched_blocks * kv.block_size,
+        prefix_query_tokens=stats.num_prefix_query_tokens,
+        prefix_hit_tokens=stats.num_prefix_hit_tokens,
+        prefix_host_hit_tokens=stats.num_host_hit_tokens,
+        prefix_prefetched_tokens=stats.num_prefetched_tokens,
     )

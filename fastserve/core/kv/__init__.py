@@ -20,10 +20,17 @@ from fastserve.core.kv.registry import (
     make_kv_policy,
     uses_host,
 )
+from fastserve.core.kv.space import KVCopies, KVSpace, OrderView, PrefixHold, Reuse, check_fits
 
 __all__ = [
     "KV_POLICY_CLASSES",
     "KVCacheManager",
+    "KVCopies",
+    "KVSpace",
+    "OrderView",
+    "PrefixHold",
+    "Reuse",
+    "check_fits",
     "DeferPolicy",
     "KVPolicy",
     "ProactivePolicy",

@@ -508,7 +508,8 @@ class KVCacheManager:
         have = len(self._tables.get(request_id, ()))
         return min(have, num_blocks_for(num_cached_tokens, self.block_size))
 
-    def stats(self) -> KVStats:
+    def stats(self, **counters: int) -> KVStats:
+        """The pools' counters, with the moves' and the prefix queries' `counters`."""
         return KVStats(
             num_total_blocks=self.num_total_blocks,
             num_free_blocks=self.num_free_blocks,
@@ -521,6 +522,7 @@ class KVCacheManager:
             num_cached_host_blocks=self.num_cached_host_blocks,
             num_host_hit_tokens=self.num_host_hit_blocks * self.block_size,
             num_prefetched_tokens=self.num_prefetched_blocks * self.block_size,
+            **counters,
         )
 
     def _note_peak(self) -> None:

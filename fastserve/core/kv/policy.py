@@ -35,23 +35,71 @@ Pure Python over ints and floats, like the rest of `fastserve.core`; `now` is pa
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import ClassVar, Protocol
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv.manager import KVCacheManager
+from fastserve.core.kv.manager import KVLocation
 from fastserve.core.kv.moves import KVMoves
 from fastserve.request import Request
 
 
-class SchedulerView(Protocol):
-    """What a KV policy may ask of the scheduler, and the moves it may make (`moves`)."""
+class Tiers(Protocol):
+    """What a KV policy may read of the device and host pools (it moves KV only through
+    `KVMoves`)."""
 
-    config: SchedulerConfig
-    kv: KVCacheManager  # where each job's KV is; a policy moves it only through `moves`
-    cost: CostModel  # what an iteration and a copy cost
-    moves: KVMoves
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_total_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_free_soon(self) -> int: ...  # once this iteration's offloads are copied out
+
+    @property
+    def num_total_host_blocks(self) -> int: ...
+
+    @property
+    def num_swapped(self) -> int: ...  # jobs whose KV is on the host
+
+    @property
+    def num_cached_host_blocks(self) -> int: ...  # the prefix cache's host tier
+
+    def where(self, request_id: str) -> KVLocation | None: ...
+
+    def has_blocks(self, request_id: str) -> bool: ...  # its KV is on the device
+
+    def is_swapped(self, request_id: str) -> bool: ...
+
+    def swapped_ids(self) -> Iterable[str]: ...
+
+    def block_table(self, request_id: str) -> list[int]: ...
+
+    def host_table(self, request_id: str) -> list[int]: ...
+
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int: ...
+
+
+class SchedulerView(Protocol):
+    """What a KV policy sees: the scheduler's order and estimates, read-only; the pools,
+    read-only (`kv`); and the moves it may make (`moves`)."""
+
+    @property
+    def config(self) -> SchedulerConfig: ...
+
+    @property
+    def cost(self) -> CostModel: ...  # what an iteration and a copy cost
+
+    @property
+    def kv(self) -> Tiers: ...  # where each job's KV is
+
+    @property
+    def moves(self) -> KVMoves: ...  # every move a policy makes
 
     @property
     def order(self) -> Sequence[Request]: ...  # this iteration's, most urgent first
@@ -118,13 +166,6 @@ class KVPolicy(ABC):
         """After the batch is chosen: move KV ahead of need. Default: nothing."""
 
 
-
-def _reclaim_parked(kv: KVCacheManager, goal: int) -> None:
-    """Drop parked KV (beam search's finished steps, `KVCacheManager.park`), the longest
-    parked first, until `goal` blocks are free soon or none is left: it goes before any job's
-    KV moves, since losing it costs a fork only its partial block's computation."""
-    while kv.num_free_soon < goal and kv.drop_parked():
-        pass
 
 def latest(sched: SchedulerView, victims: Sequence[Request]) -> Request | None:
     """The victim expected to run last: largest ENST, the later in the order on a tie."""

@@ -13,7 +13,6 @@ from fastserve.core.kv.manager import num_blocks_for
 from fastserve.core.kv.policy import (
     ReactivePolicy,
     SchedulerView,
-    _reclaim_parked,
     latest,
 )
 from fastserve.core.kv.prefix_cache import extend_block_hashes
@@ -130,7 +129,7 @@ class ProactivePolicy(ReactivePolicy):
         if not budget.fits(1):
             return True  # no more room is made this iteration: it waits
         need = _need(sched, req)
-        _reclaim_parked(kv, need)
+        sched.moves.reclaim_parked(need)
         if kv.num_free_soon < need:
             # A started job takes its room from beyond the jobs that fill this batch's other
             # slots: evicting a job about to run for another started one would only churn.
@@ -286,7 +285,7 @@ class ProactivePolicy(ReactivePolicy):
         victims.sort(key=sched.next_run_s, reverse=True)
         v = 0
         # 1. Keep the reserve: parked KV goes first, then the latest jobs.
-        _reclaim_parked(kv, max(self.reserve_blocks, burst.total))
+        sched.moves.reclaim_parked(max(self.reserve_blocks, burst.total))
         while kv.num_free_soon < max(self.reserve_blocks, burst.total) and v < len(victims):
             if kv.num_free_soon >= self.reserve_blocks \
                     and sched.next_run_s(victims[v]) <= burst.earliest_s:
@@ -333,7 +332,7 @@ class ProactivePolicy(ReactivePolicy):
             n = min(room, limit)
             if n <= 0 or not budget.fits(1):
                 continue
-            got = kv.prefetch_prefix(hashes, limit, n)
+            got = sched.moves.prefetch_prefix(hashes, limit, n)
             budget.spend(got)
 
     @staticmethod
