@@ -239,6 +239,6 @@ def assert_all_done_and_free(run: Run, n: int) -> None:
     for req in run.finished:
         assert req.finish_reason is FinishReason.LENGTH
         assert req.num_output_tokens == req.params.max_tokens
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
-    assert sched.kv.num_free_host_blocks == sched.kv.num_total_host_blocks
-    assert sched.kv.num_swapped == 0
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
+    assert sched.kv._kv.num_free_host_blocks == sched.kv._kv.num_total_host_blocks
+    assert sched.kv._kv.num_swapped == 0
