@@ -92,7 +92,8 @@ async def _serve_load(
                 break
             batch = load.batch_sizes[r % len(load.batch_sizes)]
             stagger = load.stagger_s[r // len(load.batch_sizes) % len(load.stagger_s)]
-            room = engine.scheduler.stats().kv.num_total_blocks * engine.kv.block_size // batch
+            kv = engine.scheduler.stats().kv
+            room = kv.num_total_blocks * kv.block_size // batch
             await asyncio.gather(*(client(i * stagger, room) for i in range(batch)))
     finally:
         await llm.shutdown()

@@ -176,13 +176,13 @@ class Scheduler(ABC):
         hashes), changes nothing. The simulator's replicas and the real engine both call it.
         NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
         steps the engine, not from another thread while one runs."""
-        hashes, cut = self.kv.cached_hashes(max_prefix_hashes)
-        kv = self.kv.stats()
+        kv = self.kv.stats(max_prefix_hashes)
         return ReplicaStats(
             replica_id=replica_id, time_s=now, num_requests=len(self.requests),
             queued_work_s=tuple(self.queued_work_s()),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            prefix_hashes=hashes, model=self.replica_model(), is_prefix_truncated=cut,
+            prefix_hashes=kv.prefix_hashes, model=self.replica_model(),
+            is_prefix_truncated=kv.is_prefix_truncated,
             level_reach=tuple(self.level_reach()))
 
     def replica_model(self) -> ReplicaModel:
@@ -191,7 +191,7 @@ class Scheduler(ABC):
         if model is None or model.cost is not self.cost:
             quanta_s, charge_mode = self._routing_levels()
             model = self._replica_model = ReplicaModel(
-                block_size=self.kv.block_size, max_batch_size=self.config.max_batch_size,
+                block_size=self.kv.stats().block_size, max_batch_size=self.config.max_batch_size,
                 max_num_batched_tokens=self.config.max_num_batched_tokens, quanta_s=quanta_s,
                 charge_mode=charge_mode, cost=self.cost, policy=self.config.policy)
         return model
@@ -300,7 +300,7 @@ class Scheduler(ABC):
         rid = req.request_id
         need = req.num_tokens + len(draft)
         if not self.kv.reserve(req, need):
-            held = len(self.kv.block_table(rid)) * self.kv.block_size
+            held = len(self.kv.block_table(rid)) * self.kv.stats().block_size
             draft = draft[: max(0, len(draft) - (need - held))]
         if draft:
             self._drafts[rid] = draft

@@ -27,6 +27,11 @@ class KVStats:
     num_recomputes: int = 0  # times a request's KV was dropped for recompute
     num_prefix_query_tokens: int = 0  # tokens of the jobs (re)started
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    block_size: int = 0  # tokens a block holds
+    # A router's summary of the prefix cache (`ReplicaStats.prefix_hashes`), when asked for:
+    # hashes of the blocks a new request could start from, and whether the list was cut.
+    prefix_hashes: frozenset[int] = frozenset()
+    is_prefix_truncated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

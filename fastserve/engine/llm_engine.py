@@ -345,7 +345,7 @@ class LLMEngine:
                       priority=first.priority, lora_id=first.lora_id,
                       service_of=first.service_of or first.request_id,
                       block_hashes=list(first.block_hashes[: first.num_prompt_tokens
-                                                            // self.kv.block_size]))
+                                                            // self.config.cache.block_size]))
         return self._queue(req, prompt)
 
     def tokenize_texts(self, params: SamplingParams) -> SamplingParams:

@@ -508,8 +508,11 @@ class KVCacheManager:
         have = len(self._tables.get(request_id, ()))
         return min(have, num_blocks_for(num_cached_tokens, self.block_size))
 
-    def stats(self, **counters: int) -> KVStats:
-        """The pools' counters, with the moves' and the prefix queries' `counters`."""
+    def stats(self, num_prefix_hashes: int = 0, **counters: int) -> KVStats:
+        """The pools' counters, with the moves' and the prefix queries' `counters`, and up to
+        `num_prefix_hashes` hashes of cached blocks (`cached_hashes`)."""
+        hashes, cut = (self.cached_hashes(num_prefix_hashes)
+                       if self.is_caching and num_prefix_hashes > 0 else (frozenset(), False))
         return KVStats(
             num_total_blocks=self.num_total_blocks,
             num_free_blocks=self.num_free_blocks,
@@ -522,6 +525,9 @@ class KVCacheManager:
             num_cached_host_blocks=self.num_cached_host_blocks,
             num_host_hit_tokens=self.num_host_hit_blocks * self.block_size,
             num_prefetched_tokens=self.num_prefetched_blocks * self.block_size,
+            block_size=self.block_size,
+            prefix_hashes=hashes,
+            is_prefix_truncated=cut,
             **counters,
         )
 

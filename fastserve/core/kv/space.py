@@ -93,7 +93,7 @@ class Reuse:
     @property
     def num_tokens(self) -> int:
         """Tokens it would not compute."""
-        return self.num_forked or len(self.prefix) * self._space.block_size
+        return self.num_forked or len(self.prefix) * self._space._kv.block_size
 
 
 class PrefixHold:
@@ -179,11 +179,10 @@ class KVSpace:
         self._order_view = view
         self._reserve_tokens = reserve_tokens
         self._resident_now: list[tuple[int, Request]] | None = None  # see `_resident`
-        self.block_size = kv.block_size
         # Prefix cache: tokens of the jobs started (or restarted after a recompute), and of
         # those the tokens found cached (/metrics: queries and hits).
-        self.num_prefix_query_tokens = 0
-        self.num_prefix_hit_tokens = 0
+        self._num_prefix_query_tokens = 0
+        self._num_prefix_hit_tokens = 0
         # Times the walk asked the KV policy to defer a job's turn, all time: what scheduling
         # under pressure costs (looking at every swapped job of a long queue made it grow).
         self.num_defer_asks = 0
@@ -253,19 +252,16 @@ class KVSpace:
         self._kv.end_iteration()
         return KVCopies(swap_out + demoted, swap_in + from_host, copies)
 
-    def stats(self) -> KVStats:
+    def stats(self, num_prefix_hashes: int = 0) -> KVStats:
+        """The blocks now and the moves and prefix hits since start; with
+        `num_prefix_hashes`, a router's summary of the prefix cache (at most that many hashes
+        of cached blocks, the most recently used first; none with caching off)."""
         return self._kv.stats(
+            num_prefix_hashes,
             num_offloads=self._moves.num_offloads, num_uploads=self._moves.num_uploads,
             num_recomputes=self._moves.num_recomputes,
-            num_prefix_query_tokens=self.num_prefix_query_tokens,
-            num_prefix_hit_tokens=self.num_prefix_hit_tokens)
-
-    def cached_hashes(self, max_hashes: int) -> tuple[frozenset[int], bool]:
-        """Hashes of the blocks a new request could start from, at most `max_hashes`, and
-        whether the list was cut (`ReplicaStats.prefix_hashes`); none with caching off."""
-        if not self._kv.is_caching:
-            return frozenset(), False
-        return self._kv.cached_hashes(max_hashes)
+            num_prefix_query_tokens=self._num_prefix_query_tokens,
+            num_prefix_hit_tokens=self._num_prefix_hit_tokens)
 
     def prefix_hold(self) -> PrefixHold | None:
         """A handle to hold a prompt's cached blocks for the sequences that will share it;
@@ -329,10 +325,10 @@ class KVSpace:
         (with caching off too: then nothing hits, and the queries are what prefills compute;
         a fork's `forked` tokens count as hits)."""
         if not was_started:
-            cached = forked or len(prefix) * self.block_size
+            cached = forked or len(prefix) * self._kv.block_size
             req.num_computed_tokens = cached
-            self.num_prefix_query_tokens += req.num_tokens
-            self.num_prefix_hit_tokens += cached
+            self._num_prefix_query_tokens += req.num_tokens
+            self._num_prefix_hit_tokens += cached
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(cached, req.num_prompt_tokens)
         return True
@@ -379,7 +375,7 @@ class KVSpace:
 def check_fits(req: Request, kv: KVSpace) -> None:
     """Refuse a job larger than the whole device pool: it could never run (the walk would
     spin). The engine and the simulator both admit through `Scheduler.add_request`."""
-    need = num_blocks_for(req.max_total_tokens, kv.block_size)
+    need = num_blocks_for(req.max_total_tokens, kv._kv.block_size)
     total = kv._kv.num_total_blocks
     if need > total:
         raise InvalidRequestError(
