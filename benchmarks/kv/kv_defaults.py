@@ -45,7 +45,7 @@ THETAS = (0.9, 1.2, 1.5)
 CVS = (1.0, 8.0)
 FRACTIONS = (0.15, 0.25, 0.50)
 TARGET = 1.05
-DEFAULT = CacheConfig().kv._policy
+DEFAULT = CacheConfig().kv_policy
 ALTERNATIVES = tuple(p for p in ("defer", "reactive", "recompute") if p != DEFAULT)
 
 

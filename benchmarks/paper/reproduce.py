@@ -94,7 +94,7 @@ def run_point(p: Point, num_requests: int, seed: int) -> tuple[Point, dict[str, 
         # ... but never below the largest job, which must fit alone.
         largest = max(ample_blocks([w], base.cache.block_size) for w in workload)
         blocks = max(largest, int(p.kv_share * kv[0].peak_kv_blocks))
-        base = with_options(base, kv_policy=p.kv._policy,
+        base = with_options(base, kv_policy=p.kv_policy,
                             num_host_blocks=ample_blocks(workload, base.cache.block_size))
     kv_out: list[KVStats] = []
     jobs = run_sim(workload, policy_config(base, p.policy), cost, blocks, kv_out=kv_out)
