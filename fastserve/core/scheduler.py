@@ -152,20 +152,20 @@ class Scheduler(ABC):
     # -- what a fleet router reads ------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
-        kv = self.kv.stats()
+        kv_stats = self.kv.stats()
         return SchedulerStats(
-            kv=kv,
+            kv=kv_stats,
             queue_lengths=self.queue_lengths(),
             num_running=self.count(RequestStatus.RUNNING),
             num_waiting=self.count(RequestStatus.WAITING),
             num_preempted=self.count(RequestStatus.PREEMPTED),
             num_swapped=self.count(RequestStatus.SWAPPED),
             num_preemptions=self.num_preemptions,
-            num_offloads=kv.num_offloads,
-            num_uploads=kv.num_uploads,
-            num_recomputes=kv.num_recomputes,
-            num_prefix_query_tokens=kv.num_prefix_query_tokens,
-            num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
+            num_offloads=kv_stats.num_offloads,
+            num_uploads=kv_stats.num_uploads,
+            num_recomputes=kv_stats.num_recomputes,
+            num_prefix_query_tokens=kv_stats.num_prefix_query_tokens,
+            num_prefix_hit_tokens=kv_stats.num_prefix_hit_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )
@@ -176,13 +176,13 @@ class Scheduler(ABC):
         hashes), changes nothing. The simulator's replicas and the real engine both call it.
         NOTE: it walks the scheduler's dicts: call it between iterations, on the thread that
         steps the engine, not from another thread while one runs."""
-        kv = self.kv.stats(max_prefix_hashes)
+        kv_stats = self.kv.stats(max_prefix_hashes)
         return ReplicaStats(
             replica_id=replica_id, time_s=now, num_requests=len(self.requests),
             queued_work_s=tuple(self.queued_work_s()),
-            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            prefix_hashes=kv.prefix_hashes, model=self.replica_model(),
-            is_prefix_truncated=kv.is_prefix_truncated,
+            num_free_blocks=kv_stats.num_free_blocks, num_total_blocks=kv_stats.num_total_blocks,
+            prefix_hashes=kv_stats.prefix_hashes, model=self.replica_model(),
+            is_prefix_truncated=kv_stats.is_prefix_truncated,
             level_reach=tuple(self.level_reach()))
 
     def replica_model(self) -> ReplicaModel:
