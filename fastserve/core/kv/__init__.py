@@ -1,5 +1,10 @@
 """KV memory: where each request's KV lives, what gives way when blocks run short, and the
-copies that follow. Only this module is imported from outside the package (`.importlinter`)."""
+copies that follow. The scheduler holds one `KVSpace` (`space.py`) and asks it nine things;
+inside are the pools and block tables (`manager.py`, `block_pool.py`), parked KV for forks
+(`forks.py`), the prefix cache (`prefix_cache.py`), the moves (`moves.py`) and the KV policies
+(`policy.py`, `proactive.py`, `registry.py`). Only this module is imported from outside the
+package (`.importlinter`): the pools and the policies are exported for building a scheduler and
+for tests."""
 
 from __future__ import annotations
 
