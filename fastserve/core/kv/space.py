@@ -70,7 +70,7 @@ class Reuse:
 
     __slots__ = ("_forked", "_prefix", "_req", "_space", "is_started")
 
-    def __init__(self, space: KVSpace, req: Request, is_started: bool) -> None:
+    def __init__(self, space: KVSpace, req: Request | None, is_started: bool) -> None:
         self.is_started = is_started  # its KV is on the device or the host
         self._space, self._req = space, req
         self._forked: int | None = 0 if is_started else None
@@ -80,6 +80,7 @@ class Reuse:
     def num_forked(self) -> int:
         """Tokens computed by forking the parked KV it continues (`Request.fork_of`)."""
         if self._forked is None:
+            assert self._req is not None  # (set for a job not started)
             self._forked = self._space._fork_tokens(self._req)
         return self._forked
 
@@ -87,6 +88,7 @@ class Reuse:
     def prefix(self) -> Sequence[int]:
         """Hashes of the cached blocks it starts with (none when it forks)."""
         if self._prefix is None:
+            assert self._req is not None  # (set for a job not started)
             self._prefix = () if self.num_forked else self._space._cached_prefix(self._req)
         return self._prefix
 
@@ -179,6 +181,8 @@ class KVSpace:
         self._order_view = view
         self._reserve_tokens = reserve_tokens
         self._resident_now: list[tuple[int, Request]] | None = None  # see `_resident`
+        # Every started job's `lookup` (NOTE: one object: most jobs walked are started).
+        self._continuing = Reuse(self, None, True)
         # Prefix cache: tokens of the jobs started (or restarted after a recompute), and of
         # those the tokens found cached (/metrics: queries and hits).
         self._num_prefix_query_tokens = 0
@@ -202,7 +206,9 @@ class KVSpace:
     def lookup(self, req: Request) -> Reuse:
         """What the job can reuse if it starts now; changes nothing (but the request's block
         hashes, computed once)."""
-        return Reuse(self, req, self._kv.where(req.request_id) is not None)
+        if self._kv.where(req.request_id) is not None:
+            return self._continuing
+        return Reuse(self, req, False)
 
     def reserve(self, req: Request, num_tokens: int, reuse: Reuse | None = None,
                 start: int | None = None, batch_size: int = 0, now: float = 0.0) -> bool:
