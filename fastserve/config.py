@@ -137,7 +137,7 @@ class CacheConfig:
     # free (see fastserve/executor/swap.py).
     cpu_copy_worker: str = "auto"
     # Share the KV of full blocks whose tokens (and all before them) an earlier request had
-    # (see fastserve.core.prefix_cache); cached blocks nobody uses are evicted LRU for room.
+    # (see fastserve.core.kv.prefix_cache); cached blocks nobody uses are evicted LRU for room.
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -586,7 +586,7 @@ class Request:
     error_param: str | None = None
     # Prefix caching: requests with different salts share no cached blocks (vLLM's
     # cache_salt); the chained hashes of its full blocks, extended as tokens come (see
-    # fastserve.core.prefix_cache); and the prompt tokens found cached when it first started
+    # fastserve.core.kv.prefix_cache); and the prompt tokens found cached when it first started
     # (OpenAI's usage.prompt_tokens_details.cached_tokens).
     cache_salt: str | None = None
     block_hashes: list[int] = field(default_factory=list)

@@ -42,7 +42,7 @@ def test_bad_requests_do_not_disturb_running_ones(engine: LLMEngine) -> None:
         for out in engine.step():
             final = out if out.finished else final
     assert final is not None and final.token_ids == reference.token_ids
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
 
 
 def test_a_pool_in_blocks_bounds_each_request() -> None:
@@ -57,7 +57,7 @@ def test_a_pool_in_blocks_bounds_each_request() -> None:
         for out in engine.step():
             final = out if out.finished else final
     assert final is not None and len(final.token_ids) == 6
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
 
 
 def _copy_model(src: Path, dst: Path) -> Path:

@@ -86,4 +86,4 @@ def test_a_fault_in_one_requests_sampling_fails_only_that_request(llm: LLM, how:
     assert outs[0].token_ids == reference and outs[3].token_ids == reference
     assert outs[2].token_ids == seeded_alone  # the fallback draw kept its generator in step
     assert len(outs[1].token_ids) == 3 and "sampling failed" in (outs[1].error or "")
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks

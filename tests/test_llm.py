@@ -111,13 +111,13 @@ def test_mixed_prefill_decode_and_alone_agree(llm: LLM, greedy_reference: Greedy
     assert any(p.shape.num_prefill_tokens and p.shape.num_decodes for p in plans)
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
     assert_same_greedy_tokens([results[str(i)] for i in range(8)], alone, prompts, greedy_reference)
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
 
 
 def test_blocks_freed_after_generate(llm: LLM) -> None:
     llm.generate(_prompts(llm.engine.arch.vocab_size)[:4], GREEDY, use_tqdm=False)
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_total_blocks
-    assert llm.engine.kv.peak_used_blocks > 0
+    assert llm.engine.scheduler.kv._kv.num_free_blocks == llm.engine.scheduler.kv._kv.num_total_blocks
+    assert llm.engine.scheduler.kv._kv.peak_used_blocks > 0
 
 
 def test_text_prompt_and_timings(llm: LLM) -> None:

@@ -113,8 +113,8 @@ def test_drafts_stop_at_max_tokens_and_stop_tokens(
         assert (stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop) or (
             stopped.finish_reason == "length" and len(stopped.token_ids) == GREEDY.max_tokens)
         assert stop not in stopped.token_ids[:-1]
-    assert plain.kv.num_requests == 0
-    assert plain.kv.num_free_blocks == plain.kv.num_total_blocks  # drafts' blocks came back
+    assert plain.scheduler.kv._kv.num_requests == 0
+    assert plain.scheduler.kv._kv.num_free_blocks == plain.scheduler.kv._kv.num_total_blocks  # drafts' blocks came back
 
 
 def test_requests_that_cannot_draft_run_beside_drafting_ones(

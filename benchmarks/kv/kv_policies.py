@@ -60,7 +60,7 @@ from fastserve.bench.runner import random_prompts
 from fastserve.bench.workloads import WorkItem, scale_to_load, zipf_workload
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv import num_blocks_for
 from fastserve.request import SamplingParams
 from fastserve.sim.profiles import A100_13B
 from fastserve.sim.simulator import SimRun, ample_blocks, simulate_run

@@ -39,7 +39,7 @@ from fastserve.bench.workloads import (
 )
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv import num_blocks_for
 from fastserve.model.make_model import make_model
 from fastserve.profiling.fit import Sample, mean_scale_in_force
 from fastserve.prompts import prompt_tokens

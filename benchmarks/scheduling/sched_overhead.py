@@ -24,7 +24,7 @@ import time
 from fastserve.clock import VirtualClock
 from fastserve.config import POLICIES, SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
+from fastserve.core.kv import KVCacheManager, num_blocks_for
 from fastserve.core.policies import make_scheduler
 from fastserve.core.scheduler import Scheduler
 from fastserve.request import Request, SamplingParams

@@ -57,7 +57,7 @@ class CostModel:
     # core the compute leaves idle) or on the compute's own cores, before the iteration (a
     # CPU with no idle core: `cpu_copy_worker` inline). When they cannot overlap, every
     # block copied adds `swap_s(1)` to its iteration: moving KV early hides nothing, and the
-    # proactive KV policy charges the copies as it plans (see `fastserve.core.kv_policy`).
+    # proactive KV policy charges the copies as it plans (see `fastserve.core.kv`).
     copies_overlap: bool = True
     # Parallel deployment (see the class docstring). Defaults: one device, no communication.
     tensor_parallel_size: int = 1

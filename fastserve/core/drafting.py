@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv import KVSpace
 from fastserve.core.plan import ScheduledRequest
 from fastserve.core.speculative import Drafter
 from fastserve.core.stop import stop_reason
@@ -16,7 +16,7 @@ from fastserve.request import FinishReason, Request
 
 
 class Drafting:
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVSpace) -> None:
         self.kv = kv
         # Proposes drafted tokens for decodes (None: no request drafts; the step loops that
         # schedule while a batch runs leave it out, see `build_engine_core`).
@@ -59,8 +59,8 @@ class Drafting:
             return 0
         rid = req.request_id
         need = req.num_tokens + len(draft)
-        if self.kv.allocate(rid, need) is None:
-            held = len(self.kv.block_table(rid)) * self.kv.block_size
+        if not self.kv.reserve(req, need):
+            held = len(self.kv.block_table(rid)) * self.kv.stats().block_size
             draft = draft[: max(0, len(draft) - (need - held))]
         if draft:
             self.drafts[rid] = draft

@@ -67,7 +67,7 @@ class ReplicaStats:
     queued_work_s: tuple[float, ...]
     num_free_blocks: int  # device KV blocks an allocation can have now (evictable cached ones too)
     num_total_blocks: int
-    # Chained block hashes (`fastserve.core.prefix_cache`) of the device prefix cache, the
+    # Chained block hashes (`fastserve.core.kv.prefix_cache`) of the device prefix cache, the
     # most recently used ones when there are more than the replica's bound: a request's hit
     # length here is the number of its leading block hashes found in this set.
     prefix_hashes: frozenset[int]

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv import KVSpace
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 from fastserve.core.scheduling_policy import SchedulingPolicy
 from fastserve.request import Request
@@ -17,7 +17,7 @@ from fastserve.request import Request
 
 class RoutedScheduler(Protocol):
     config: SchedulerConfig
-    kv: KVCacheManager
+    kv: KVSpace
     cost: CostModel
     policy: SchedulingPolicy
 
@@ -33,14 +33,13 @@ class RoutingStats:
 
     def replica_stats(self, sched: RoutedScheduler, replica_id: str, now: float,
                       max_prefix_hashes: int) -> ReplicaStats:
-        kv = sched.kv
-        hashes, cut = (kv.cached_hashes(max_prefix_hashes) if kv.is_caching
-                       else (frozenset(), False))
+        kv = sched.kv.stats(max_prefix_hashes)
         return ReplicaStats(
             replica_id=replica_id, time_s=now, num_requests=len(sched.requests),
             queued_work_s=tuple(sched.policy.queued_work_s()),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            prefix_hashes=hashes, model=self.replica_model(sched), is_prefix_truncated=cut,
+            prefix_hashes=kv.prefix_hashes, model=self.replica_model(sched),
+            is_prefix_truncated=kv.is_prefix_truncated,
             level_reach=tuple(sched.policy.level_reach()))
 
     def replica_model(self, sched: RoutedScheduler) -> ReplicaModel:
@@ -50,7 +49,7 @@ class RoutingStats:
             quanta_s, charge_mode = sched.policy.routing_levels()
             config = sched.config
             model = self._model = ReplicaModel(
-                block_size=sched.kv.block_size, max_batch_size=config.max_batch_size,
+                block_size=sched.kv.stats().block_size, max_batch_size=config.max_batch_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, quanta_s=quanta_s,
                 charge_mode=charge_mode, cost=sched.cost, policy=config.policy)
         return model

@@ -8,7 +8,7 @@ chunks over several iterations (chunked prefill), beside the running decodes, an
 preempted between chunks like any started job. A request that ran last iteration and is not
 picked now is preempted between tokens and keeps its KV cache. When a request cannot get its
 blocks, the
-KV policy (`fastserve.core.kv_policy`) may take them from started requests less urgent than it
+KV policy (`fastserve.core.kv`) may take them from started requests less urgent than it
 and outside the batch: their KV is offloaded to host memory or dropped for recompute, so the
 engine never deadlocks and never drops a job. A swapped request is uploaded before it runs, and
 the KV policy may move KV ahead of need once the batch is chosen; the plan carries the copies.
@@ -20,24 +20,29 @@ Pure Python over ints and floats: no torch and no clock; `now` is passed in.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.drafting import Drafting
 from fastserve.core.in_flight import InFlight
-from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
-from fastserve.core.kv_moves import KVMoves
-from fastserve.core.kv_policy import KVPolicy, make_kv_policy
+from fastserve.core.kv import (
+    KVCacheManager,
+    KVCopies,
+    KVPolicy,
+    KVSpace,
+    PrefixHold,
+    check_fits,
+    make_kv_policy,
+)
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
-from fastserve.core.prefix_cache import extend_block_hashes
 from fastserve.core.replica_stats import ReplicaStats
 from fastserve.core.routing_stats import RoutingStats
 from fastserve.core.scheduling_policy import SchedulingPolicy, by_priority
 from fastserve.core.speculative import Drafter
 from fastserve.core.stats import SchedulerStats
 from fastserve.core.stop import mark_stop, stop_reason
-from fastserve.request import FinishReason, InvalidRequestError, Request, RequestStatus
+from fastserve.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
@@ -53,7 +58,6 @@ class Scheduler:
         kv_policy: KVPolicy | None = None,
     ) -> None:
         self.config = config
-        self.kv = kv
         self.cost = cost
         self.policy = policy
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -62,18 +66,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last plan, for the executor
         self._batch_ids: list[str] = []  # last plan's batch
         self.num_preemptions = 0  # times a started request was taken out of the batch
-        # Times the walk asked the KV policy to defer a job's turn, all time: what scheduling
-        # under pressure costs (looking at every swapped job of a long queue made it grow).
-        self.num_defer_asks = 0
-        # Prefix cache: tokens of the jobs (re)started, and of those the tokens found cached.
-        self.num_prefix_query_tokens = 0
-        self.num_prefix_hit_tokens = 0
         self.num_draft_tokens = 0  # drafted tokens verified, all time (/metrics)
         self.num_accepted_tokens = 0  # of those, the ones the model kept
-        # What gives way when device blocks run short (default: `proactive`, no host pool).
-        self.kv_policy = kv_policy or make_kv_policy(CacheConfig())
         self._order_now: Sequence[Request] = ()  # this iteration's order, for ENST
-        self._resident_now: list[tuple[int, Request]] | None = None  # see `resident`
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # ENST per request, computed when asked
         # Batches still running, as the step loop reports them (see `InFlight`).
@@ -83,10 +78,13 @@ class Scheduler:
         # Jobs whose preparation (a grammar compiling) is not done: they may prefill but not
         # sample, so they sit out at their last prompt token, KV kept, until `prepared`.
         self.preparing: set[str] = set()
-        self.moves = KVMoves(kv, self.in_flight, policy.on_recompute)  # every KV move goes here
+        # The KV blocks: what gives way when they run short is `kv_policy`'s say (default:
+        # proactive with no host pool, which acts as `defer`).
+        self.kv = KVSpace(kv, kv_policy or make_kv_policy(CacheConfig()), self, self.in_flight,
+                          policy.on_recompute, self._admit_tokens)
         self._routing = RoutingStats()
         self._num_prioritized = 0  # unfinished requests whose priority is not 0
-        self.drafting = Drafting(kv)  # speculative decoding
+        self.drafting = Drafting(self.kv)  # speculative decoding
         self._drafts = self.drafting.drafts  # this iteration's, by request id
         policy.attach(self)
 
@@ -121,12 +119,8 @@ class Scheduler:
         if req.request_id in self._placeholders:  # its last token never came back
             self._placeholders.discard(req.request_id)
             req.output_token_ids.pop()
-        if req.keep_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            # NOTE: its last token was never fed (and may be a placeholder's)
-            n = min(req.num_computed_tokens, req.num_tokens - 1)
-            self.kv.park(req.request_id, req.all_token_ids()[:n], req.cache_salt)
-        else:
-            self.kv.free(req.request_id)
+        keep = req.keep_kv and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        self.kv.free(req.request_id, park=req if keep else None)
         self.drafting.drop(req.request_id)
         self.preparing.discard(req.request_id)
         del self.requests[req.request_id]
@@ -166,19 +160,20 @@ class Scheduler:
         return self.policy.num_in_top_queues(num_queues)
 
     def stats(self) -> SchedulerStats:
+        kv_stats = self.kv.stats()
         return SchedulerStats(
-            kv=self.kv.stats(),
+            kv=kv_stats,
             queue_lengths=self.queue_lengths(),
             num_running=self.count(RequestStatus.RUNNING),
             num_waiting=self.count(RequestStatus.WAITING),
             num_preempted=self.count(RequestStatus.PREEMPTED),
             num_swapped=self.count(RequestStatus.SWAPPED),
             num_preemptions=self.num_preemptions,
-            num_offloads=self.moves.num_offloads,
-            num_uploads=self.moves.num_uploads,
-            num_recomputes=self.moves.num_recomputes,
-            num_prefix_query_tokens=self.num_prefix_query_tokens,
-            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_offloads=kv_stats.num_offloads,
+            num_uploads=kv_stats.num_uploads,
+            num_recomputes=kv_stats.num_recomputes,
+            num_prefix_query_tokens=kv_stats.num_prefix_query_tokens,
+            num_prefix_hit_tokens=kv_stats.num_prefix_hit_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )
@@ -193,12 +188,9 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Pick this iteration's batch, and the KV copies it needs."""
-        self.moves.take()  # NOTE: a new iteration: nothing moved yet
         self._enst = None
-        self._resident_now = None
         self._now = now
         self.drafting.begin()
-        self.kv_policy.begin(self, now)
         batch: list[Request] = []
         in_batch: set[str] = set()
         chunks: dict[str, int] = {}  # tokens each batched job runs this iteration
@@ -214,8 +206,7 @@ class Scheduler:
         # requests stop being admitted and this reaches 0, nothing later in the order can run
         # (a long queue is not walked for nothing).
         # NOTE: an upper bound (victims dropped below were counted), so stopping stays safe.
-        passable = self.kv_policy.passable(self)
-        num_started_left = self.kv.num_requests - len(passable)
+        passable, num_started_left = self.kv.begin(now)
         for i, req in enumerate(order):
             if len(batch) >= max_jobs:
                 break
@@ -225,8 +216,10 @@ class Scheduler:
                         break
                     continue
                 started = True
+                reuse = None
             else:
-                started = self.kv.where(req.request_id) is not None
+                reuse = self.kv.lookup(req)
+                started = reuse.is_started
                 num_started_left -= started
             if not started and not admitting:
                 if num_started_left <= 0:
@@ -236,9 +229,7 @@ class Scheduler:
                 continue  # dropped for recompute while its token is on the device: not yet
             # A job starting (or restarting) with no KV forks the parked KV it continues, or
             # else shares the longest cached prefix.
-            forked = 0 if started else self._fork_tokens(req)
-            prefix = () if started or forked else self._cached_prefix(req)
-            done = req.num_computed_tokens + forked + len(prefix) * self.kv.block_size
+            done = req.num_computed_tokens + (reuse.num_tokens if reuse is not None else 0)
             num_new = req.num_tokens - done
             if self.preparing and req.request_id in self.preparing:
                 num_new -= 1  # NOTE: its last token samples, which waits for its preparation
@@ -249,7 +240,7 @@ class Scheduler:
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
-            if not self._allocate(req, done + num_new, i + 1, in_batch, now, prefix, forked):
+            if not self.kv.reserve(req, done + num_new, reuse, i + 1, len(in_batch), now):
                 if not started:
                     admitting = False
                 continue
@@ -261,8 +252,7 @@ class Scheduler:
             in_batch.add(req.request_id)
             chunks[req.request_id] = num_new
             num_tokens += num_new
-        self.kv_policy.plan_ahead(self, order, batch, now)
-        plan = self._plan(batch, chunks)
+        plan = self._plan(batch, chunks, self.kv.end_iteration(batch, now))
         self.policy.on_schedule(plan)
         return plan
 
@@ -297,7 +287,7 @@ class Scheduler:
                 reason = self.drafting.take_verified(req, sched, tokens, self.eos_token_ids)
                 self.num_draft_tokens += sched.num_draft_tokens
                 self.num_accepted_tokens += len(tokens) - 1
-                self._cache_computed(req)
+                self.kv.commit(req)
                 if reason is not None:
                     self._end(req, req.output_token_ids[-1], reason, now)
                 touched.append(req)
@@ -308,7 +298,7 @@ class Scheduler:
             if has_placeholder:  # NOTE: before the block hashes read the tokens
                 placeholders.discard(rid)
                 req.output_token_ids[-1] = token
-            self._cache_computed(req)
+            self.kv.commit(req)
             if not sched.samples:  # a prefill chunk with prompt left: no token yet
                 continue
             if req.params.max_tokens == 0:  # a prefill alone (prompt log-probabilities)
@@ -345,19 +335,6 @@ class Scheduler:
         """This iteration's order (what `schedule` walks)."""
         return self._order_now
 
-    def resident(self) -> list[tuple[int, Request]]:
-        """(place in this iteration's order, job) of the jobs whose KV was on the device when
-        the walk began, computed once per iteration: few jobs fit on the device, so this is
-        short even when the queue is long. NOTE: a superset later in the walk (jobs are
-        offloaded meanwhile); callers check residency. Jobs that gain blocks during the walk
-        are in the batch or were uploaded this iteration, and neither may be a victim."""
-        if self._resident_now is None:
-            kv = self.kv
-            self._resident_now = [
-                (i, r) for i, r in enumerate(self._order_now) if kv.has_blocks(r.request_id)
-            ]
-        return self._resident_now
-
     def next_run_s(self, req: Request) -> float:
         """The request's ENST this iteration (see `estimate_next_run_s`), computed once."""
         if self._enst is None:
@@ -366,113 +343,24 @@ class Scheduler:
                                   self.policy.estimate_next_run_s(order, self._now)))
         return self._enst.get(req.request_id, float("inf"))
 
-    def _allocate(self, req: Request, target: int, start: int, in_batch: set[str], now: float,
-                  prefix: Sequence[int] = (), forked: int = 0) -> bool:
-        """Find KV blocks for the request to hold `target` tokens after this iteration,
-        making room if it must (parked KV goes first, then the jobs at place `start` on in the
-        order give way); a job holding no KV starts with the cached blocks of `prefix`, or
-        with the `forked` tokens of the parked KV it forks (`Request.fork_of`): their tokens
-        count as computed. A swapped request is uploaded first. Returns False when it cannot
-        run now."""
-        rid = req.request_id
-        fork_of = req.fork_of if forked else None
-        if self.kv_policy.is_landing(self, req, len(in_batch), start):
-            return False
-        if self.kv.is_swapped(rid):
-            if not self.moves.can_upload(req) or self._defer_turn(req, len(in_batch), start):
-                return False
-            if not self._make_room(req, self.kv.upload_shortfall(rid, target), start, now):
-                return False
-            self.moves.upload(req, target)
-        started = self.kv.has_blocks(rid)
-        num_tokens = target if started else max(target, self._admit_tokens(req))
-        if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-            return self._started(req, started, prefix, forked)
-        # Parked KV goes first, the longest parked first; not for a shortfall it cannot cover.
-        if self.kv.shortfall(rid, num_tokens, prefix, fork_of) <= self.kv.num_parked_blocks:
-            while self.kv.drop_parked(keep=fork_of):
-                if self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-                    return self._started(req, started, prefix, forked)
-        if self._defer_turn(req, len(in_batch), start):
-            return False
-        shortfall = self.kv.shortfall(rid, num_tokens, prefix, fork_of)
-        if self._make_room(req, shortfall, start, now) \
-                and self.kv.allocate(rid, num_tokens, prefix, fork_of) is not None:
-            return self._started(req, started, prefix, forked)
-        if started:  # nothing below it gives way: it gives up its own blocks
-            self.kv_policy.give_up(self, req)
-        return False
-
-    # -- prefix cache -------------------------------------------------------------------
-
     def cached_prefix_tokens(self, req: Request) -> int:
         """Tokens of the request's longest prefix cached on the device, or of the parked KV
         it forks (changes nothing but the request's block hashes): what it would not compute
         if it started now."""
-        return self._fork_tokens(req) or len(self._cached_prefix(req)) * self.kv.block_size
+        return self.kv.lookup(req).num_tokens
 
-    def _fork_tokens(self, req: Request) -> int:
-        """Tokens the request would not compute by forking the parked KV it continues."""
-        if req.fork_of is None or req.params.prompt_logprobs is not None:
-            return 0
-        tokens = req.all_token_ids() if req.output_token_ids else req.prompt_token_ids
-        return self.kv.fork_tokens(req.fork_of, tokens, req.cache_salt)
+    def prefix_hold(self) -> PrefixHold | None:
+        """A handle that holds a prompt's cached blocks until released, for the sequences of
+        an `n` / `best_of` request that share it; None with prefix caching off."""
+        return self.kv.prefix_hold()
 
-    def _cached_prefix(self, req: Request) -> Sequence[int]:
-        """Hashes of the request's longest cached run of leading blocks, leaving at least one
-        token to compute (its logits give the next token)."""
-        if not self.kv.is_caching or req.params.prompt_logprobs is not None:
-            return ()  # NOTE: prompt log-probabilities need every prompt position's logits
-        hashes = extend_block_hashes(req, self.kv.block_size)
-        n = self.kv.num_cached_prefix(hashes, (req.num_tokens - 1) // self.kv.block_size)
-        return hashes[:n]
+    def unpark(self, request_ids: Iterable[str]) -> None:
+        """Drop the KV kept for these finished requests' forks (beam search's steps)."""
+        for rid in request_ids:
+            self.kv.free(rid)
 
-    def _started(self, req: Request, was_started: bool, prefix: Sequence[int],
-                 forked: int = 0) -> bool:
-        """A job got its blocks; one that was not started counts as a prefix-cache query
-        (with caching off too: then nothing hits, and the queries are what prefills compute;
-        a fork's `forked` tokens count as hits)."""
-        if not was_started:
-            cached = forked or len(prefix) * self.kv.block_size
-            req.num_computed_tokens = cached
-            self.num_prefix_query_tokens += req.num_tokens
-            self.num_prefix_hit_tokens += cached
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = min(cached, req.num_prompt_tokens)
-        return True
-
-    def _cache_computed(self, req: Request) -> None:
-        """Register the request's full blocks computed so far, for later requests to share."""
-        if self.kv.is_caching and req.num_computed_tokens >= self.kv.block_size:
-            hashes = extend_block_hashes(req, self.kv.block_size)
-            self.kv.cache_blocks(req.request_id, hashes,
-                                 req.num_computed_tokens // self.kv.block_size)
-
-    def _defer_turn(self, req: Request, batch_size: int, start: int) -> bool:
-        self.num_defer_asks += 1
-        return self.kv_policy.defer_turn(self, req, batch_size, start)
-
-    def _make_room(self, req: Request, shortfall: int, start: int, now: float) -> bool:
-        """Free `shortfall` more device blocks from the started requests at place `start` on
-        (its victims), as the KV policy decides; takes nothing when they could not give
-        enough."""
-        if shortfall <= 0:
-            return True
-        # NOTE: from the short resident list, not by walking the rest of the order: every
-        # swapped job in a long queue tries to come back, and scanning the queue for each made
-        # scheduling O(queue x swapped jobs) per iteration (0.58 ms of a 4 ms CPU iteration).
-        can_offload = self.moves.can_offload
-        victims = [r for i, r in self.resident() if i >= start and can_offload(r)]
-        if sum(len(self.kv.block_table(r.request_id)) for r in victims) < shortfall:
-            return False
-        goal = self.kv.num_free_blocks + shortfall
-        while self.kv.num_free_blocks < goal:
-            if not self.kv_policy.make_room(self, req, victims, now):
-                return False
-            victims = [r for r in victims if can_offload(r)]
-        return True
-
-    def _plan(self, batch: list[Request], chunks: dict[str, int]) -> SchedulerOutput:
+    def _plan(self, batch: list[Request], chunks: dict[str, int],
+              kv_copies: KVCopies) -> SchedulerOutput:
         preempted: list[str] = []
         for rid in self._batch_ids:
             req = self.requests.get(rid)
@@ -518,30 +406,14 @@ class Scheduler:
             rid for rid in self._batch_ids if rid in self.in_flight
         ]
         finished, self._finished_ids = self._finished_ids, []
-        swap_out, swap_in = self.moves.take()
-        # The prefix cache's host tier: evicted blocks copied out, host hits copied in.
-        demoted, from_host = self.kv.take_cache_copies()
-        copies = self.kv.take_fork_copies()
-        self.kv.end_iteration()
         return SchedulerOutput(
             scheduled=scheduled,
             finished_ids=finished,
-            swap_out=swap_out + demoted,
-            swap_in=swap_in + from_host,
-            copies=copies,
+            swap_out=kv_copies.swap_out,
+            swap_in=kv_copies.swap_in,
+            copies=kv_copies.copies,
             preempted_ids=preempted,
         )
-
-
-def check_fits(req: Request, kv: KVCacheManager) -> None:
-    """Refuse a job larger than the whole device pool: it could never run (the walk would
-    spin). The engine and the simulator both admit through `Scheduler.add_request`."""
-    need = num_blocks_for(req.max_total_tokens, kv.block_size)
-    if need > kv.num_total_blocks:
-        raise InvalidRequestError(
-            f"max_tokens: the prompt ({req.num_prompt_tokens} tokens) plus max_tokens "
-            f"({req.params.max_tokens}) needs {need} KV blocks but the cache has "
-            f"{kv.num_total_blocks}; lower max_tokens or raise kv_cache_gib", "max_tokens")
 
 
 def _new_tokens(req: Request, n: int, num_tokens: int) -> list[int]:

@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv import KVSpace
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.request import Request
 
@@ -25,7 +25,7 @@ from fastserve.request import Request
 class PolicyView(Protocol):
     """What a scheduling policy may read of its scheduler."""
 
-    kv: KVCacheManager  # NOTE: only `mlfq-preempt` writes (frees an abandoned prefill's KV)
+    kv: KVSpace  # NOTE: only `mlfq-preempt` writes (frees an abandoned prefill's KV)
 
     @property
     def requests(self) -> Mapping[str, Request]: ...  # unfinished, in arrival order

@@ -22,6 +22,16 @@ class KVStats:
     num_cached_host_blocks: int  # prefix cache: host-tier blocks
     num_host_hit_tokens: int  # prefix hits uploaded from the host tier
     num_prefetched_tokens: int  # host-tier prefix tokens uploaded ahead of their job's turn
+    num_offloads: int = 0  # times a request's KV was moved to host memory
+    num_uploads: int = 0  # times it was moved back
+    num_recomputes: int = 0  # times a request's KV was dropped for recompute
+    num_prefix_query_tokens: int = 0  # tokens of the jobs (re)started
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    block_size: int = 0  # tokens a block holds
+    # A router's summary of the prefix cache (`ReplicaStats.prefix_hashes`), when asked for:
+    # hashes of the blocks a new request could start from, and whether the list was cut.
+    prefix_hashes: frozenset[int] = frozenset()
+    is_prefix_truncated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

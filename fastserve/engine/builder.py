@@ -23,7 +23,7 @@ import torch
 
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.engine.loras import AdapterSlots, LoRAAdapters, read_lora
 from fastserve.engine.overhead import Steppable, measure_engine_overhead

@@ -11,8 +11,7 @@ from typing import Any
 from fastserve.clock import Clock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import make_kv_policy
+from fastserve.core.kv import KVCacheManager, make_kv_policy
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler
 from fastserve.core.scheduler import Scheduler

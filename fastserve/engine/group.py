@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv import PrefixHold
 from fastserve.request import SEED_RANGE, Request, RequestOutput, SamplingParams
 
 # Adds a later sequence to the engine: (its id, its params, sequence 0, the prompt's text).
@@ -64,7 +64,8 @@ class RequestGroup:
     followers: list[Request] = field(default_factory=list)  # sequences added after it
     num_pending: int = 0  # sequences not added yet (they wait for sequence 0's prefill)
     num_open: int = 1  # sequences added whose final output has not come yet
-    held_blocks: list[int] = field(default_factory=list)  # `KVCacheManager.hold_prefix`
+    # Holds sequence 0's prompt blocks for the others to share (None: prefix caching off).
+    hold: PrefixHold | None = None
     # best_of > n: whether the request asked for log-probabilities itself (every sequence
     # gets them, to be ranked by; else they are dropped from its outputs).
     shows_logprobs: bool = True
@@ -83,8 +84,9 @@ class RequestGroups:
     """The engine's requests with several sequences: when their sequences start, and how
     their outputs are named (the request's id, the sequence's index) and chosen."""
 
-    def __init__(self, kv: KVCacheManager, add_sequence: AddSequence) -> None:
-        self.kv = kv
+    def __init__(self, prefix_hold: Callable[[], PrefixHold | None],
+                 add_sequence: AddSequence) -> None:
+        self._prefix_hold = prefix_hold  # the scheduler's, one per request
         self._add_sequence = add_sequence
         self._groups: dict[str, RequestGroup] = {}  # by request id
         self._group_of: dict[str, tuple[RequestGroup, int]] = {}  # sequence id -> (group, index)
@@ -118,12 +120,13 @@ class RequestGroups:
         leader = add_leader(seq_params[0])
         group = RequestGroup(request_id, params.n, self.sequence_ids(request_id, num),
                              seq_params, leader, prompt, num_pending=num - 1,
-                             shows_logprobs=params.logprobs is not None)
+                             shows_logprobs=params.logprobs is not None,
+                             hold=self._prefix_hold())
         self._groups[request_id] = group
         for i, sid in enumerate(group.seq_ids):
             self._group_of[sid] = (group, i)
         self._waiting.append(group)
-        if not self.kv.is_caching:  # nothing to share: no reason to wait
+        if group.hold is None:  # nothing to share: no reason to wait
             self._add_followers(group)
         return leader
 
@@ -137,14 +140,15 @@ class RequestGroups:
             if group.num_pending:
                 leader = group.leader
                 if leader.output_token_ids:  # prefilled: its prompt's full blocks are cached
-                    group.held_blocks = self.kv.hold_prefix(self._prompt_hashes(leader))
+                    if group.hold is not None:
+                        group.hold.take(leader)
                     self._add_followers(group)
                 elif leader.is_finished:  # failed or aborted before its first token
                     group.num_pending = 0
-            if group.held_blocks and all(f.num_cached_tokens is not None or f.is_finished
+            if group.hold and all(f.num_cached_tokens is not None or f.is_finished
                                          for f in group.followers):
                 self._release(group)
-            if group.num_pending or group.held_blocks:
+            if group.num_pending or group.hold:
                 still.append(group)
         self._waiting = still
 
@@ -184,11 +188,6 @@ class RequestGroups:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _prompt_hashes(self, leader: Request) -> list[int]:
-        """Hashes of the prompt blocks a later sequence shares: those before its last token
-        (`Scheduler._cached_prefix` leaves that one to compute)."""
-        return leader.block_hashes[: (leader.num_prompt_tokens - 1) // self.kv.block_size]
-
     def _add_followers(self, group: RequestGroup) -> None:
         for i in range(1, len(group.seq_ids)):
             group.followers.append(self._add_sequence(group.seq_ids[i], group.params[i],
@@ -197,9 +196,8 @@ class RequestGroups:
         group.num_pending = 0
 
     def _release(self, group: RequestGroup) -> None:
-        if group.held_blocks:
-            self.kv.release_prefix(group.held_blocks)
-            group.held_blocks = []
+        if group.hold:
+            group.hold.release()
 
     def _best(self, group: RequestGroup) -> list[RequestOutput]:
         """The `n` outputs to return, best first, re-indexed; a failed one comes first, so

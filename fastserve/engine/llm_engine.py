@@ -13,7 +13,7 @@ import logging
 from fastserve.clock import Clock, WallClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv import KVSpace
 from fastserve.core.scheduler import check_fits
 from fastserve.engine.beam_search import BeamSearches
 from fastserve.engine.builder import EngineParts, build_parts, with_engine_overhead
@@ -67,8 +67,10 @@ class LLMEngine:
                                      self.runner.is_sampler, clock)
         self.outputs = OutputProcessor(self.tokenizer, self._finish)
         self._aborted: list[Request] = []
-        self.groups = RequestGroups(self.scheduler.kv, self._add_sequence)  # requests with n, best_of > 1
-        self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode, self.scheduler.kv.unpark)
+        # Requests with n, best_of > 1.
+        self.groups = RequestGroups(self.scheduler.prefix_hold, self._add_sequence)
+        self.beams = BeamSearches(self._add_beam_step, self.tokenizer.decode,  # use_beam_search
+                                  self.scheduler.unpark)
         # Batch shape and wall time of recent iterations (`fastserve profile --through-engine`),
         # each also scored against the cost model (`cost_check`, shown in /metrics), which
         # (`calibrate_cost_model`) rescales the model the engine decides with to follow them.
@@ -87,7 +89,7 @@ class LLMEngine:
         return self.cost_check.cost
 
     @property
-    def kv(self) -> KVCacheManager:
+    def kv(self) -> KVSpace:
         """The scheduler's KV cache, for tests; the engine reads it through the scheduler."""
         return self.scheduler.kv
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fastserve.config import CacheConfig, ModelConfig
-from fastserve.core.kv_policy import host_pool_blocks
+from fastserve.core.kv import host_pool_blocks
 from fastserve.core.plan import PENDING_TOKEN, ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor import kv_sizing
 from fastserve.executor.attention import AttentionMetadata, PagedAttention

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv import num_blocks_for
 from fastserve.fleet.router import ReplicaView, Router, RouteRequest
 
 

@@ -34,9 +34,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv import chain_block_hashes, num_blocks_for
 from fastserve.core.policies.mlfq_settings import ChargeModel
-from fastserve.core.prefix_cache import chain_block_hashes
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 
 __all__ = ["ReplicaModel", "ReplicaStats", "RouteRequest", "Router", "ReplicaView"]
@@ -50,7 +49,7 @@ class RouteRequest:
     request_id: str
     num_prompt_tokens: int
     # Chained hashes of the prompt's full blocks at the fleet's block size
-    # (`fastserve.core.prefix_cache.chain_block_hashes`, the prefix cache's own hash).
+    # (`fastserve.core.kv.prefix_cache.chain_block_hashes`, the prefix cache's own hash).
     block_hashes: tuple[int, ...] = ()
 
     @classmethod

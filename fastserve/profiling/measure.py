@@ -15,7 +15,7 @@ import torch
 from fastserve.clock import Timer
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import num_blocks_for
+from fastserve.core.kv import num_blocks_for
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.executor.dtype_choice import resolve_config
 from fastserve.executor.model_runner import TORCH_DTYPES, ModelRunner

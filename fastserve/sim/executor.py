@@ -25,8 +25,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from fastserve.clock import Clock
-from fastserve.core.block_pool import copy_runs
 from fastserve.core.cost_model import CostModel
+from fastserve.core.kv import copy_runs
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 
 EOS_TOKEN_ID = 0  # what a job of `SimExecutor.eos_after` samples last

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from fastserve.clock import VirtualClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_policy import host_pool_blocks
+from fastserve.core.kv import host_pool_blocks
 from fastserve.core.scheduler import check_fits
 from fastserve.engine.core import EngineCore, build_engine_core
 from fastserve.fleet.router import Router, RouteRequest
@@ -153,7 +153,7 @@ def simulate_fleet(
         placements=placements,
         num_unfinished=len(pending) - len(finished),
         busy_s=[rep.core.busy_s for rep in replicas.values()],
-        prefix_query_tokens=sum(s.num_prefix_query_tokens for s in scheds),
-        prefix_hit_tokens=sum(s.num_prefix_hit_tokens for s in scheds),
+        prefix_query_tokens=sum(s.stats().kv.num_prefix_query_tokens for s in scheds),
+        prefix_hit_tokens=sum(s.stats().kv.num_prefix_hit_tokens for s in scheds),
         num_stats=num_stats,
     )

@@ -16,8 +16,7 @@ from tqdm import tqdm
 from fastserve.clock import VirtualClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import num_blocks_for
-from fastserve.core.kv_policy import host_pool_blocks
+from fastserve.core.kv import host_pool_blocks, num_blocks_for
 from fastserve.core.scheduler import check_fits
 from fastserve.core.stats import SchedulerStats
 from fastserve.engine.core import build_engine_core

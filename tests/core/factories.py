@@ -15,8 +15,8 @@ from typing import Any
 from fastserve.clock import VirtualClock
 from fastserve.config import CacheConfig, SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy, make_kv_policy
+from fastserve.core.kv import KVPolicy, make_kv_policy
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.core.plan import ExecutorOutput, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.scheduler import Scheduler
@@ -239,6 +239,6 @@ def assert_all_done_and_free(run: Run, n: int) -> None:
     for req in run.finished:
         assert req.finish_reason is FinishReason.LENGTH
         assert req.num_output_tokens == req.params.max_tokens
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
-    assert sched.kv.num_free_host_blocks == sched.kv.num_total_host_blocks
-    assert sched.kv.num_swapped == 0
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
+    assert sched.kv._kv.num_free_host_blocks == sched.kv._kv.num_total_host_blocks
+    assert sched.kv._kv.num_swapped == 0

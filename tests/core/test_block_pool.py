@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from fastserve.core.block_pool import BlockPool, is_contiguous
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.block_pool import BlockPool, is_contiguous
+from fastserve.core.kv.manager import KVCacheManager
 
 
 def test_allocate_returns_none_when_short_and_takes_nothing() -> None:

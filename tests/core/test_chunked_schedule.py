@@ -51,7 +51,7 @@ def test_chunks_are_charged_and_a_short_arrival_preempts_between_chunks() -> Non
     # The short job runs next; the long prefill waits between chunks with its KV kept.
     assert [s.request_id for s in plan.scheduled] == ["short0"]
     assert plan.preempted_ids == ["long0"]
-    assert sched.kv.has_blocks(long_req.request_id)
+    assert sched.kv._kv.has_blocks(long_req.request_id)
 
 
 @pytest.mark.parametrize("pairs_s,context_s", [(1e-6, 0.0), (1e-6, 5e-6), (0.0, 5e-6)],

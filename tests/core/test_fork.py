@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.request import Request, SamplingParams
 from tests.core.factories import UNIT_COST, kv_scheduler, make_requests, make_scheduler, serve
 
@@ -90,7 +90,7 @@ def test_a_forked_step_computes_its_new_token_alone(prefix_caching: bool) -> Non
                            prefix_caching=prefix_caching)
     (first,) = serve(sched, [_req("p", TOKENS, keep_kv=True)]).plans
     parent_block = first.scheduled[0].block_ids[2]
-    assert sched.kv.num_parked == 1 and sched.kv.num_requests == 0
+    assert sched.kv._kv.num_parked == 1 and sched.kv._kv.num_requests == 0
     children = [_req(f"c{i}", [*TOKENS, t], fork_of="p", keep_kv=True) for i, t in enumerate((7, 8))]
     run = serve(sched, children)
     (plan,) = run.plans
@@ -100,16 +100,16 @@ def test_a_forked_step_computes_its_new_token_alone(prefix_caching: bool) -> Non
     assert [dst for _, dst in plan.copies] == [s.block_ids[2] for s in plan.scheduled]
     assert [c.num_cached_tokens for c in children] == [10, 10]
     # A forked step counts its parent's tokens as prefix hits.
-    assert sched.num_prefix_hit_tokens == 20
-    sched.kv.unpark(["p", "c0", "c1"])
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.stats().num_prefix_hit_tokens == 20
+    sched.kv._kv.unpark(["p", "c0", "c1"])
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
 
 def test_a_step_whose_parent_is_gone_computes_its_partial_block() -> None:
     sched = make_scheduler("fcfs", cost=UNIT_COST, block_size=4, num_blocks=64,
                            prefix_caching=True)
     serve(sched, [_req("p", TOKENS, keep_kv=True)])
-    sched.kv.unpark(["p"])
+    sched.kv._kv.unpark(["p"])
     run = serve(sched, [_req("c", [*TOKENS, 7], fork_of="p")])
     (plan,) = run.plans
     # The prefix cache has the parent's 2 full blocks; the partial third is computed again.
@@ -123,8 +123,8 @@ def test_parked_kv_makes_way_for_a_job_that_needs_its_blocks() -> None:
     big = Request("big", list(range(1, 21)), SamplingParams(max_tokens=3, ignore_eos=True), 0.0)
     run = serve(sched, [big])  # 20 + 3 tokens: all 6 blocks (it would never run otherwise)
     assert big.num_output_tokens == 3 and big.num_preemptions == 0
-    assert sched.kv.num_parked == 0 and not any(p.preempted_ids for p in run.plans)
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv._kv.num_parked == 0 and not any(p.preempted_ids for p in run.plans)
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
 
 def test_the_proactive_reserve_takes_parked_kv_before_moving_a_job() -> None:
@@ -136,7 +136,7 @@ def test_the_proactive_reserve_takes_parked_kv_before_moving_a_job() -> None:
     jobs = make_requests([14, 14], [6, 6])  # 5 blocks each, taking turns: one waits resident
     run = serve(sched, jobs)
     assert all(j.num_output_tokens == 6 for j in jobs)
-    assert sched.kv.num_dropped_parked == 1 and sched.moves.num_offloads == 0
+    assert sched.kv._kv.num_dropped_parked == 1 and sched.stats().num_offloads == 0
     assert not any(p.swap_out for p in run.plans)
 
 
@@ -151,4 +151,4 @@ def test_parked_kv_stays_when_dropping_it_could_not_make_the_room() -> None:
     run = serve(sched, [first, second])
     assert [s.request_id for s in run.plans[0].scheduled] == ["first"]
     assert first.num_output_tokens == 1 and second.num_output_tokens == 3
-    assert sched.kv.num_dropped_parked == 0 and sched.kv.num_parked == 1
+    assert sched.kv._kv.num_dropped_parked == 0 and sched.kv._kv.num_parked == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastserve.core.kv_manager import KVCacheManager, KVLocation
+from fastserve.core.kv.manager import KVCacheManager, KVLocation
 
 
 def test_offload_and_upload_move_the_table_between_pools() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.core.plan import ScheduledRequest, SchedulerOutput
 from fastserve.core.policies import make_scheduler as build_scheduler
 from fastserve.core.policies.mlfq import (
@@ -276,7 +276,7 @@ def test_mlfq_preempt_abandons_an_iteration_that_overruns_the_quantum() -> None:
     # Run and paid for, but its token dropped; demoted to the level that fits 10 ms (Q4).
     assert core.clock.now() == pytest.approx(0.010)
     assert req.output_token_ids == [] and req.num_computed_tokens == 0
-    assert not sched.kv.has_blocks(req.request_id)  # an abandoned prefill keeps no blocks
+    assert not sched.kv._kv.has_blocks(req.request_id)  # an abandoned prefill keeps no blocks
     assert sched.level_of(req.request_id) == 3 and policy_of(sched).num_abandoned == 1
     core.step()  # the same prefill again, kept this time
     assert executor.steps[1][0].scheduled[0].start_pos == 0
@@ -284,7 +284,7 @@ def test_mlfq_preempt_abandons_an_iteration_that_overruns_the_quantum() -> None:
     while not req.is_finished:
         core.step()
     assert req.num_output_tokens == 3 and policy_of(sched).num_abandoned == 1
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
     assert req.first_token_s == pytest.approx(0.020)
 
 
@@ -337,7 +337,7 @@ def test_mlfq_preempt_redoes_an_abandoned_decode_with_its_kv_kept() -> None:
     assert feeds[2] == feeds[3] and req.num_output_tokens == 3
     while not req.is_finished:
         core.step()
-    assert req.num_output_tokens == 6 and sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert req.num_output_tokens == 6 and sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
 
 def _finish_ms(policy: str, prompt_lens: list[int], output_lens: list[int],

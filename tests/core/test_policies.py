@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fastserve.config import POLICIES, SchedulerConfig
-from fastserve.core.kv_manager import KVCacheManager, num_blocks_for
+from fastserve.core.kv import KVCacheManager, num_blocks_for
 from fastserve.core.policies import POLICY_CLASSES
 from fastserve.core.scheduler import Scheduler
 from fastserve.core.scheduling_policy import SchedulingPolicy
@@ -54,7 +54,7 @@ def test_every_policy_finishes_all_jobs_without_leaking_blocks(policy: str, conf
         assert req.finish_reason is FinishReason.LENGTH
         assert req.num_output_tokens == req.params.max_tokens
         assert req.first_token_s is not None and req.finish_s is not None
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
 
 @pytest.mark.parametrize(("policy", "config"), CASES, ids=CASE_IDS)
@@ -66,7 +66,7 @@ def test_chunked_prefills_finish_every_job_without_leaking_blocks(policy: str,
     assert len(run.finished) == 60
     for req in run.finished:
         assert req.num_output_tokens == req.params.max_tokens
-    assert run.scheduler.kv.num_free_blocks == run.scheduler.kv.num_total_blocks
+    assert run.scheduler.kv._kv.num_free_blocks == run.scheduler.kv._kv.num_total_blocks
     assert any(not s.samples for p in run.plans for s in p.scheduled)  # chunks did run
     for plan in run.plans:  # one-token jobs always fit, as decodes do
         assert sum(len(s.token_ids) for s in plan.scheduled if len(s.token_ids) > 1) <= 12
@@ -173,9 +173,9 @@ def test_orca_reserves_prompt_plus_max_tokens_and_admits_fewer_jobs() -> None:
     assert _first_plan_size(orca, jobs()) == 8
     assert _first_plan_size(fcfs, jobs()) == 10
     assert all(len(orca.kv.block_table(rid)) == 5 for rid in orca.requests if
-               orca.kv.has_blocks(rid))
+               orca.kv._kv.has_blocks(rid))
     run = serve(make_scheduler("orca", num_blocks=40, block_size=16), jobs())
-    assert run.scheduler.moves.num_recomputes == 0 and len(run.finished) == 10
+    assert run.scheduler.stats().num_recomputes == 0 and len(run.finished) == 10
 
 
 def test_fcfs_recomputes_when_blocks_run_out_and_every_job_still_finishes() -> None:
@@ -186,12 +186,12 @@ def test_fcfs_recomputes_when_blocks_run_out_and_every_job_still_finishes() -> N
     core, executor = make_engine(sched)
     victims: dict[str, int] = {}  # request id -> tokens generated when its KV was dropped
     while sched.has_unfinished:
-        before = sched.moves.num_recomputes
+        before = sched.stats().num_recomputes
         core.step()
-        if sched.moves.num_recomputes > before:
+        if sched.stats().num_recomputes > before:
             for r in reqs:
                 if r.status is RequestStatus.WAITING and r.num_output_tokens > 0:
-                    assert not sched.kv.has_blocks(r.request_id)  # its KV was freed
+                    assert not sched.kv._kv.has_blocks(r.request_id)  # its KV was freed
                     assert r.num_computed_tokens == 0
                     victims.setdefault(r.request_id, r.num_output_tokens)
     assert victims
@@ -203,7 +203,7 @@ def test_fcfs_recomputes_when_blocks_run_out_and_every_job_still_finishes() -> N
         assert refills and refills[0].token_ids[:16] == req.prompt_token_ids
         assert len(refills[0].token_ids) >= 16 + num_generated
     assert all(r.is_finished and r.num_output_tokens == 64 for r in reqs)
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
 
 def test_request_level_batch_admits_no_job_until_it_has_finished() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.prefix_cache import CachingBlockPool, extend_block_hashes
+from fastserve.core.kv.manager import KVCacheManager
+from fastserve.core.kv.prefix_cache import CachingBlockPool, extend_block_hashes
 from fastserve.request import Request, SamplingParams
 from tests.core.factories import UNIT_COST, make_requests, make_scheduler, serve
 
@@ -79,9 +79,9 @@ def test_a_repeated_prompt_computes_only_its_last_block(policy: str) -> None:
     fed = [(s.request_id, s.start_pos, len(s.token_ids)) for p in run.plans for s in p.scheduled]
     assert ("again", 28, 2) in fed  # 7 cached blocks; the partial 8th is computed
     assert again.num_cached_tokens == 28 and first.num_cached_tokens == 0
-    assert sched.num_prefix_hit_tokens == 28
-    assert sched.num_prefix_query_tokens == 60
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.stats().num_prefix_hit_tokens == 28
+    assert sched.stats().num_prefix_query_tokens == 60
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
 
 def test_skip_join_places_a_job_by_the_prefill_of_its_uncached_part() -> None:

@@ -20,7 +20,7 @@ def test_a_preparing_job_prefills_then_waits_with_its_kv_while_others_run() -> N
     for _ in range(4):
         core.step()
     assert slow.num_output_tokens == 0 and slow.num_computed_tokens == 39  # all but the last
-    assert sched.kv.has_blocks(slow.request_id)
+    assert sched.kv._kv.has_blocks(slow.request_id)
     assert other.num_output_tokens == 4
     assert sched.num_preemptions == 0  # waiting on itself is not a preemption
 

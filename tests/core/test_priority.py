@@ -26,7 +26,7 @@ def test_a_lower_priority_runs_first_whatever_the_policy(policy: str, config: di
     run = serve(sched, [long, later, urgent])
     assert later.first_token_s is not None and long.finish_s is not None
     assert later.first_token_s > long.finish_s  # not a token before the long job finished
-    assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
+    assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
     if policy == "request-level":  # static batching preempts nothing: priority forms batches
         assert [r.request_id for r in run.finished] == ["r0", "r2", "r1"]
         return

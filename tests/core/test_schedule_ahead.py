@@ -22,7 +22,7 @@ def test_the_next_plan_feeds_pending_tokens_and_update_puts_the_real_ones() -> N
     long.params = SamplingParams(max_tokens=8, temperature=0.0)  # stops at EOS
     for r in (short, long, other):
         sched.add_request(r, 0.0)
-    free_at_start = sched.kv.num_free_blocks
+    free_at_start = sched.kv._kv.num_free_blocks
 
     prefills = sched.schedule(0.0)
     sched.schedule_ahead(prefills)
@@ -55,7 +55,7 @@ def test_the_next_plan_feeds_pending_tokens_and_update_puts_the_real_ones() -> N
     assert other.output_token_ids == [13, 23] and other.finish_reason is FinishReason.ABORT
     assert sched.update(third, _out(third, {"r1": 31, "r2": 33}), 0.0) == []
     assert not sched.flight.ahead and not sched.has_unfinished
-    assert sched.kv.num_free_blocks == free_at_start
+    assert sched.kv._kv.num_free_blocks == free_at_start
 
 
 def test_a_job_dropped_for_recompute_waits_for_its_token() -> None:
@@ -66,7 +66,7 @@ def test_a_job_dropped_for_recompute_waits_for_its_token() -> None:
     sched.add_request(req, 0.0)
     first = sched.schedule(0.0)
     sched.schedule_ahead(first)
-    sched.moves.recompute(req)
+    sched.kv._moves.recompute(req)
     assert sched.schedule(0.0).is_empty  # nothing to run until the token is read
     sched.update(first, _out(first, {"r0": 40}), 0.0)
     assert req.output_token_ids == [40] and req.num_computed_tokens == 0

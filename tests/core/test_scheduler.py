@@ -14,9 +14,9 @@ from fastserve.bench.workloads import zipf_workload
 from fastserve.clock import VirtualClock
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_moves import KVMoves
-from fastserve.core.kv_policy import ReactivePolicy, RecomputePolicy, make_kv_policy
+from fastserve.core.kv import ReactivePolicy, RecomputePolicy, make_kv_policy
+from fastserve.core.kv.manager import KVCacheManager
+from fastserve.core.kv.moves import KVMoves
 from fastserve.core.policies import make_scheduler
 from fastserve.engine.core import EngineCore
 from fastserve.request import Request, RequestStatus
@@ -40,7 +40,7 @@ def test_no_job_is_offloaded_and_uploaded_in_one_iteration() -> None:
                                  max_batch_size=6, max_num_batched_tokens=128)
             run = serve_checked(sched, tight_requests(seed=5))
             assert_all_done_and_free(run, 60)
-            assert sched.moves.num_offloads > 0
+            assert sched.stats().num_offloads > 0
             for plan in run.plans:
                 # A job moved both ways would have its host blocks written and read at once.
                 assert not {h for _, h in plan.swap_out} & {h for h, _ in plan.swap_in}
@@ -53,9 +53,9 @@ def test_moving_a_job_back_in_the_same_iteration_is_refused() -> None:
     core = EngineCore(sched, SimExecutor(UNIT_COST), VirtualClock())
     core.step()
     sched.schedule(0.01)  # a new iteration's bookkeeping starts
-    assert sched.moves.offload(a, release_now=False)
+    assert sched.kv._moves.offload(a, release_now=False)
     with pytest.raises(ValueError, match="offloaded this iteration"):
-        sched.moves.upload(a)
+        sched.kv._moves.upload(a)
 
 
 @pytest.mark.parametrize(("kv_policy", "per_iteration"), [("reactive", 16), ("proactive", 4)])
@@ -77,7 +77,7 @@ def test_scheduling_under_pressure_does_not_rescan_the_queue(
     workload = zipf_workload(500, 30.0, 4.0, 1.2, 256, 1024, seed=0)
     run = serve(sched, workload_requests(workload))
     assert len(run.finished) == 500 and kv.num_swap_out_blocks > 1000  # heavy swapping
-    ops = sched.moves.num_victim_checks if kv_policy == "reactive" else sched.num_defer_asks
+    ops = sched.kv._moves.num_victim_checks if kv_policy == "reactive" else sched.kv.num_defer_asks
     assert 0 < ops <= per_iteration * len(run.steps)
 
 

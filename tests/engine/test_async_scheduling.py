@@ -112,14 +112,14 @@ def test_greedy_outputs_equal_scheduling_in_step(case: str,
     got = _run(ahead, prompts, params)
     _assert_same(got, want, prompts, greedy_reference)
     assert [len(o.token_ids) for o in got] == MAX_TOKENS
-    moves = ahead.scheduler.moves
+    moves = ahead.scheduler.kv._moves
     if "swapping" in case:
         assert moves.num_offloads > 0 and moves.num_uploads > 0
     if case == "recompute":
         assert moves.num_recomputes > 0
     if "prefix" in case:
-        assert ahead.scheduler.num_prefix_hit_tokens > 0
-    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+        assert ahead.scheduler.stats().num_prefix_hit_tokens > 0
+    assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 
 def test_early_stops_drop_the_token_on_the_device(greedy_reference: GreedyReference) -> None:
@@ -134,7 +134,7 @@ def test_early_stops_drop_the_token_on_the_device(greedy_reference: GreedyRefere
     got = _run(ahead, prompts, params)
     _assert_same(got, want, prompts, greedy_reference)
     assert all(o.finish_reason == "stop" and len(o.token_ids) <= 4 for o in got)
-    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+    assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 
 def test_sampled_penalised_and_logprob_requests_equal_scheduling_in_step() -> None:
@@ -163,7 +163,7 @@ def test_sampled_penalised_and_logprob_requests_equal_scheduling_in_step() -> No
         for a, b in zip(got[2].logprobs, want[2].logprobs):
             assert a.token_id == b.token_id
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+    assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 
 @pytest.mark.parametrize("how", ["raise", "nan"])
@@ -181,7 +181,7 @@ def test_a_failing_request_fails_alone(how: str, greedy_reference: GreedyReferen
     assert_same_greedy_tokens([got[0].token_ids, got[2].token_ids],
                               [want[0].token_ids, want[2].token_ids],
                               [prompts[0], prompts[2]], greedy_reference)
-    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+    assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 
 def test_an_abort_while_its_step_is_on_the_device(greedy_reference: GreedyReference) -> None:
@@ -204,7 +204,7 @@ def test_an_abort_while_its_step_is_on_the_device(greedy_reference: GreedyRefere
     assert_same_greedy_tokens([final["r0"].token_ids, final["r2"].token_ids],
                               [want[0].token_ids, want[2].token_ids],
                               [prompts[0], prompts[2]], greedy_reference)
-    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+    assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -230,7 +230,7 @@ def test_on_cuda_tokens_equal_scheduling_in_step(enforce_eager: bool,
     _assert_same(got[:4], want[:4], prompts[:4], greedy_reference)
     if TEST_DTYPE == "float32":  # the same logits, the same seeded draws
         assert [o.token_ids for o in got[4:]] == [o.token_ids for o in want[4:]]
-    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+    assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 
 def test_the_default_is_async_on_one_cuda_device_only() -> None:
@@ -277,7 +277,7 @@ def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> No
     assert all(t >= 0 for o in outs for t in o.token_ids)
     scheduler = engine.scheduler
     assert not scheduler.flight.ahead and not scheduler.in_flight
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.kv._kv.num_free_blocks == engine.kv._kv.num_total_blocks
     (after,) = _run(engine, prompts[:1], [_greedy(5)])
     assert after.finish_reason == "length" and len(after.token_ids) == 5
 
@@ -332,7 +332,7 @@ def test_a_grammars_job_runs_every_iteration_its_mask_after_the_token_on_the_dev
         engine = _engine(async_scheduling, max_batch_size=8)
         launched = record_launches(engine)
         runs.append(_run(engine, _prompts(engine)[:4], params))
-        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+        assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
         assert len(engine.grammars) == 0
     want, got = runs
     json_steps = {i: s for i, plan in enumerate(launched) for s in plan.scheduled

@@ -75,11 +75,11 @@ def test_beams_are_the_searchs_over_hf_logprobs(llm: LLM, tiny_model_path: Path,
         assert o.stop_reason == (stop if ended else None)
     if width == 1:  # one beam that keeps the best token each step: greedy decoding
         assert out.outputs[0].token_ids == greedy.token_ids
-    assert llm.engine.kv.num_requests == 0
+    assert llm.engine.scheduler.kv._kv.num_requests == 0
 
 
 def test_steps_reuse_the_cached_prefix_and_free_their_blocks(llm: LLM) -> None:
-    kv = llm.engine.kv
+    kv = llm.engine.scheduler.kv._kv
     params = SamplingParams(use_beam_search=True, n=2, max_tokens=8, ignore_eos=True)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0]
     assert len(out.outputs) == 2 and all(len(o.token_ids) == 8 for o in out.outputs)
@@ -103,8 +103,8 @@ def test_each_step_after_the_first_computes_one_token_per_beam(llm: LLM) -> None
                 plan = engine.core.last_plan
                 fed.append(sum(len(s.token_ids) for s in plan.scheduled) if plan else 0)
             assert fed[1:] == [3] * 5  # after the prompt: one token for each of 3 beams
-            assert engine.kv.num_parked == 0
-            assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+            assert engine.scheduler.kv._kv.num_parked == 0
+            assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
             beams.append([o.token_ids for o in outs])
         assert beams[0] == beams[1] and len(beams[0]) == 3
 
@@ -125,7 +125,7 @@ def test_searches_short_of_blocks_find_the_beams_they_find_alone(llm: LLM,
              startup_profile=False, num_device_blocks=16,
              async_scheduling=async_scheduling) as tight:
         outs = tight.generate(prompts, params, use_tqdm=False)
-        kv = tight.engine.kv
+        kv = tight.engine.scheduler.kv._kv
         assert kv.num_dropped_parked > 0
         assert kv.num_parked == 0 and kv.num_free_blocks == kv.num_total_blocks
     assert [[o.token_ids for o in out.outputs] for out in outs] == alone
@@ -148,8 +148,8 @@ def test_an_aborted_search_stops_and_others_go_on(llm: LLM) -> None:
     (aborted,) = finals[search.request_id]
     assert aborted.finish_reason == "abort" and aborted.ends_request
     assert finals[plain.request_id][-1].finish_reason == "length"
-    assert engine.kv.num_requests == 0 and engine.kv.num_parked == 0
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert engine.scheduler.kv._kv.num_requests == 0 and engine.scheduler.kv._kv.num_parked == 0
+    assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [

@@ -55,7 +55,7 @@ def _finals(outs: list[RequestOutput]) -> list[list[int]]:
 
 
 def _idle(engine: LLMEngine) -> bool:
-    return (engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    return (engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
             and not engine.scheduler.requests)
 
 

@@ -59,7 +59,7 @@ def test_float32_greedy_tokens_identical_to_hf(tiny_model_path: Path) -> None:
     assert isinstance(engine.runner, ModelRunner)
     assert engine.runner.attn.name == "triton" and engine.runner.graphs is not None
     _assert_float32_greedy_is_hfs(llm)
-    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks  # every block back
+    assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks  # every block back
 
 
 def _assert_float32_greedy_is_hfs(llm: LLM) -> None:

@@ -139,7 +139,7 @@ def test_async_scheduling_bars_the_same_tokens() -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for out, p in zip(got, params):
         assert not any(_holds(out.token_ids, w) for w in p.bad_words_token_ids)
-    assert ahead.kv.num_free_blocks == ahead.kv.num_total_blocks
+    assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 
 def test_a_request_whose_bans_leave_no_token_fails_alone(engine: LLMEngine) -> None:

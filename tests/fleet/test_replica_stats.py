@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fastserve.core.prefix_cache import chain_block_hashes, extend_block_hashes
+from fastserve.core.kv.prefix_cache import chain_block_hashes, extend_block_hashes
 from fastserve.core.replica_stats import ReplicaStats
 from fastserve.fleet import RouteRequest
 from tests.fleet.factories import BLOCK_SIZE, Replica, prompt, request

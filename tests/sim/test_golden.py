@@ -25,7 +25,7 @@ from typing import Any
 from fastserve.args import engine_config
 from fastserve.bench.workloads import scale_to_load, zipf_workload
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_policy import KV_POLICY_CLASSES
+from fastserve.core.kv import KV_POLICY_CLASSES
 from fastserve.core.policies import POLICY_CLASSES
 from fastserve.request import WorkItem
 from fastserve.sim.profiles import A100_13B

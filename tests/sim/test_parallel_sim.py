@@ -13,7 +13,7 @@ from fastserve.args import engine_config
 from fastserve.bench.workloads import WorkItem
 from fastserve.clock import VirtualClock
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.core.policies import make_scheduler
 from fastserve.engine.core import PipelinedEngineCore
 from fastserve.sim.pipeline import PipelinedSimExecutor

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv_manager import KVCacheManager
-from fastserve.core.kv_policy import KVPolicy
+from fastserve.core.kv import KVCacheManager, KVPolicy
 from fastserve.core.policies.fcfs import FCFSPolicy, OrcaPolicy
 from fastserve.core.policies.gittins import GittinsPolicy
 from fastserve.core.policies.mlfq import (

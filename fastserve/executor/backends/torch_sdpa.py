@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fastserve.core.block_pool import is_contiguous
+from fastserve.core.kv import is_contiguous
 from fastserve.core.plan import ScheduledRequest
 from fastserve.executor.attention import AttentionMetadata, PagedAttention, compute_dtype
 from fastserve.executor.cpu_linear import pack_weights

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fastserve.config import EngineConfig
-from fastserve.core.kv_policy import host_pool_blocks
+from fastserve.core.kv import host_pool_blocks
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.executor.distributed.comm import (
     TAG_ACTIVATIONS,

@@ -4,37 +4,29 @@ Pure bookkeeping over block ids; the executor owns the tensors these ids index a
 the copies that `offload` / `upload` return. A request's KV moves as a whole, block by block,
 and its block table follows it from one pool to the other.
 
-With prefix caching (`fastserve.core.prefix_cache`) a request's device table may begin with
+With prefix caching (`fastserve.core.kv.prefix_cache`) a request's device table may begin with
 blocks it shares with others: leaving the device (free, offload) drops its references, and a
 cached block nobody references stays on the device until an allocation needs the room.
 
-A finished request's device KV may be parked (`park`) for requests that continue its tokens
-(beam search's next steps): such a request forks it (`allocate(..., fork_of=...)`), sharing its
-full blocks and getting a copy of its partial last block (a device copy in the plan), so it
-computes only its new tokens, with prefix caching on or off.
+A finished request's device KV may be parked (`park`; `fastserve.core.kv.forks` keeps it) for
+requests that continue its tokens (beam search's next steps): such a request forks it
+(`allocate(..., fork_of=...)`), sharing its full blocks and getting a copy of its partial last
+block (a device copy in the plan), so it computes only its new tokens.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
-from fastserve.core.block_pool import BlockPool
-from fastserve.core.prefix_cache import CachingBlockPool, HostPrefixCache
+from fastserve.core.kv.block_pool import BlockPool
+from fastserve.core.kv.forks import ParkedKV
+from fastserve.core.kv.prefix_cache import CachingBlockPool, HostPrefixCache
 from fastserve.core.stats import KVStats
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-class Parked(NamedTuple):
-    """A finished request's device KV, kept for requests that fork from it."""
-
-    block_ids: list[int]
-    token_ids: list[int]  # whose KV its blocks hold, from position 0
-    cache_salt: str | None  # forks must share it (it names the LoRA adapter too)
 
 
 class KVLocation(enum.Enum):
@@ -78,13 +70,7 @@ class KVCacheManager:
         self._host_tables: dict[str, list[int]] = {}
         self._host_releasing: list[int] = []  # read by this iteration's uploads
         self._device_releasing: list[int] = []  # being copied out by this iteration's offloads
-        self._parked: dict[str, Parked] = {}  # finished requests' KV kept for forks
-        self.num_dropped_parked = 0  # parked requests' KV dropped for room, all time
-        self._fork_copies: list[tuple[int, int]] = []  # this iteration's (parent, fork) blocks
-        # The blocks those copies read, referenced until `end_iteration`: a parent unparked
-        # in the same iteration must not hand its partial block to this plan's uploads,
-        # which run before the copies.
-        self._fork_sources: list[int] = []
+        self.forks = ParkedKV(self.device, block_size)  # finished requests' KV kept for forks
         self.peak_used_blocks = 0  # most device blocks in use at once
         self.num_swap_out_blocks = 0  # blocks copied device -> host, all time
         self.num_swap_in_blocks = 0  # blocks copied host -> device, all time
@@ -176,7 +162,7 @@ class KVCacheManager:
         elif self.shortfall(request_id, num_tokens, prefix_hashes, fork_of) > 0:
             return None
         elif fork_of is not None:
-            self._tables[request_id] = self._fork(self._parked[fork_of])
+            self._tables[request_id] = self.forks.fork(fork_of)
         elif prefix_hashes:
             self._tables[request_id] = self._start_from_cache(prefix_hashes)
             self._num_registered[request_id] = len(prefix_hashes)
@@ -210,13 +196,16 @@ class KVCacheManager:
     @property
     def num_parked(self) -> int:
         """Finished requests whose KV is parked."""
-        return len(self._parked)
+        return self.forks.num_parked
 
     @property
     def num_parked_blocks(self) -> int:
-        """Blocks in parked tables, counted once per table: an upper bound on what unparking
-        them all would free (tables share blocks, and forks share theirs)."""
-        return sum(len(p.block_ids) for p in self._parked.values())
+        return self.forks.num_blocks
+
+    @property
+    def num_dropped_parked(self) -> int:
+        """Parked requests' KV dropped for room, all time."""
+        return self.forks.num_dropped
 
     def park(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> bool:
         """The request is done: keep the device blocks holding the KV of `token_ids` (its
@@ -229,61 +218,21 @@ class KVCacheManager:
             return False
         del self._tables[request_id]
         self._num_registered.pop(request_id, None)
-        self.device.free(table[keep:])
-        self._parked[request_id] = Parked(table[:keep], list(token_ids), cache_salt)
+        self.forks.park(request_id, table, keep, token_ids, cache_salt)
         return True
 
     def fork_tokens(self, parent_id: str, token_ids: Sequence[int], cache_salt: str | None
                     ) -> int:
-        """How many of `token_ids` a request starting now would find computed by forking
-        parked `parent_id`: all of the parent's tokens when they begin `token_ids` and leave
-        at least one to compute (its logits give the next token); else 0. Changes nothing."""
-        parked = self._parked.get(parent_id)
-        if parked is None or parked.cache_salt != cache_salt:
-            return 0
-        n = len(parked.token_ids)
-        if n >= len(token_ids) or list(token_ids[:n]) != parked.token_ids:
-            return 0
-        return n
+        return self.forks.fork_tokens(parent_id, token_ids, cache_salt)
 
     def unpark(self, request_ids: Iterable[str]) -> None:
-        """Drop these parked requests' KV (those no longer parked are skipped): forks made
-        from it keep what they share."""
-        for rid in request_ids:
-            parked = self._parked.pop(rid, None)
-            if parked is not None:
-                self.device.free(parked.block_ids)
+        self.forks.unpark(request_ids)
 
     def drop_parked(self, keep: str | None = None) -> bool:
-        """Under memory pressure: unpark the longest parked request but `keep` (its forks
-        will compute what they would have copied); returns whether one was dropped."""
-        oldest = next((rid for rid in self._parked if rid != keep), None)
-        if oldest is None:
-            return False
-        self.unpark([oldest])
-        self.num_dropped_parked += 1
-        return True
+        return self.forks.drop(keep)
 
     def take_fork_copies(self) -> list[tuple[int, int]]:
-        """This iteration's (parent block, fork block) device copies, for its plan."""
-        copies, self._fork_copies = self._fork_copies, []
-        return copies
-
-    def _fork(self, parent: Parked) -> list[int]:
-        """A new table sharing the parent's full blocks and holding a copy of its partial
-        last block (`shortfall` counted that one)."""
-        num_full, partial = divmod(len(parent.token_ids), self.block_size)
-        table = parent.block_ids[:num_full]
-        self.device.ref(table)
-        if partial:
-            new = self.device.allocate(1, after=table[-1] if table else None)
-            assert new is not None  # `shortfall` counted it
-            source = parent.block_ids[num_full]
-            self.device.ref([source])
-            self._fork_sources.append(source)
-            self._fork_copies.append((source, new[0]))
-            table = [*table, *new]
-        return table
+        return self.forks.take_copies()
 
     # -- moves between pools ----------------------------------------------------------------
 
@@ -363,9 +312,7 @@ class KVCacheManager:
         """The plan is complete: host blocks read by its uploads, and device blocks its fork
         copies read, may be reused from now on."""
         self._note_peak()  # NOTE: also what sharing cached blocks took, noted nowhere else
-        assert not self._fork_copies, "the plan takes its fork copies before it is complete"
-        self.device.free(self._fork_sources)
-        self._fork_sources = []
+        self.forks.end_iteration()
         if self._host_releasing:
             self.host.free(self._host_releasing)
             self._host_releasing = []
@@ -480,7 +427,7 @@ class KVCacheManager:
         if request_id in self._tables:
             return self.num_new_blocks(request_id, num_tokens) - self.num_free_blocks
         if fork_of is not None:
-            num_shared = len(self._parked[fork_of].token_ids) // self.block_size
+            num_shared = self.forks.num_shared_blocks(fork_of)
             return num_blocks_for(num_tokens, self.block_size) - num_shared - self.num_free_blocks
         if not prefix_hashes:
             return self.num_new_blocks(request_id, num_tokens) - self.num_free_blocks
@@ -508,7 +455,11 @@ class KVCacheManager:
         have = len(self._tables.get(request_id, ()))
         return min(have, num_blocks_for(num_cached_tokens, self.block_size))
 
-    def stats(self) -> KVStats:
+    def stats(self, num_prefix_hashes: int = 0, **counters: int) -> KVStats:
+        """The pools' counters, with the moves' and the prefix queries' `counters`, and up to
+        `num_prefix_hashes` hashes of cached blocks (`cached_hashes`)."""
+        hashes, cut = (self.cached_hashes(num_prefix_hashes)
+                       if self.is_caching and num_prefix_hashes > 0 else (frozenset(), False))
         return KVStats(
             num_total_blocks=self.num_total_blocks,
             num_free_blocks=self.num_free_blocks,
@@ -521,6 +472,10 @@ class KVCacheManager:
             num_cached_host_blocks=self.num_cached_host_blocks,
             num_host_hit_tokens=self.num_host_hit_blocks * self.block_size,
             num_prefetched_tokens=self.num_prefetched_blocks * self.block_size,
+            block_size=self.block_size,
+            prefix_hashes=hashes,
+            is_prefix_truncated=cut,
+            **counters,
         )
 
     def _note_peak(self) -> None:

@@ -7,9 +7,9 @@ is no victim, and every move is counted. The iteration's copies go into the next
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
-from fastserve.core.kv_manager import KVCacheManager
+from fastserve.core.kv.manager import KVCacheManager
 from fastserve.request import Request, RequestStatus
 
 
@@ -89,6 +89,18 @@ class KVMoves:
             and rid not in self._uploaded_ids
             and rid not in self._in_flight
         )
+
+    def reclaim_parked(self, goal: int) -> None:
+        """Drop parked KV (beam search's finished steps, `KVCacheManager.park`), the longest
+        parked first, until `goal` blocks are free soon or none is left: it goes before any
+        job's KV moves, since losing it costs a fork only its partial block's computation."""
+        while self.kv.num_free_soon < goal and self.kv.drop_parked():
+            pass
+
+    def prefetch_prefix(self, hashes: Sequence[int], max_blocks: int, room: int) -> int:
+        """Upload host-tier prefix copies ahead of the job that will share them
+        (`KVCacheManager.prefetch_prefix`); returns how many blocks."""
+        return self.kv.prefetch_prefix(hashes, max_blocks, room)
 
     def can_upload(self, req: Request) -> bool:
         rid = req.request_id

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from fastserve.core.block_pool import BlockPool
+from fastserve.core.kv.block_pool import BlockPool
 from fastserve.request import Request
 
 # The first block's parent: requests without a salt share one namespace.
