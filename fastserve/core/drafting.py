@@ -18,6 +18,7 @@ from fastserve.request import FinishReason, Request
 class Drafting:
     def __init__(self, kv: KVSpace) -> None:
         self.kv = kv
+        self._block_size = kv.stats().block_size  # (a constant: read once, not per draft)
         # Proposes drafted tokens for decodes (None: no request drafts; the step loops that
         # schedule while a batch runs leave it out, see `build_engine_core`).
         self.drafter: Drafter | None = None
@@ -60,7 +61,7 @@ class Drafting:
         rid = req.request_id
         need = req.num_tokens + len(draft)
         if not self.kv.reserve(req, need):
-            held = len(self.kv.block_table(rid)) * self.kv.stats().block_size
+            held = len(self.kv.block_table(rid)) * self._block_size
             draft = draft[: max(0, len(draft) - (need - held))]
         if draft:
             self.drafts[rid] = draft
