@@ -42,10 +42,11 @@ class Drafting:
         if self.drafter is not None:
             self.drafter.drop(request_id)
 
-    def draft(self, req: Request, max_tokens: int, cost: CostModel, num_jobs: int) -> int:
-        """Draft tokens for a decode of `req` that holds its blocks for its next token (at
-        most `max_tokens`, the iteration's token budget left); returns how many (kept in
-        `drafts`). Drafts take a free block when they need one, never room made by moving
+    def draft(self, req: Request, table: Sequence[int], max_tokens: int, cost: CostModel,
+              num_jobs: int) -> int:
+        """Draft tokens for a decode of `req` whose blocks (`table`, reserved this iteration)
+        hold its next token (at most `max_tokens`, the iteration's token budget left); returns
+        how many (kept in `drafts`). Drafts take a free block when they need one, never room made by moving
         another job's KV: they fit in what is there or are cut short. `num_jobs`: the last
         batch's jobs (`drafts_worth`)."""
         assert self.drafter is not None
@@ -60,8 +61,8 @@ class Drafting:
             return 0
         rid = req.request_id
         need = req.num_tokens + len(draft)
-        if not self.kv.reserve(req, need):
-            held = len(self.kv.block_table(rid)) * self._block_size
+        if self.kv.reserve(req, need) is None:
+            held = len(table) * self._block_size
             draft = draft[: max(0, len(draft) - (need - held))]
         if draft:
             self.drafts[rid] = draft

@@ -194,6 +194,7 @@ class Scheduler:
         batch: list[Request] = []
         in_batch: set[str] = set()
         chunks: dict[str, int] = {}  # tokens each batched job runs this iteration
+        tables: dict[str, list[int]] = {}  # and its device blocks
         num_tokens = 0
         budget = self.config.max_num_batched_tokens
         admitting = True  # NOTE: once a new request fails to fit, later new ones wait too
@@ -240,19 +241,21 @@ class Scheduler:
                 if num_new <= 0:
                     admitting = admitting and started
                     continue
-            if not self.kv.reserve(req, done + num_new, reuse, i + 1, len(in_batch), now):
+            table = self.kv.reserve(req, done + num_new, reuse, i + 1, len(in_batch), now)
+            if table is None:
                 if not started:
                     admitting = False
                 continue
             if num_new == 1 and drafter is not None and done == req.num_tokens - 1 \
                     and req.request_id not in self._placeholders:  # (its last token is known)
-                num_new += self.drafting.draft(req, budget - num_tokens - 1, self.cost,
+                num_new += self.drafting.draft(req, table, budget - num_tokens - 1, self.cost,
                                                len(self._batch_ids))
             batch.append(req)
             in_batch.add(req.request_id)
             chunks[req.request_id] = num_new
+            tables[req.request_id] = table
             num_tokens += num_new
-        plan = self._plan(batch, chunks, self.kv.end_iteration(batch, now))
+        plan = self._plan(batch, chunks, tables, self.kv.end_iteration(batch, now))
         self.policy.on_schedule(plan)
         return plan
 
@@ -359,7 +362,7 @@ class Scheduler:
         for rid in request_ids:
             self.kv.free(rid)
 
-    def _plan(self, batch: list[Request], chunks: dict[str, int],
+    def _plan(self, batch: list[Request], chunks: dict[str, int], tables: dict[str, list[int]],
               kv_copies: KVCopies) -> SchedulerOutput:
         preempted: list[str] = []
         for rid in self._batch_ids:
@@ -372,7 +375,6 @@ class Scheduler:
                 self.num_preemptions += 1
                 preempted.append(rid)
         scheduled = []
-        block_table = self.kv.block_table
         for req in batch:
             req.status = RequestStatus.RUNNING
             rid = req.request_id
@@ -391,7 +393,7 @@ class Scheduler:
                     request_id=rid,
                     token_ids=token_ids,
                     start_pos=start,
-                    block_ids=list(block_table(rid)),
+                    block_ids=list(tables[rid]),
                     params=req.params,
                     num_output_tokens=len(outputs),
                     samples=start + n == num_tokens,  # (drafts come after the last token)

@@ -13,8 +13,7 @@ from pathlib import Path
 from fastserve.core.kv import KVSpace
 
 PACKAGE = Path(__file__).parents[2] / "fastserve"
-SEAM = {"begin", "lookup", "reserve", "free", "block_table", "commit", "end_iteration", "stats",
-        "prefix_hold"}
+SEAM = {"begin", "lookup", "reserve", "free", "commit", "end_iteration", "stats", "prefix_hold"}
 
 
 def kv_members_used_outside() -> dict[str, set[str]]:

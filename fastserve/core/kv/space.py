@@ -211,18 +211,22 @@ class KVSpace:
         return Reuse(self, req, False)
 
     def reserve(self, req: Request, num_tokens: int, reuse: Reuse | None = None,
-                start: int | None = None, batch_size: int = 0, now: float = 0.0) -> bool:
-        """Blocks for the job to hold `num_tokens` tokens after this iteration; False when it
+                start: int | None = None, batch_size: int = 0, now: float = 0.0
+                ) -> list[int] | None:
+        """Blocks for the job to hold `num_tokens` tokens after this iteration: its device
+        block table (live: it grows with later reservations this iteration), or None when it
         cannot run now. With `start` (its place in the order, plus one), room is made if it
         must: parked KV goes first, then the jobs at place `start` on give way as the KV
         policy decides (`batch_size`: jobs already in the batch); a job holding no KV starts
         from `reuse` (its forked or cached tokens count as computed), a swapped one is
         uploaded first. Without `start` only free blocks are taken (a draft's growth)."""
         if start is None:
-            return self._kv.allocate(req.request_id, num_tokens) is not None
-        reuse = reuse or self.lookup(req)
-        return self._allocate(req, num_tokens, start, batch_size, now, reuse.prefix,
-                              reuse.num_forked)
+            ok = self._kv.allocate(req.request_id, num_tokens) is not None
+        else:
+            reuse = reuse or self.lookup(req)
+            ok = self._allocate(req, num_tokens, start, batch_size, now, reuse.prefix,
+                                reuse.num_forked)
+        return self._kv.block_table(req.request_id) if ok else None
 
     def free(self, request_id: str, park: Request | None = None) -> None:
         """Release the job's blocks (and any KV parked under its id). `park`: the job
