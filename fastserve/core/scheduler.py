@@ -357,6 +357,11 @@ class Scheduler:
         an `n` / `best_of` request that share it; None with prefix caching off."""
         return self.kv.prefix_hold()
 
+    def drop_kv(self, request_id: str) -> None:
+        """Give back the job's blocks, which hold nothing it keeps (an abandoned first
+        prefill chunk): it starts again from nothing."""
+        self.kv.free(request_id)
+
     def unpark(self, request_ids: Iterable[str]) -> None:
         """Drop the KV kept for these finished requests' forks (beam search's steps)."""
         for rid in request_ids:

@@ -4,7 +4,8 @@ drafting and the pipeline's bookkeeping; it tells the policy what happened (a jo
 finished, recomputed, an iteration run) and asks it for the order each iteration.
 
 A policy reads the scheduler through `PolicyView` (given once, `attach`) and writes nothing
-of it, with one exception: `mlfq-preempt` frees the KV of a prefill it abandoned.
+of it; it may ask one thing done: `drop_kv` (`mlfq-preempt` gives back the blocks of a first
+prefill chunk it abandoned).
 """
 
 from __future__ import annotations
@@ -17,15 +18,12 @@ from typing import ClassVar, Protocol
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv import KVSpace
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
 from fastserve.request import Request
 
 
 class PolicyView(Protocol):
     """What a scheduling policy may read of its scheduler."""
-
-    kv: KVSpace  # NOTE: only `mlfq-preempt` writes (frees an abandoned prefill's KV)
 
     @property
     def requests(self) -> Mapping[str, Request]: ...  # unfinished, in arrival order
@@ -34,6 +32,8 @@ class PolicyView(Protocol):
     def in_flight(self) -> Collection[str]: ...  # jobs of batches still in the pipeline
 
     def cached_prefix_tokens(self, req: Request) -> int: ...  # what it would not compute
+
+    def drop_kv(self, request_id: str) -> None: ...  # give back blocks that hold nothing kept
 
 
 class SchedulingPolicy(ABC):

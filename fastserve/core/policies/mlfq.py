@@ -503,7 +503,7 @@ class MLFQPreemptPolicy(MLFQBase):
         if sched.start_pos == 0:
             # Nothing it computed is kept, so its blocks would hold no KV: give them back.
             # (A later chunk keeps its blocks: they hold the earlier chunks.)
-            self.view.kv.free(sched.request_id)
+            self.view.drop_kv(sched.request_id)
             job.req.status = RequestStatus.WAITING
         self._demote(job, redo_s)
         self.num_abandoned += 1
