@@ -73,7 +73,7 @@ def test_engine_records_one_sample_per_iteration(tiny_model_path: Path) -> None:
 
     engine = LLMEngine(engine_config(model=str(tiny_model_path), warmup=False,
                                      startup_profile=False, record_iterations=1000,
-                                     policy="fcfs", num_threads=1))
+                                     policy="fcfs", num_threads=1, num_device_blocks=256))
     prompts, outputs = [5, 9, 20], [3, 6, 4]
     for p, n in zip(prompts, outputs):
         engine.add_request([7] * p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -99,7 +99,7 @@ def test_engine_keeps_only_the_last_iteration_unless_asked(tiny_model_path: Path
     from fastserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(model=str(tiny_model_path), warmup=False,
-                                     startup_profile=False))
+                                     startup_profile=False, num_device_blocks=256))
     engine.add_request([7] * 5, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished:
         engine.step()
@@ -331,7 +331,8 @@ def test_run_real_reports_the_engines_counters_after_the_run(tiny_model_path: Pa
     from fastserve.request import WorkItem
 
     config = engine_config(model=str(tiny_model_path), warmup=False, startup_profile=False,
-                           record_iterations=1000, policy="fcfs", num_threads=1)
+                           record_iterations=1000, policy="fcfs", num_threads=1,
+                           num_device_blocks=256)
     workload = [WorkItem(0.0, 5, 3), WorkItem(0.0, 9, 6)]
     kv: list[KVStats] = []
     iterations: list[list[Sample]] = []

@@ -25,7 +25,8 @@ SLACK_S = 5.0  # scheduling noise on a loaded 2-core machine
 
 async def _fail_a_worker(sig: signal.Signals, tp: int, pp: int) -> None:
     config = engine_config(dtype=TEST_DTYPE, warmup=False, tensor_parallel_size=tp,
-                           pipeline_parallel_size=pp, worker_timeout_s=TIMEOUT_S, max_batch_size=4)
+                           pipeline_parallel_size=pp, worker_timeout_s=TIMEOUT_S, max_batch_size=4,
+                           num_device_blocks=512)
     llm = AsyncLLM(config)
     executor = llm.engine.runner
     assert isinstance(executor, DistributedExecutor)

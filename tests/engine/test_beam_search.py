@@ -20,7 +20,7 @@ PROMPT = [5, 17, 99, 3, 42, 8, 11, 12, 13, 40, 41, 42, 43, 44, 45, 46, 47, 48, 4
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(dtype="float32", max_batch_size=16, block_size=4, warmup=False,
-               startup_profile=False)
+               startup_profile=False, num_device_blocks=1024)
 
 
 def _oracle(path: Path, prompt: list[int], width: int, steps: int, length_penalty: float,
@@ -93,7 +93,8 @@ def test_each_step_after_the_first_computes_one_token_per_beam(llm: LLM) -> None
     with prefix caching on or off: the same beams, the blocks all freed at the end."""
     params = SamplingParams(use_beam_search=True, n=3, max_tokens=6, ignore_eos=True)
     with LLM(dtype="float32", max_batch_size=16, block_size=4, warmup=False,
-             startup_profile=False, enable_prefix_caching=False) as uncached:
+             startup_profile=False, enable_prefix_caching=False,
+             num_device_blocks=1024) as uncached:
         beams = []
         for engine in (llm.engine, uncached.engine):
             engine.add_request(PROMPT + [7], params)  # 21 tokens: a partial last block

@@ -41,7 +41,8 @@ def want(tiny_model_path: Path, made: dict[str, tuple[Path, Path]]) -> dict[str,
     """Each merged checkpoint's (and the base model's) greedy tokens for PROMPTS[0]."""
     out = {}
     for name, model in (("base", tiny_model_path), *((n, m) for n, (_, m) in made.items())):
-        llm = LLM(model=str(model), dtype=TEST_DTYPE, warmup=False, startup_profile=False)
+        llm = LLM(model=str(model), dtype=TEST_DTYPE, warmup=False, startup_profile=False,
+                  num_device_blocks=256)
         try:
             out[name] = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].token_ids
         finally:
@@ -70,7 +71,7 @@ def test_adapters_come_and_go_while_requests_run(tiny_model_path: Path,
                                                  made: dict[str, tuple[Path, Path]],
                                                  want: dict[str, list[int]]) -> None:
     llm = LLM(model=str(tiny_model_path), dtype=TEST_DTYPE, warmup=False,
-              allow_runtime_lora_updating=True, max_loras=2)
+              allow_runtime_lora_updating=True, max_loras=2, num_device_blocks=256)
     engine = llm.engine
     ref = {name: GreedyReference(m) for name, (_, m) in made.items()}
     try:
@@ -115,7 +116,7 @@ def test_adapters_come_and_go_while_requests_run(tiny_model_path: Path,
 def test_loading_refuses_naming_the_field(tiny_model_path: Path, tmp_path: Path,
                                          made: dict[str, tuple[Path, Path]]) -> None:
     llm = LLM(model=str(tiny_model_path), dtype=TEST_DTYPE, warmup=False, max_loras=1,
-              max_lora_rank=4, lora_modules=[f"attn={made['attn'][0]}"])
+              max_lora_rank=4, lora_modules=[f"attn={made['attn'][0]}"], num_device_blocks=256)
     engine = llm.engine
     try:
         def refused(match: str, param: str | None, name: str, path: Path, replace: bool = False) -> None:
