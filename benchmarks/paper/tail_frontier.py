@@ -54,12 +54,17 @@ FAMILIES = (("oracle+age", ORACLE, "age-weight"), ("oracle+urgent", ORACLE, "urg
 Result = dict[str, float]
 
 
-def members(base: str, knob: str, fcfs_p99: float) -> list[tuple[float, str]]:
+def members(base: str, knob: str, fcfs_p99: float, weights: tuple[float, ...] = WEIGHTS,
+            fractions: tuple[float, ...] = FRACTIONS) -> list[tuple[float, str]]:
     """(knob value as reported, policy spec) of one family in a cell: age weights as they
     are, urgency bounds as fractions of FCFS's p99 there."""
     if knob == "age-weight":
-        return [(w, f"{base}:age-weight={w:g}") for w in WEIGHTS]
-    return [(f, f"{base}:urgent-after-s={f * fcfs_p99:.6g}") for f in FRACTIONS]
+        return [(w, f"{base}:age-weight={w:g}") for w in weights]
+    return [(f, f"{base}:urgent-after-s={f * fcfs_p99:.6g}") for f in fractions]
+
+
+def families(names: list[str]) -> tuple[tuple[str, str, str], ...]:
+    return tuple(f for f in FAMILIES if f[0] in names)
 
 
 def best(fam: list[tuple[float, Result]], fcfs: Result, oracle: Result,
@@ -75,14 +80,23 @@ def best(fam: list[tuple[float, Result]], fcfs: Result, oracle: Result,
     return knob, p99, mean, mean <= MAX_MEAN_VS_ORACLE
 
 
-def summarize(cells: list[Cell], res: dict[Cell, dict[str, Result]],
-              specs: dict[Cell, dict[str, list[tuple[float, str]]]]) -> dict[Cell, dict]:
+Specs = dict[Cell, dict[str, list[tuple[float, str]]]]
+Family = tuple[str, str, str]
+
+
+def known_met(row: dict) -> bool:
+    """Whether an oracle family met both lines in a cell's summary row."""
+    return any(row[n][3] for n in ("oracle+age", "oracle+urgent") if n in row)
+
+
+def summarize(cells: list[Cell], res: dict[Cell, dict[str, Result]], specs: Specs,
+              fams: tuple[Family, ...]) -> dict[Cell, dict]:
     out: dict[Cell, dict] = {}
     for c in cells:
         r = res[c]
         f, o = r[FCFS], r[ORACLE]
         row: dict = {}
-        for name, base, _ in FAMILIES:
+        for name, base, _ in fams:
             fam = [(k, r[s]) for k, s in specs[c][name]]
             row[name] = best(fam, f, o, r[base])
         d = r[DEFAULT]
@@ -94,8 +108,8 @@ def summarize(cells: list[Cell], res: dict[Cell, dict[str, Result]],
 
 
 def markdown(cells: list[Cell], res: dict[Cell, dict[str, Result]],
-             summary: dict[Cell, dict]) -> str:
-    fams = [n for n, _, _ in FAMILIES]
+             summary: dict[Cell, dict], names: list[str]) -> str:
+    fams = names
     head = ("| cell | FCFS p99 s | oracle mean s | oracle p99 / FCFS's | FCFS mean / oracle's | "
             + " | ".join(f"{n}: knob, p99/FCFS, mean/oracle" for n in fams)
             + " | default: p99/FCFS, mean/oracle | both lines with known lengths |")
@@ -109,7 +123,7 @@ def markdown(cells: list[Cell], res: dict[Cell, dict[str, Result]],
             text = f"{knob}, {p99:.3f}, {mean:.2f}" if with_knob else f"{p99:.3f}, {mean:.2f}"
             return f"**{text}**" if met else text
 
-        known = s["oracle+age"][3] or s["oracle+urgent"][3]
+        known = known_met(s)
         lines.append(
             f"| {c.profile} {c.load:g} / {c.cv:g} / {c.theta:g} | {f['jct_p99']:.1f} "
             f"| {o['jct_mean']:.2f} | {o['jct_p99'] / f['jct_p99']:.3f} "
@@ -120,7 +134,7 @@ def markdown(cells: list[Cell], res: dict[Cell, dict[str, Result]],
 
 
 def plot(path: str, cells: list[Cell], res: dict[Cell, dict[str, Result]],
-         specs: dict[Cell, dict[str, list[tuple[float, str]]]]) -> None:
+         specs: Specs) -> None:
     """Per profile: each cell's oracle families as curves of (mean / oracle's, p99 / FCFS's),
     from srpt-oracle to FCFS; the box where both lines are met."""
     import matplotlib
@@ -169,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--thetas", default="0.9,1.5")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--families", default=",".join(f[0] for f in FAMILIES),
+                    help="comma-separated subset of " + ", ".join(f[0] for f in FAMILIES))
+    ap.add_argument("--weights", default=",".join(f"{w:g}" for w in WEIGHTS),
+                    help="the age weights tried")
+    ap.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS),
+                    help="the urgency bounds tried, as fractions of FCFS's p99 in the cell")
     ap.add_argument("--out", help="every run's metrics and the summary, JSON")
     ap.add_argument("--md", help="the per-cell table, markdown")
     ap.add_argument("--plot", help="PNG: the oracle families' curves per cell")
@@ -181,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                  floats(args.thetas))
     start = time.perf_counter()
     res: dict[Cell, dict[str, Result]] = {c: {} for c in cells}
-    specs: dict[Cell, dict[str, list[tuple[float, str]]]] = {}
+    specs: Specs = {}
+    fams = families(args.families.split(","))
+    names = [name for name, _, _ in fams]
+    bases = [ORACLE, DEFAULT] + ([GITTINS] if any(b == GITTINS for _, b, _ in fams) else [])
+    weights, fractions = floats(args.weights), floats(args.fractions)
     n = 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         def run_all(jobs: list[tuple[Cell, str]]) -> None:
@@ -194,33 +218,46 @@ def main(argv: list[str] | None = None) -> int:
         run_all([(c, FCFS) for c in cells])  # the urgency bounds are fractions of its p99
         jobs: list[tuple[Cell, str]] = []
         for c in cells:
-            specs[c] = {name: members(base, knob, res[c][FCFS]["jct_p99"])
-                        for name, base, knob in FAMILIES}
-            jobs += [(c, p) for p in (ORACLE, DEFAULT, GITTINS)]
+            specs[c] = {name: members(base, knob, res[c][FCFS]["jct_p99"], weights, fractions)
+                        for name, base, knob in fams}
+            jobs += [(c, p) for p in bases]
             jobs += [(c, s) for fam in specs[c].values() for _, s in fam]
         print(f"{len(cells)} cells, {1 + len(jobs) // len(cells)} simulations each, "
               f"{args.num_requests} jobs, {args.jobs} processes", flush=True)
         run_all(jobs)
         n = len(cells) + len(jobs)
     print(f"{n} simulations in {time.perf_counter() - start:.0f} s\n")
-    summary = summarize(cells, res, specs)
-    fams = [name for name, _, _ in FAMILIES]
+    summary = summarize(cells, res, specs, fams)
     for c in cells:
         r, s = res[c], summary[c]
         parts = [f"{c.name:36s} fcfs p99 {r[FCFS]['jct_p99']:6.1f}s oracle mean "
                  f"{r[ORACLE]['jct_mean']:6.2f}s p99/fcfs {r[ORACLE]['jct_p99'] / r[FCFS]['jct_p99']:.3f} |"]
-        for name in [*fams, "default"]:
+        for name in [*names, "default"]:
             knob, p99, mean, met = s[name]
             parts.append(f"{name} {knob} {p99:.3f} {mean:.2f}{' MET' if met else ''} |")
         print(" ".join(parts))
     print()
-    known = [c for c in cells if summary[c]["oracle+age"][3] or summary[c]["oracle+urgent"][3]]
-    print(f"both lines met with known lengths (either oracle family): {len(known)}/{len(cells)}")
-    for name in [*fams, "default"]:
+    known = [c for c in cells if known_met(summary[c])]
+    print(f"both lines met with known lengths (an oracle family): {len(known)}/{len(cells)}")
+    for name in [*names, "default"]:
         met = sum(summary[c][name][3] for c in cells)
-        print(f"  {name}: {met}/{len(cells)}")
-    gitt = [c for c in cells if summary[c]["gittins+age"][3] or summary[c]["gittins+urgent"][3]]
-    print(f"both lines met without known lengths (either gittins family): {len(gitt)}/{len(cells)}")
+        what = "the default itself" if name == "default" else "its best knob in each cell"
+        print(f"  {name}, {what}: {met}/{len(cells)}")
+    print("one knob value for every cell (p99 line, mean line, both):")
+    for name in names:
+        for k in range(len(specs[cells[0]][name])):
+            value = specs[cells[0]][name][k][0]
+            rs = [(res[c][specs[c][name][k][1]], res[c]) for c in cells]
+            p99 = [m["jct_p99"] <= MAX_P99_VS_FCFS * r[FCFS]["jct_p99"] for m, r in rs]
+            mean = [m["jct_mean"] <= MAX_MEAN_VS_ORACLE * r[ORACLE]["jct_mean"] for m, r in rs]
+            print(f"  {name} {value:g}: {sum(p99)}, {sum(mean)}, "
+                  f"{sum(a and b for a, b in zip(p99, mean, strict=True))} of {len(cells)}")
+    for p in bases:
+        p99 = [res[c][p]["jct_p99"] <= MAX_P99_VS_FCFS * res[c][FCFS]["jct_p99"] for c in cells]
+        mean = [res[c][p]["jct_mean"] <= MAX_MEAN_VS_ORACLE * res[c][ORACLE]["jct_mean"]
+                for c in cells]
+        print(f"  {p}: {sum(p99)}, {sum(mean)}, "
+              f"{sum(a and b for a, b in zip(p99, mean, strict=True))} of {len(cells)}")
     for c in cells:
         if c not in known:
             print(f"  not met with known lengths: {c.name}")
@@ -230,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
               "results": res[c], "specs": specs[c],
               "best": {k: list(v) for k, v in summary[c].items()}} for c in cells], indent=1))
     if args.md:
-        Path(args.md).write_text(markdown(cells, res, summary))
+        Path(args.md).write_text(markdown(cells, res, summary, names))
     if args.plot:
         plot(args.plot, cells, res, specs)
     return 0
