@@ -173,6 +173,48 @@ def plot(path: str, cells: list[Cell], res: dict[Cell, dict[str, Result]],
     plt.close(fig)
 
 
+def plot_best(path: str, cells: list[Cell], res: dict[Cell, dict[str, Result]],
+              summary: dict[Cell, dict], names: list[str]) -> None:
+    """Per profile, cell by cell: each family's lowest mean over the oracle's among the knob
+    values that keep p99 <= FCFS's (FCFS itself included), FCFS's own, and the default's
+    (filled where its p99 meets the line too)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({c.profile for c in cells})
+    fig, axes = plt.subplots(len(profiles), 1, figsize=(14, 4 * len(profiles)), squeeze=False)
+    for j, prof in enumerate(profiles):
+        ax = axes[j][0]
+        mine = [c for c in cells if c.profile == prof]
+        xs = range(len(mine))
+        ax.plot(xs, [res[c][FCFS]["jct_mean"] / res[c][ORACLE]["jct_mean"] for c in mine],
+                "_", color="grey", ms=12, label="FCFS")
+        for k, name in enumerate(names):
+            ax.plot(xs, [summary[c][name][2] for c in mine], "o", mfc="none", color=f"C{k}",
+                    label=f"{name}: best with p99 <= FCFS's")
+        ok = [summary[c]["default"][1] <= MAX_P99_VS_FCFS for c in mine]
+        ax.plot([x for x, o in zip(xs, ok, strict=True) if o],
+                [summary[c]["default"][2] for c, o in zip(mine, ok, strict=True) if o],
+                "x", color="k", label="default, p99 <= FCFS's")
+        ax.plot([x for x, o in zip(xs, ok, strict=True) if not o],
+                [summary[c]["default"][2] for c, o in zip(mine, ok, strict=True) if not o],
+                "x", color="r", label="default, p99 > FCFS's")
+        ax.axhline(MAX_MEAN_VS_ORACLE, color="k", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel("mean JCT / srpt-oracle's")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{c.load:g}/{c.cv:g}/{c.theta:g}" for c in mine], rotation=90,
+                           fontsize=7)
+        ax.set_title(f"{prof}: the mean the p99 line costs with known lengths "
+                     "(cells load/CV/theta; line: 1.25)")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,22 +233,44 @@ def main(argv: list[str] | None = None) -> int:
                     help="the urgency bounds tried, as fractions of FCFS's p99 in the cell")
     ap.add_argument("--out", help="every run's metrics and the summary, JSON")
     ap.add_argument("--md", help="the per-cell table, markdown")
-    ap.add_argument("--plot", help="PNG: the oracle families' curves per cell")
+    ap.add_argument("--plot", help="PNG: per cell, the lowest mean over the oracle's that keeps "
+                                   "p99 <= FCFS's, per family, and the default's")
+    ap.add_argument("--plot-curves", help="PNG: the oracle families' curves per cell")
+    ap.add_argument("--from-json", help="read the runs from this --out file instead of "
+                                        "simulating (tables, counts and plots again)")
     args = ap.parse_args(argv)
 
     def floats(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(","))
 
-    cells = grid(args.profiles.split(","), floats(args.loads), floats(args.cvs),
-                 floats(args.thetas))
+    fams = families(args.families.split(","))
+    if args.from_json:
+        cells, res, specs = load(args.from_json)
+        fams = families(list(specs[cells[0]]))
+    else:
+        cells = grid(args.profiles.split(","), floats(args.loads), floats(args.cvs),
+                     floats(args.thetas))
+        res, specs = simulate(args, cells, fams, floats(args.weights), floats(args.fractions))
+    report(args, cells, res, specs, fams)
+    return 0
+
+
+def load(path: str) -> tuple[list[Cell], dict[Cell, dict[str, Result]], Specs]:
+    rows = json.loads(Path(path).read_text())
+    cells = [Cell(r["profile"], r["load"], r["cv"], r["theta"]) for r in rows]
+    res = {c: r["results"] for c, r in zip(cells, rows, strict=True)}
+    specs = {c: {name: [(k, spec) for k, spec in fam] for name, fam in r["specs"].items()}
+             for c, r in zip(cells, rows, strict=True)}
+    return cells, res, specs
+
+
+def simulate(args: argparse.Namespace, cells: list[Cell], fams: tuple[Family, ...],
+             weights: tuple[float, ...], fractions: tuple[float, ...]
+             ) -> tuple[dict[Cell, dict[str, Result]], Specs]:
     start = time.perf_counter()
     res: dict[Cell, dict[str, Result]] = {c: {} for c in cells}
     specs: Specs = {}
-    fams = families(args.families.split(","))
-    names = [name for name, _, _ in fams]
     bases = [ORACLE, DEFAULT] + ([GITTINS] if any(b == GITTINS for _, b, _ in fams) else [])
-    weights, fractions = floats(args.weights), floats(args.fractions)
-    n = 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         def run_all(jobs: list[tuple[Cell, str]]) -> None:
             futures: list[Future] = [pool.submit(run_one, c, p, args.num_requests, args.seed)
@@ -225,8 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(cells)} cells, {1 + len(jobs) // len(cells)} simulations each, "
               f"{args.num_requests} jobs, {args.jobs} processes", flush=True)
         run_all(jobs)
-        n = len(cells) + len(jobs)
-    print(f"{n} simulations in {time.perf_counter() - start:.0f} s\n")
+    print(f"{len(cells) + len(jobs)} simulations in {time.perf_counter() - start:.0f} s\n")
+    return res, specs
+
+
+def report(args: argparse.Namespace, cells: list[Cell], res: dict[Cell, dict[str, Result]],
+           specs: Specs, fams: tuple[Family, ...]) -> None:
+    names = [name for name, _, _ in fams]
+    bases = [ORACLE, DEFAULT] + ([GITTINS] if any(b == GITTINS for _, b, _ in fams) else [])
     summary = summarize(cells, res, specs, fams)
     for c in cells:
         r, s = res[c], summary[c]
@@ -269,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.md:
         Path(args.md).write_text(markdown(cells, res, summary, names))
     if args.plot:
-        plot(args.plot, cells, res, specs)
-    return 0
+        plot_best(args.plot, cells, res, summary, names)
+    if args.plot_curves:
+        plot(args.plot_curves, cells, res, specs)
 
 
 if __name__ == "__main__":
