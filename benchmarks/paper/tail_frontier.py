@@ -46,8 +46,8 @@ from tail_grid import (
 )
 
 GITTINS = "gittins"
-WEIGHTS = (0.03, 0.1, 0.3, 1.0, 3.0)
-FRACTIONS = (0.5, 0.7, 0.85, 0.95, 1.0)
+WEIGHTS = (0.3, 1.0, 3.0, 10.0)
+FRACTIONS = (0.3, 0.5, 0.6, 0.7, 0.85, 1.0)
 # (family name, base policy, knob): each family's members are the base with one knob value.
 FAMILIES = (("oracle+age", ORACLE, "age-weight"), ("oracle+urgent", ORACLE, "urgent-after-s"),
             ("gittins+age", GITTINS, "age-weight"), ("gittins+urgent", GITTINS, "urgent-after-s"))
