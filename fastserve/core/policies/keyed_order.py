@@ -80,7 +80,8 @@ class KeyedOrderPolicy(SchedulingPolicy):
       job runs. w = 0 is the plain rank; a w large against the ranks' spread is arrival order.
     - `urgent_after_s` D: a job whose age plus `remaining_s` (what it still needs alone; 0 for
       a policy that does not know) reaches D runs ahead of every other job, urgent jobs in
-      arrival order. D = 0 is off; a tiny D is arrival order.
+      arrival order. D = 0 is off; a tiny D is arrival order. NOTE: when on, `order` walks
+      every unfinished job each iteration (measurement, not a serving default).
     """
 
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
