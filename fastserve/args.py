@@ -146,6 +146,11 @@ _HELP = {
     "mlfq_max_wait_steps": "robust MLFQ: a job that has waited this long in all (its age "
                            "less its time in iterations, in full-batch decode iterations) runs "
                            "with the oldest jobs, ahead of every queue (None = 0 = never)",
+    "age_weight": "srpt-oracle, gittins: seconds of rank a job gains per second of age (0 = "
+                  "the plain rank; large = arrival order)",
+    "urgent_after_s": "srpt-oracle, gittins: a job whose age plus its remaining time alone "
+                      "(its age alone for gittins) reaches this many seconds runs in arrival "
+                      "order ahead of the rest (0 = off)",
     "mlfq_variant": "MLFQ rules: robust (own-share charging, 4-6 queues, arrival order within "
                     "a queue) or paper (FastServe as published)",
     "tensor_parallel_size": "processes the model's layers are split across (tensor "

@@ -211,6 +211,14 @@ class SchedulerConfig:
     # every level, in as many slots as such jobs need. None = the variant's default; 0 = off.
     mlfq_max_wait_steps: float | None = None
     mlfq_variant: str = "robust"
+    # srpt-oracle and gittins: a job's key (lower runs first) is its rank plus this many
+    # seconds per second of its arrival time, so a job gains `age_weight` seconds of rank per
+    # second it has been in the system. 0 = the plain rank; large = arrival order (FCFS).
+    age_weight: float = 0.0
+    # srpt-oracle and gittins: a job whose age plus its remaining time alone (srpt-oracle;
+    # its age alone for gittins, which does not know it) reaches this many seconds runs in
+    # arrival order ahead of every other job. 0 = off.
+    urgent_after_s: float = 0.0
     # Schedule the next iteration while this one runs on the device (one pipeline stage, a
     # policy that can schedule ahead; not mlfq-preempt): the host's work overlaps the GPU's.
     # None = on where it was measured to pay: one process on a CUDA device.
@@ -256,6 +264,9 @@ class SchedulerConfig:
             self.mlfq_max_wait_steps is None or self.mlfq_max_wait_steps >= 0,
             f"mlfq_max_wait_steps must be >= 0 (0 = off), got {self.mlfq_max_wait_steps}",
         )
+        _check(self.age_weight >= 0, f"age_weight must be >= 0, got {self.age_weight}")
+        _check(self.urgent_after_s >= 0,
+               f"urgent_after_s must be >= 0 (0 = off), got {self.urgent_after_s}")
         _check(
             self.mlfq_variant in MLFQ_VARIANTS,
             f"mlfq_variant must be one of {MLFQ_VARIANTS}, got {self.mlfq_variant!r}",

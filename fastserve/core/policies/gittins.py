@@ -168,10 +168,11 @@ class GittinsPolicy(KeyedOrderPolicy):
             self._rekey(req)
 
     def _priority(self, req: Request) -> float:
-        """-1 for a promoted job; its Gittins rank otherwise (0 for all until the first fit).
-        A started job's rank is a table lookup, and an unchanged key is not moved."""
+        """-inf for a promoted job (ahead of every aged key too); its Gittins rank otherwise
+        (0 for all until the first fit). A started job's rank is a table lookup, and an
+        unchanged key is not moved."""
         if req.request_id in self._promoted:
-            return -1.0
+            return -math.inf
         if self.model is None:
             return 0.0
         if req.num_computed_tokens == 0:  # its next iteration prefills (new, or recomputed)

@@ -70,13 +70,27 @@ class KeyedOrder(Generic[T]):
 class KeyedOrderPolicy(SchedulingPolicy):
     """A policy whose order is one number per job (lowest first, ties in arrival order) that
     changes only when the job runs or loses its KV: the batched jobs are re-keyed after each
-    iteration, a recomputed job at once (`srpt-oracle`, `gittins`)."""
+    iteration, a recomputed job at once (`srpt-oracle`, `gittins`).
+
+    Two optional bounds on how long a job may be passed, both off by default, move the order
+    towards arrival order (FCFS):
+
+    - `age_weight` w: the key is the rank plus w x the job's arrival time. Every job ages at
+      the same rate, so this orders as rank - w x age would, and keys still change only when a
+      job runs. w = 0 is the plain rank; a w large against the ranks' spread is arrival order.
+    - `urgent_after_s` D: a job whose age plus `remaining_s` (what it still needs alone; 0 for
+      a policy that does not know) reaches D runs ahead of every other job, urgent jobs in
+      arrival order. D = 0 is off; a tiny D is arrival order. NOTE: when on, `order` walks
+      every unfinished job each iteration (measurement, not a serving default).
+    """
 
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
         super().__init__(config, cost)
         self._queue: KeyedOrder[Request] = KeyedOrder()
         self._seq: dict[str, int] = {}  # arrival number, the tie-break
         self._num_added = 0
+        self.age_weight = config.age_weight
+        self.urgent_after_s = config.urgent_after_s
 
     def on_update(self, touched: list[Request]) -> None:
         for req in touched:
@@ -96,11 +110,28 @@ class KeyedOrderPolicy(SchedulingPolicy):
         self._seq.pop(req.request_id, None)
 
     def order(self, now: float) -> list[Request]:
-        return self._queue.items()
+        ordered = self._queue.items()
+        if self.urgent_after_s <= 0:
+            return ordered
+        due = now - self.urgent_after_s  # urgent: age + remaining >= D
+        urgent = [req for req in self.requests.values()  # in arrival order
+                  if req.arrival_s - self.remaining_s(req) <= due]
+        if not urgent:
+            return ordered
+        ids = {req.request_id for req in urgent}
+        return urgent + [req for req in ordered if req.request_id not in ids]
+
+    def remaining_s(self, req: Request) -> float:
+        """What the job still needs, run alone, as far as the policy knows (for
+        `urgent_after_s`); 0 here: only its age counts."""
+        return 0.0
 
     def _rekey(self, req: Request) -> None:
         rid = req.request_id
-        self._queue.put(rid, (self._priority(req), self._seq[rid]), req)
+        key = self._priority(req)
+        if self.age_weight > 0:
+            key += self.age_weight * req.arrival_s  # (on the clock `order`'s `now` reads)
+        self._queue.put(rid, (key, self._seq[rid]), req)
 
     @abstractmethod
     def _priority(self, req: Request) -> float:

@@ -26,6 +26,9 @@ class SRPTOraclePolicy(KeyedOrderPolicy):
                 f"a positive int) for request {req.request_id!r}, got {n!r}"
             )
 
+    def remaining_s(self, req: Request) -> float:
+        return self._priority(req)
+
     def _priority(self, req: Request) -> float:
         """The job's predicted remaining time."""
         assert req.oracle_output_len is not None  # checked in `check`
