@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from fastserve.args import engine_config
-from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
+from fastserve.bench.metrics import JobTimes, KVTotals, compute_metrics
 from fastserve.bench.runner import random_prompts
 from fastserve.bench.workloads import WorkItem, scale_to_load, zipf_workload
 from fastserve.config import EngineConfig
@@ -242,7 +242,7 @@ def real_workload(quick: bool, rate: float = REAL_RATE, n: int | None = None) ->
 
 
 def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0) -> tuple[
-        list[JobTimes], KVStats, float, float]:
+        list[JobTimes], KVTotals, float, float]:
     """The real `LLMEngine` on the wall clock, each job added at its arrival time (one thread,
     no HTTP or asyncio front end). Returns the jobs, the KV counters, the run's length and its
     iterations' measured time over what the engine's cost model predicts for them (how much
@@ -279,7 +279,7 @@ def run_engine(workload: Sequence[WorkItem], config: EngineConfig, seed: int = 0
     predicted = sum(cost.iteration_s(x.num_prefill_tokens, x.num_decodes, x.num_context_tokens,
                                      x.sum_prefill_sq) for x in samples)
     slowdown = sum(x.duration_s for x in samples) / predicted if predicted > 0 else math.nan
-    return jobs, KVStats.from_stats(stats.scheduler, stats.swap_wait_s), run_s, slowdown
+    return jobs, KVTotals.from_stats(stats.scheduler, stats.swap_wait_s), run_s, slowdown
 
 
 def part3(variant: str, quick: bool, fixed_blocks: int | None = None, reps: int = 1,

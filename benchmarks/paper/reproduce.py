@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastserve.args import engine_config
-from fastserve.bench.metrics import KVStats, compute_metrics
+from fastserve.bench.metrics import KVTotals, compute_metrics
 from fastserve.bench.runner import WorkloadSpec, policy_config, run_sim, with_options
 from fastserve.core.cost_model import CostModel
 from fastserve.sim.simulator import ample_blocks
@@ -89,14 +89,14 @@ def run_point(p: Point, num_requests: int, seed: int) -> tuple[Point, dict[str, 
     base = engine_config(max_batch_size=BATCH)
     blocks = None
     if p.kv_share is not None:
-        kv: list[KVStats] = []
+        kv: list[KVTotals] = []
         run_sim(workload, policy_config(base, "fcfs"), cost, None, kv_out=kv)
         # ... but never below the largest job, which must fit alone.
         largest = max(ample_blocks([w], base.cache.block_size) for w in workload)
         blocks = max(largest, int(p.kv_share * kv[0].peak_kv_blocks))
         base = with_options(base, kv_policy=p.kv_policy,
                             num_host_blocks=ample_blocks(workload, base.cache.block_size))
-    kv_out: list[KVStats] = []
+    kv_out: list[KVTotals] = []
     jobs = run_sim(workload, policy_config(base, p.policy), cost, blocks, kv_out=kv_out)
     return p, compute_metrics(jobs, len(workload), kv=kv_out[0])
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastserve.args import engine_config
-from fastserve.bench.metrics import KVStats, compute_metrics
+from fastserve.bench.metrics import KVTotals, compute_metrics
 from fastserve.bench.runner import WorkloadSpec, policy_config, run_sim, with_options
 from fastserve.core.cost_model import CostModel
 from fastserve.sim.profiles import A100_13B
@@ -93,12 +93,12 @@ def run_one(cell: Cell, policy: str, num_requests: int, seed: int,
     base = engine_config(max_batch_size=BATCH)
     blocks = None
     if kv_share is not None:
-        peak: list[KVStats] = []
+        peak: list[KVTotals] = []
         run_sim(workload, policy_config(base, FCFS), cost, None, kv_out=peak)
         largest = max(ample_blocks([w], base.cache.block_size) for w in workload)
         blocks = max(largest, int(kv_share * peak[0].peak_kv_blocks))
         base = with_options(base, num_host_blocks=ample_blocks(workload, base.cache.block_size))
-    kv: list[KVStats] = []
+    kv: list[KVTotals] = []
     jobs = run_sim(workload, policy_config(base, policy), cost, blocks, kv_out=kv)
     return cell, policy, compute_metrics(jobs, len(workload), kv=kv[0])
 

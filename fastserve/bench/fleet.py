@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
+from fastserve.bench.metrics import JobTimes, KVTotals, compute_metrics
 from fastserve.bench.runner import policy_config
 from fastserve.bench.workloads import scale_to_load
 from fastserve.config import EngineConfig
@@ -59,7 +59,7 @@ def run_fleet(
             if recorder is not None:
                 recorder.write(trace_path)  # type: ignore[arg-type]
             jobs = [JobTimes.from_request(r) for r in run.finished]
-            kv = KVStats(prefix_query_tokens=run.prefix_query_tokens,
+            kv = KVTotals(prefix_query_tokens=run.prefix_query_tokens,
                          prefix_hit_tokens=run.prefix_hit_tokens)
             metrics = compute_metrics(jobs, num_requests=len(workload), kv=kv)
             metrics["prefix_hit_rate"] = (run.prefix_hit_tokens / run.prefix_query_tokens

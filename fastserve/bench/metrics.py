@@ -26,7 +26,7 @@ METRIC_KEYS = (
     "output_tok_per_s",
     "makespan_s",
     "preemptions",
-    # KV cache (`KVStats`): blocks copied out / in, time iterations waited on those copies,
+    # KV cache (`KVTotals`): blocks copied out / in, time iterations waited on those copies,
     # most device blocks in use at once.
     "swap_out_blocks",
     "swap_in_blocks",
@@ -36,8 +36,9 @@ METRIC_KEYS = (
 
 
 @dataclass(frozen=True, slots=True)
-class KVStats:
-    """The engine's KV counters over a run (the same for the simulator and the engine)."""
+class KVTotals:
+    """A run's KV totals for its report, projected from the typed `SchedulerStats` at the
+    run's end (the same for the simulator and the engine)."""
 
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
@@ -48,7 +49,7 @@ class KVStats:
     prefix_hit_tokens: int = 0
 
     @classmethod
-    def from_stats(cls, stats: SchedulerStats, swap_wait_s: float) -> KVStats:
+    def from_stats(cls, stats: SchedulerStats, swap_wait_s: float) -> KVTotals:
         """A run's counters from its scheduler's stats (`EngineStats.scheduler`,
         `SimRun.scheduler`) and the time its iterations waited on copies."""
         return cls(
@@ -103,7 +104,7 @@ class JobTimes:
 
 
 def compute_metrics(
-    jobs: Sequence[JobTimes], num_requests: int | None = None, kv: KVStats | None = None
+    jobs: Sequence[JobTimes], num_requests: int | None = None, kv: KVTotals | None = None
 ) -> dict[str, float]:
     """Metrics in seconds over the jobs that finished normally.
 
@@ -111,7 +112,7 @@ def compute_metrics(
     first arrival to the last finish; NaN stands for a statistic with no data. `kv`: the run's
     KV counters (zeros when not given).
     """
-    kv = kv or KVStats()
+    kv = kv or KVTotals()
     done = [j for j in jobs if j.is_ok and j.finish_s is not None]
     finish = np.array([j.finish_s for j in done], dtype=np.float64)
     jct = finish - np.array([j.arrival_s for j in done], dtype=np.float64)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from fastserve.args import engine_config
-from fastserve.bench.metrics import JobTimes, KVStats, compute_metrics
+from fastserve.bench.metrics import JobTimes, KVTotals, compute_metrics
 from fastserve.bench.workloads import (
     client_max_tokens,
     mooncake_workload,
@@ -161,9 +161,9 @@ def run_policies(
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     configs = {spec: policy_config(config, spec) for spec in policies}  # fail before running
     results: dict[str, dict[str, float]] = {}
-    kv_out: list[KVStats] = []
+    kv_out: list[KVTotals] = []
     for spec, cfg in configs.items():
-        kv = KVStats()
+        kv = KVTotals()
         if executor == "sim":
             jobs = run_sim(workload, cfg, cost or CostModel(), num_device_blocks, progress, kv_out)
         else:
@@ -180,14 +180,14 @@ def run_sim(
     cost: CostModel,
     num_device_blocks: int | None = None,
     progress: bool = False,
-    kv_out: list[KVStats] | None = None,
+    kv_out: list[KVTotals] | None = None,
 ) -> list[JobTimes]:
     """The simulator; `num_device_blocks=None` gives an ample pool (memory never binds).
     The run's KV counters are appended to `kv_out` when given."""
     blocks = num_device_blocks or ample_blocks(workload, config.cache.block_size)
     run = simulate_run(workload, config, cost, blocks, progress)
     if kv_out is not None:
-        kv_out.append(KVStats.from_stats(run.scheduler, run.swap_wait_s))
+        kv_out.append(KVTotals.from_stats(run.scheduler, run.swap_wait_s))
     return [JobTimes.from_request(r, cost) for r in run.finished]
 
 
@@ -196,7 +196,7 @@ async def run_real(
     config: EngineConfig,
     seed: int = 0,
     progress: bool = False,
-    kv_out: list[KVStats] | None = None,
+    kv_out: list[KVTotals] | None = None,
     iterations_out: list[list[Sample]] | None = None,
     scale_out: list[float] | None = None,
 ) -> list[JobTimes]:
@@ -234,7 +234,7 @@ async def run_real(
         engine = llm.engine
         if kv_out is not None:
             stats = engine.stats()
-            kv_out.append(KVStats.from_stats(stats.scheduler, stats.swap_wait_s))
+            kv_out.append(KVTotals.from_stats(stats.scheduler, stats.swap_wait_s))
         if iterations_out is not None and engine.recorder is not None:
             iterations_out.append(engine.recorder.samples())
         if scale_out is not None:

@@ -326,7 +326,7 @@ def test_run_real_reports_the_engines_counters_after_the_run(tiny_model_path: Pa
     import asyncio
 
     from fastserve.args import engine_config
-    from fastserve.bench.metrics import KVStats
+    from fastserve.bench.metrics import KVTotals
     from fastserve.bench.runner import run_real
     from fastserve.request import WorkItem
 
@@ -334,7 +334,7 @@ def test_run_real_reports_the_engines_counters_after_the_run(tiny_model_path: Pa
                            record_iterations=1000, policy="fcfs", num_threads=1,
                            num_device_blocks=256)
     workload = [WorkItem(0.0, 5, 3), WorkItem(0.0, 9, 6)]
-    kv: list[KVStats] = []
+    kv: list[KVTotals] = []
     iterations: list[list[Sample]] = []
     scale: list[float] = []
     jobs = asyncio.run(run_real(workload, config, kv_out=kv, iterations_out=iterations,
