@@ -128,4 +128,5 @@ def test_prefixes_evicted_to_the_host_tier_come_back_with_the_same_tokens(
     stats = engine.stats()
     assert stats.scheduler.kv.num_host_hit_tokens > 0
     assert stats.scheduler.kv.num_cached_host_blocks > 0
-    assert engine.kv._kv.num_free_blocks == engine.kv._kv.num_total_blocks
+    kv = engine.scheduler.stats().kv
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -94,7 +94,7 @@ class Scheduler:
         self.policy.check(req)  # NOTE: before anything is filed, so a bad one leaves no trace
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        check_fits(req, self.kv)
+        self.check_fits(req)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self._num_prioritized += req.priority != 0
@@ -356,6 +356,11 @@ class Scheduler:
         """A handle that holds a prompt's cached blocks until released, for the sequences of
         an `n` / `best_of` request that share it; None with prefix caching off."""
         return self.kv.prefix_hold()
+
+    def check_fits(self, req: Request) -> None:
+        """Raises `InvalidRequestError` (naming `max_tokens`) for a request larger than the
+        whole device pool: it could never run. Changes nothing."""
+        check_fits(req, self.kv)
 
     def drop_kv(self, request_id: str) -> None:
         """Give back the job's blocks, which hold nothing it keeps (an abandoned first

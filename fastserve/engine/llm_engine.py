@@ -13,8 +13,6 @@ import logging
 from fastserve.clock import Clock, WallClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
-from fastserve.core.kv import KVSpace
-from fastserve.core.scheduler import check_fits
 from fastserve.engine.beam_search import BeamSearches
 from fastserve.engine.builder import EngineParts, build_parts, with_engine_overhead
 from fastserve.engine.core import build_engine_core
@@ -88,11 +86,6 @@ class LLMEngine:
         """The start-up profile (or `--profile`): what calibration scales."""
         return self.cost_check.cost
 
-    @property
-    def kv(self) -> KVSpace:
-        """The scheduler's KV cache, for tests; the engine reads it through the scheduler."""
-        return self.scheduler.kv
-
     def _recalibrate(self, cost: CostModel) -> None:
         """Decide with `cost` (the start-up profile, rescaled) from the next iteration on."""
         self.cost = cost
@@ -123,7 +116,7 @@ class LLMEngine:
                 sid in self.scheduler.requests or self.groups.is_reserved(sid) for sid in seq_ids):
             raise ValueError(f"request id {rid!r} is already in use")
         if params.use_beam_search:  # its steps are requests of their own (`BeamSearches`)
-            check_fits(req, self.scheduler.kv)  # (its last step's: the prompt and max_tokens)
+            self.scheduler.check_fits(req)  # (its last step's: the prompt and max_tokens)
             self.beams.add(req, text, self.eos_token_ids)
             return req
         if params.num_sequences == 1:

@@ -24,7 +24,6 @@ from fastserve.clock import VirtualClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv import host_pool_blocks
-from fastserve.core.scheduler import check_fits
 from fastserve.engine.core import EngineCore, build_engine_core
 from fastserve.fleet.router import Router, RouteRequest
 from fastserve.request import Request, WorkItem
@@ -114,7 +113,7 @@ def simulate_fleet(
     replicas = {rid: SimReplica(rid, config, cost, num_device_blocks, start_s)
                 for rid in replica_ids(num_replicas)}
     for r in pending:  # refused up front, as `add_request` would refuse it later
-        check_fits(r, next(iter(replicas.values())).core.scheduler.kv)
+        next(iter(replicas.values())).core.scheduler.check_fits(r)
     block_size = config.cache.block_size
     placements: dict[str, str] = {}
     num_stats = 0

@@ -17,7 +17,6 @@ from fastserve.clock import VirtualClock
 from fastserve.config import EngineConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.kv import host_pool_blocks, num_blocks_for
-from fastserve.core.scheduler import check_fits
 from fastserve.core.stats import SchedulerStats
 from fastserve.engine.core import build_engine_core
 from fastserve.prompts import prompt_tokens
@@ -172,10 +171,10 @@ def simulate_run(
     core = build_engine_core(config, executor, cost, clock, num_device_blocks,
                              host_pool_blocks(config.cache, cost.kv_block_bytes),
                              eos_token_ids=(EOS_TOKEN_ID,))
-    scheduler, kv = core.scheduler, core.scheduler.kv
+    scheduler = core.scheduler
     pending = sorted(make_requests(workload), key=lambda r: r.arrival_s)
     for r in pending:  # refused up front, as `Scheduler.add_request` would refuse it later
-        check_fits(r, kv)
+        scheduler.check_fits(r)
     finished: list[Request] = []
     bar = tqdm(total=len(pending), desc=config.scheduler.policy, unit="req", disable=not progress,
                leave=False)

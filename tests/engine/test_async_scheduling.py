@@ -277,7 +277,8 @@ def test_a_failing_batch_fails_its_jobs_and_the_engine_goes_on(where: str) -> No
     assert all(t >= 0 for o in outs for t in o.token_ids)
     scheduler = engine.scheduler
     assert not scheduler.flight.ahead and not scheduler.in_flight
-    assert engine.kv._kv.num_free_blocks == engine.kv._kv.num_total_blocks
+    kv = engine.scheduler.stats().kv
+    assert kv.num_free_blocks == kv.num_total_blocks
     (after,) = _run(engine, prompts[:1], [_greedy(5)])
     assert after.finish_reason == "length" and len(after.token_ids) == 5
 
