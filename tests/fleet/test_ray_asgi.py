@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import pytest
@@ -65,7 +65,8 @@ def _app(events: list[str]) -> FastAPI:
 
 
 class FixedReplicas:
-    """A table of fixed replicas, tried in order (the ingress's `Replicas`)."""
+    """A table of fixed replicas, tried in order, those marked down left out (the ingress's
+    `Replicas`, as `router.ReplicaTable` keeps them)."""
 
     def __init__(self, urls: list[str]) -> None:
         self.targets = [Target(f"r{i}", url) for i, url in enumerate(urls)]
@@ -73,7 +74,8 @@ class FixedReplicas:
 
     def choose(self, route: RouteRequest | None,
                exclude: frozenset[str] = frozenset()) -> Target | None:
-        return next((t for t in self.targets if t.replica_id not in exclude), None)
+        return next((t for t in self.targets
+                     if t.replica_id not in exclude and t.replica_id not in self.down), None)
 
     def mark_down(self, replica_id: str) -> None:
         self.down.append(replica_id)
@@ -98,23 +100,37 @@ def _ingress(urls: list[str], attempts: int = 3) -> FleetIngress:
                         max_attempts=attempts)
 
 
-def _serve(app: FleetIngress) -> tuple[str, object]:
-    """`app` on a uvicorn of its own thread, as the fleet serves it; (url, its server)."""
+def _serve(app: FleetIngress) -> tuple[str, Callable[[], None]]:
+    """`app` on a uvicorn of its own thread, as the fleet serves it; (url, stop it)."""
     import threading
 
     import uvicorn
 
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True).start()
+
+    async def serve() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            await app.client.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
     while not server.started:
         time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
 
 
 def test_a_request_and_a_stream_come_through_whole(replica: tuple[ReplicaHTTP, list[str]]) -> None:
     http, _ = replica
-    url, server = _serve(_ingress([_closed_port_url(), http.url]))
+    ingress = _ingress([_closed_port_url(), http.url])
+    url, stop = _serve(ingress)
     try:
         echoed = httpx.post(url + "/echo?x=2", json={"a": 1}, timeout=30)
         assert echoed.status_code == 201 and echoed.headers["x-seen"] == "yes"
@@ -128,28 +144,31 @@ def test_a_request_and_a_stream_come_through_whole(replica: tuple[ReplicaHTTP, l
                 chunks.append(chunk)
         whole_s = time.perf_counter() - t0
     finally:
-        server.should_exit = True  # type: ignore[attr-defined]
+        stop()
     whole = b"".join(f"data: {i}\n\n".encode() for i in range(40)) + b"data: [DONE]\n\n"
     assert b"".join(chunks) == whole  # nothing lost, nothing reordered
     assert len(chunks) <= 10  # ~200 ms of tokens in 50 ms batches, not one write per token
     assert first_s < 0.5 and whole_s < 1.0  # the first token and the end are not held
+    # The replica that was not listening was tried once, then left out.
+    assert isinstance(ingress.replicas, FixedReplicas) and ingress.replicas.down == ["r0"]
 
 
 def test_no_replica_is_a_503_after_the_attempts() -> None:
-    url, server = _serve(_ingress([_closed_port_url(), _closed_port_url()], attempts=3))
+    url, stop = _serve(_ingress([_closed_port_url(), _closed_port_url()], attempts=3))
     try:
         resp = httpx.post(url + "/echo", json={}, timeout=30)
         metrics = httpx.get(url + "/metrics", timeout=30).text
     finally:
-        server.should_exit = True  # type: ignore[attr-defined]
+        stop()
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "replica_unavailable"
-    assert "fastserve_fleet_retries_total 3.0" in metrics
+    # Each tried once and left out: the third attempt finds no replica to send to.
+    assert "fastserve_fleet_retries_total 2.0" in metrics
 
 
 def test_a_client_going_away_is_a_disconnect_at_the_replica(
         replica: tuple[ReplicaHTTP, list[str]]) -> None:
     http, events = replica
-    url, server = _serve(_ingress([http.url]))
+    url, stop = _serve(_ingress([http.url]))
     try:
         with httpx.stream("GET", url + "/stream", timeout=30) as resp:
             for n, _ in enumerate(resp.iter_raw()):
@@ -159,7 +178,7 @@ def test_a_client_going_away_is_a_disconnect_at_the_replica(
         while "closed" not in events and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        server.should_exit = True  # type: ignore[attr-defined]
+        stop()
     assert events and events[-1] == "closed"  # the app's generator ended, not left running
 
 
