@@ -1,7 +1,7 @@
 """The fleet on Ray Serve: `fastserve serve --replicas N` (optional extra `fastserve-mlfq[cluster]`).
 
 `cli` adds the flags (no Ray import); `app` starts a fleet: `replica` is the engine
-deployment, `router` the Ray Serve request routers around `fastserve.fleet`'s policies,
-`ingress` the one HTTP endpoint in front, `asgi` carries a request to a replica's own app,
-`metrics` the fleet's `/metrics`.
+deployment (each replica serves HTTP itself, its streams batched by `asgi`), `ingress` the
+one HTTP endpoint in front, `router` its table of replicas around `fastserve.fleet`'s
+policies, `proxy` its HTTP client to the replicas, `metrics` the fleet's `/metrics`.
 """

@@ -2,8 +2,9 @@
 
 Start-up binds the address (a taken port fails at once), joins Ray (a local cluster started
 here, or `--ray-address` for an existing one), deploys N engine replicas
-(`replica.EngineReplica`) behind the chosen router, and serves the ingress
-(`ingress.FleetIngress`) on the bound socket with uvicorn. SIGTERM or Ctrl-C stops taking
+(`replica.EngineReplica`, each serving HTTP on a port of its own), waits until every replica
+has reported its address, and serves the ingress (`ingress.FleetIngress`, routing with the
+chosen policy) on the bound socket with uvicorn. SIGTERM or Ctrl-C stops taking
 connections, lets Ray Serve stop the replicas gracefully (running requests get the grace
 period), and leaves a cluster it joined running.
 """
@@ -16,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from types import FrameType
@@ -29,8 +31,10 @@ from ray.serve.handle import DeploymentHandle
 from fastserve.args import engine_config_from_args
 from fastserve.cluster.ingress import FleetIngress, RouteHints
 from fastserve.cluster.metrics import FleetMetrics, samples_of
+from fastserve.cluster.proxy import ReplicaClient
 from fastserve.cluster.replica import REPLICA_DEPLOYMENT, ReplicaSpec, deployment
-from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, RouterBoard
+from fastserve.cluster.router import METRICS_KEY, ROUTER_NAMES, ReplicaTable, RouterBoard
+from fastserve.fleet.policies import make_router
 from fastserve.logs import configure_logging
 from fastserve.model.make_model import resolve_model_path
 from fastserve.model.tokenizer import Tokenizer
@@ -54,6 +58,9 @@ _LEAN_RAY_ENV = {
     # the ingress's handle.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
+# How long start-up waits, once Ray Serve has the replicas running, for each to report the
+# address of its HTTP server (its first routing stats, one stats period after it started).
+_ADDRESS_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -141,9 +148,13 @@ class Fleet:
                            reasoning_parser=opts.reasoning_parser,
                            trust_request_chat_template=opts.trust_request_chat_template,
                            metrics_require_key=opts.metrics_require_key,
-                           stream_batch_s=opts.stream_batch_ms / 1000)
-        app = deployment(spec, opts.num_replicas, opts.router, opts.cpus_per_replica,
-                         opts.stats_period_s)
+                           stream_batch_s=opts.stream_batch_ms / 1000,
+                           # NOTE: a cluster of its own is this machine's: the replicas listen
+                           # on loopback. Joined (`--ray-address`), each listens on its node's
+                           # IP address, which the ingress on another machine can reach.
+                           host="127.0.0.1" if self.started_ray and opts.ray_address is None
+                           else None)
+        app = deployment(spec, opts.num_replicas, opts.cpus_per_replica, opts.stats_period_s)
         serve.run(app, name=opts.app_name, route_prefix=None, logging_config=_QUIET_SERVE_LOGS)
         self.hints = None
         if opts.router in _PROMPT_ROUTERS:
@@ -153,15 +164,27 @@ class Fleet:
                                     frozenset(name for name, _ in config.lora.adapters))
         self.metrics = FleetMetrics(self._replica_samples)
         self.handle: DeploymentHandle | None = None
+        self.client: ReplicaClient | None = None
 
-    def ingress(self) -> FleetIngress:
-        """The ingress app; called on the event loop that serves it, whose handle's router
-        then runs on that loop too (Ray's default, a router loop on its own thread, costs two
-        more thread hops per request and per streamed chunk)."""
+    async def ingress(self) -> FleetIngress:
+        """The ingress app, once every replica has reported its address; called on the event
+        loop that serves it. The deployment handle is never called: the request router Ray
+        builds in it, on this loop, keeps the replicas and their stats (`RouterBoard`)."""
         self.handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, self.opts.app_name)
         self.handle._init(_run_router_in_separate_loop=False)
-        return FleetIngress(self.handle, self.metrics, self.hints, self.opts.max_body_bytes,
-                            max_attempts=self.opts.num_replicas + 3,
+        table = ReplicaTable(self.opts.app_name, make_router(self.opts.router))
+        deadline = time.monotonic() + _ADDRESS_TIMEOUT_S
+        while True:
+            table.refresh()
+            if len(table.urls) >= self.opts.num_replicas:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(table.urls)} of {self.opts.num_replicas} replicas "
+                                   f"reported their address within {_ADDRESS_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.1)
+        self.client = ReplicaClient()
+        return FleetIngress(table, self.client, self.metrics, self.hints,
+                            self.opts.max_body_bytes, max_attempts=self.opts.num_replicas + 3,
                             metrics_key=self.opts.api_key if self.opts.metrics_require_key
                             else None)
 
@@ -201,7 +224,7 @@ def serve_fleet(opts: FleetOptions, engine_args: argparse.Namespace) -> int:
 async def _main_loop(fleet: Fleet, sock: socket.socket) -> int:
     opts = fleet.opts
     server = uvicorn.Server(uvicorn.Config(
-        fleet.ingress(), log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
+        await fleet.ingress(), log_level=opts.log_level, access_log=opts.access_log, lifespan="off",
         http=limited_protocol(opts.http_limits),
         timeout_graceful_shutdown=opts.grace_period_s + 5.0))  # type: ignore[arg-type]
     # As `fastserve serve`: uvicorn re-raises the signal after serving; a no-op handler then
@@ -216,6 +239,8 @@ async def _main_loop(fleet: Fleet, sock: socket.socket) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if fleet.client is not None:
+            await fleet.client.close()
         if fleet.handle is not None:  # its router lives on this loop: stop it here
             await fleet.handle.shutdown_async()
     return 0 if server.started else 1

@@ -28,8 +28,8 @@ def add_fleet_args(serve_parser: argparse.ArgumentParser) -> None:
                    help="Ray CPUs reserved per replica (default: --num-threads, or 1)")
     g.add_argument("--stream-batch-ms", type=float, default=50.0,
                    help="a replica sends a stream's tokens to the ingress at most once per "
-                        "this many ms after the first (one Ray message for all the tokens "
-                        "made meanwhile); 0: as soon as each is made (default: 50)")
+                        "this many ms after the first (one write for all the tokens made "
+                        "meanwhile); 0: as soon as each is made (default: 50)")
     single: Callable[[argparse.Namespace], int] = serve_parser.get_default("func")
 
     def serve(args: argparse.Namespace) -> int:

@@ -1,13 +1,16 @@
 """The fleet's HTTP ingress: one OpenAI endpoint in front of the engine replicas.
 
-It forwards each HTTP request as it came (`ForwardedRequest`) through the replica
-deployment's handle, whose router picks the replica, and streams the replica's answer back.
-It parses nothing it does not route by: every status, error body and stream comes from the
-replica's own fastserve app. Only `/metrics` is the ingress's own (`metrics.FleetMetrics`).
+It picks a replica for each HTTP request (`router.ReplicaTable`, from the prompt's
+`RouteRequest` and the replicas' latest stats), forwards the request as it came to that
+replica's own HTTP server (`proxy.ReplicaClient`), and copies the replica's answer back,
+SSE bytes as they come, without decoding them. It parses nothing it does not route by: every
+status, error body and stream comes from the replica's own fastserve app. Only `/metrics` is
+the ingress's own (`metrics.FleetMetrics`).
 
-Faults (a replica's process dies, or Ray finds it unhealthy):
-- before the replica answered (its first token, or a whole non-streamed body), the request
-  goes to another replica; after `max_attempts` failures it is a 503;
+Faults (a replica's process dies, or its connection breaks):
+- before the replica answered (its first body bytes: a stream's first token, or a whole
+  non-streamed body), the request goes to another replica; after `max_attempts` failures it
+  is a 503;
 - mid-stream, the stream gets an error event (code `replica_failed`) and `data: [DONE]`.
 Nothing is dropped silently.
 """
@@ -23,12 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import RequestCancelledError
+import aiohttp
 from starlette.types import Message, Receive, Scope, Send
 
-from fastserve.cluster.asgi import ForwardedRequest, ResponseStart
 from fastserve.cluster.metrics import FleetMetrics
+from fastserve.cluster.proxy import ForwardedRequest, ReplicaClient, response_headers
+from fastserve.cluster.router import Target
 from fastserve.fleet.router import RouteRequest
 from fastserve.server.gate import check_key
 from fastserve.server.metrics import CONTENT_TYPE
@@ -112,22 +115,31 @@ async def _off_loop(work: Callable[[], list[int]], num_chars: int) -> list[int]:
     return await asyncio.to_thread(work)
 
 
-class ReplicaHandle(Protocol):
-    """The part of Ray Serve's `DeploymentHandle` the ingress uses."""
+class Replicas(Protocol):
+    """What the ingress asks of its replicas' table (`router.ReplicaTable`)."""
 
-    def options(self, *, stream: bool, _by_reference: bool) -> Any: ...
+    def choose(self, route: RouteRequest | None,
+               exclude: frozenset[str] = frozenset()) -> Target | None: ...
+
+    def mark_down(self, replica_id: str) -> None: ...
+
+
+class _ClientGone(Exception):
+    """The client went away: nobody is left to answer."""
+
+
+# What a replica's failure looks like to the ingress: it refused or dropped the connection.
+_REPLICA_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 
 class FleetIngress:
     """The ASGI app `fastserve serve --replicas N` listens with."""
 
-    def __init__(self, handle: ReplicaHandle, metrics: FleetMetrics, hints: RouteHints | None,
-                 max_body_bytes: int, max_attempts: int, metrics_key: str | None = None) -> None:
-        # Ray Serve's gRPC transport between the ingress and the replicas
-        # (`_by_reference=False`), not Ray's actor calls: through the latter a replica's first
-        # chunk reached the ingress ~5 ms after it was yielded, through gRPC ~1 ms (the
-        # fleet's added TTFT went from 10.6-12.1 ms to 5.4-6.8 ms, benchmarks/fleet/fleet_real.py).
-        self.stream = handle.options(stream=True, _by_reference=False)
+    def __init__(self, replicas: Replicas, client: ReplicaClient, metrics: FleetMetrics,
+                 hints: RouteHints | None, max_body_bytes: int, max_attempts: int,
+                 metrics_key: str | None = None) -> None:
+        self.replicas = replicas
+        self.client = client
         self.metrics = metrics
         self.hints = hints
         self.max_body_bytes = max_body_bytes
@@ -150,9 +162,9 @@ class FleetIngress:
             return
         body = await _read_body(receive, self.max_body_bytes + 1)  # more is refused (413) there
         req = ForwardedRequest(
-            method=scope["method"], path=scope["path"], query_string=scope.get("query_string", b""),
-            headers=tuple(scope["headers"]), body=body,
-            client=tuple(scope["client"]) if scope.get("client") else None)  # type: ignore[arg-type]
+            method=scope["method"], path=scope["path"], raw_path=scope.get("raw_path") or b"",
+            query_string=scope.get("query_string", b""), headers=tuple(scope["headers"]),
+            body=body)
         route = await self.hints.route(req.path, body) if self.hints else None
         status = await _Exchange(self, req, route, receive, send).run()
         self.metrics.requests.labels(str(status)).inc()
@@ -160,7 +172,8 @@ class FleetIngress:
 
 class _Exchange:
     """One client request through the fleet: attempts until a replica answers, then its
-    stream; a client that goes away cancels the replica's call (which aborts the request)."""
+    answer; a client that goes away closes the replica's connection (which aborts the
+    request there)."""
 
     def __init__(self, ingress: FleetIngress, req: ForwardedRequest, route: RouteRequest | None,
                  receive: Receive, send: Send) -> None:
@@ -169,20 +182,21 @@ class _Exchange:
         self.route = route
         self.receive = receive
         self.send = send
-        self.call: Any = None  # the current replica call (a DeploymentResponseGenerator)
+        self.resp: aiohttp.ClientResponse | None = None  # the current replica's response
         self.gone = False
         self.started = False  # the response's start has gone to the client
+        self.complete = False  # the replica's answer was read to its end
 
     async def run(self) -> int:
         watcher = asyncio.create_task(self._watch_disconnect())
         try:
             return await self._run()
-        except RequestCancelledError:
-            return 499  # the client went away; nobody is left to answer
-        except Exception as exc:  # a replica's failure that is not its death (a bug): a 500
-            if self.started:
+        except _ClientGone:
+            return 499
+        except Exception as exc:  # a failure that is not a replica's death (a bug): a 500
+            if self.started or self.gone:
                 raise
-            logger.exception("the replica call failed")
+            logger.exception("forwarding to the replica failed")
             err = APIError(500, f"the fleet failed this request: {type(exc).__name__}: {exc}",
                            "server_error", code="replica_error")
             await _send_whole(self.send, 500, json.dumps(err.response_body()).encode(),
@@ -190,60 +204,93 @@ class _Exchange:
             return 500
         finally:
             watcher.cancel()
+            if self.resp is not None:
+                # NOTE: a connection whose answer was not read to its end is closed, not
+                # reused: the replica sees its client go and aborts the request.
+                if self.complete:
+                    self.resp.release()
+                else:
+                    self.resp.close()
 
     async def _run(self) -> int:
         m = self.ingress.metrics
         t0 = time.perf_counter()
-        start = await self._first_answer()
-        if start is None:
+        first = await self._first_answer()
+        if first is None:
             m.unavailable.inc()
             err = APIError(503, "no replica could answer the request (they failed or are "
                            "restarting); retry", "server_error", code="replica_unavailable")
             await _send_whole(self.send, 503, json.dumps(err.response_body()).encode(),
                               "application/json", {"retry-after": "1"})
             return 503
+        resp, body = first
         m.first_byte.observe(time.perf_counter() - t0)
         self.started = True
-        await self.send({"type": "http.response.start", "status": start.status,
-                         "headers": list(start.headers)})
-        await self._body(start.body, start.more_body)
-        if start.more_body:
-            await self._rest(_is_event_stream(start.headers))
-        return start.status
+        await self.send({"type": "http.response.start", "status": resp.status,
+                         "headers": response_headers(resp)})
+        more = not resp.content.at_eof()
+        await self._body(body, more)
+        if more:
+            await self._rest(resp, _is_event_stream(resp))
+        else:
+            self.complete = True
+        return resp.status
 
-    async def _first_answer(self) -> ResponseStart | None:
-        """The replica's first item; a replica that fails before it is tried again elsewhere."""
+    async def _first_answer(self) -> tuple[aiohttp.ClientResponse, bytes] | None:
+        """The chosen replica's response and its first body bytes; a replica that fails
+        before them is left out and the request sent to another."""
+        tried: set[str] = set()
         for attempt in range(self.ingress.max_attempts):
             if self.gone:
-                raise RequestCancelledError("the client went away")
-            self.call = self.ingress.stream.remote(self.req, self.route)
+                raise _ClientGone
+            target = self.ingress.replicas.choose(self.route, frozenset(tried))
+            if target is None and tried:  # every replica failed once: try them again
+                tried.clear()
+                target = self.ingress.replicas.choose(self.route)
+            if target is None:  # none known yet, or all restarting
+                await asyncio.sleep(_RETRY_BACKOFF_S * (attempt + 1))
+                continue
             try:
-                first = await self.call.__anext__()
-            except (RayActorError, ActorUnavailableError, StopAsyncIteration) as exc:
-                logger.warning("replica failed before answering (attempt %d): %s", attempt + 1,
-                               type(exc).__name__)
+                self.resp = await self.ingress.client.open(target.url, self.req)
+                body = await self.resp.content.readany()
+                return self.resp, body
+            except _REPLICA_ERRORS as exc:
+                if self.gone:
+                    raise _ClientGone from None
+                logger.warning("replica %s failed before answering (attempt %d): %s: %s",
+                               target.replica_id, attempt + 1, type(exc).__name__, exc)
+                if isinstance(exc, aiohttp.ClientConnectorError):  # not listening: down
+                    self.ingress.replicas.mark_down(target.replica_id)
+                tried.add(target.replica_id)
+                if self.resp is not None:
+                    self.resp.close()
+                    self.resp = None
                 self.ingress.metrics.retries.inc()
                 await asyncio.sleep(_RETRY_BACKOFF_S * attempt)
-                continue
-            if isinstance(first, ResponseStart):
-                return first
-            raise TypeError(f"a replica answered {type(first).__name__} before its start")
         return None
 
-    async def _rest(self, is_sse: bool) -> None:
-        try:
-            async for chunk in self.call:
-                await self._body(chunk, True)
-        except RequestCancelledError:
-            raise
-        except Exception as exc:  # the replica died or failed mid-answer
-            logger.warning("replica failed mid-answer: %s: %s", type(exc).__name__, exc)
-            self.ingress.metrics.replica_failures.inc()
-            if is_sse:
-                err = APIError(500, f"the replica serving this request failed: "
-                               f"{type(exc).__name__}", "server_error", code="replica_failed")
-                await self._body((sse_data(err.response_body()) + "data: [DONE]\n\n").encode(),
-                                 True)
+    async def _rest(self, resp: aiohttp.ClientResponse, is_sse: bool) -> None:
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except _REPLICA_ERRORS as exc:  # the replica died or failed mid-answer
+                if self.gone:
+                    raise _ClientGone from None
+                logger.warning("replica failed mid-answer: %s: %s", type(exc).__name__, exc)
+                self.ingress.metrics.replica_failures.inc()
+                if is_sse:
+                    err = APIError(500, f"the replica serving this request failed: "
+                                   f"{type(exc).__name__}", "server_error",
+                                   code="replica_failed")
+                    await self._body(
+                        (sse_data(err.response_body()) + "data: [DONE]\n\n").encode(), True)
+                break
+            if not chunk:
+                self.complete = True
+                break
+            await self._body(chunk, True)
+        if self.gone:
+            raise _ClientGone
         await self._body(b"", False)
 
     async def _body(self, data: bytes, more: bool) -> None:
@@ -254,14 +301,13 @@ class _Exchange:
             msg: Message = await self.receive()
             if msg["type"] == "http.disconnect":
                 self.gone = True
-                if self.call is not None:
-                    self.call.cancel()
+                if self.resp is not None:
+                    self.resp.close()  # wakes a read waiting on it
                 return
 
 
-def _is_event_stream(headers: tuple[tuple[bytes, bytes], ...]) -> bool:
-    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-               for k, v in headers)
+def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content_type == "text/event-stream"
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
@@ -287,4 +333,3 @@ async def _send_whole(send: Send, status: int, body: bytes, content_type: str,
                 "headers": [(b"content-type", content_type.encode()),
                             (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-

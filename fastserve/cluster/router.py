@@ -1,47 +1,45 @@
-"""The fleet's routers as Ray Serve `RequestRouter`s: fastserve's policies
-(`fastserve.fleet.policies`: fastserve, prefix-affinity, round-robin) wrapped in one adapter,
-and Ray's own power of two choices, all in the same code path.
+"""Which replica serves a request: the ingress's `ReplicaTable`, running a `fastserve.fleet`
+policy (fastserve, prefix-affinity, round-robin, pow2) over the replicas Ray Serve runs.
 
-Each replica reports a `ReplicaStats` through Ray Serve's routing stats
-(`EngineReplica.record_routing_stats`); Ray hands them to the router with each candidate
-replica. The ingress passes each request's `RouteRequest` (prompt length and block hashes) as
-the second argument of the call, where `choose_replicas` finds it.
-
-A router lives in the process that holds the deployment handle (the fleet's ingress). It also
-keeps the latest per-replica metrics (`RouterBoard`) for the ingress's `/metrics`.
+Each replica reports, every stats period, its `ReplicaStats`, its `/metrics` samples and the
+address of its HTTP server (`EngineReplica.record_routing_stats`); Ray Serve's controller
+broadcasts them to every deployment handle. The ingress holds one handle, never called: the
+request router Ray builds inside it (`ReplicaWatcher`) only keeps the latest replicas and
+their stats, which the ingress reads on its own event loop (`RouterBoard`): no round trip per
+request, and none of the handle's per-request machinery.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import (
-    PendingRequest,
-    ReplicaID,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import RequestRouter, RunningReplica
 
 from fastserve.core.replica_stats import ReplicaStats
-from fastserve.fleet.policies import make_router
+from fastserve.fleet.policies import ROUTERS
 from fastserve.fleet.router import Router, RouteRequest
 
 logger = logging.getLogger(__name__)
 
-_NO_PROMPT = RouteRequest("no-prompt", 1)  # /health, /v1/models: any replica will do
-RAY_POW2 = "pow2"  # Ray Serve's default router; the other names are fastserve.fleet's policies
-ROUTER_NAMES = ("fastserve", "prefix-affinity", "round-robin", RAY_POW2)
+ROUTER_NAMES = tuple(ROUTERS)  # fastserve, pow2, prefix-affinity, round-robin
 
 STATS_KEY = "stats"  # routing stats: the replica's ReplicaStats, as JSON
 METRICS_KEY = "metrics"  # routing stats: the replica's /metrics samples (`metrics`)
+ADDRESS_KEY = "address"  # routing stats: the replica's HTTP server, "http://host:port"
+
+# A replica the ingress could not connect to is left out this long (or until Ray Serve's
+# controller, told of its death, drops it or its restart reports a new address).
+_DOWN_S = 5.0
 
 
 class RouterBoard:
-    """The routers living in this process, by application name: the ingress reads its
-    replicas' latest routing stats here (Ray builds routers itself, lazily, inside the
+    """The watchers living in this process, by application name: the ingress reads its
+    replicas' latest routing stats here (Ray builds request routers itself, inside the
     deployment handle, so there is no other way to reach the one it built).
 
     NOTE: process-local and keyed by the fleet's application name; one fleet per app name."""
@@ -54,89 +52,88 @@ class RouterBoard:
 
     @classmethod
     def replica_stats(cls, app_name: str) -> dict[str, dict[str, Any]]:
-        """Each running replica's latest routing stats (empty until the first request)."""
+        """Each running replica's latest routing stats (empty before the handle's first
+        update from the controller)."""
         router = cls._routers.get(app_name)
         if router is None:
             return {}
-        return {rid.unique_id: dict(r.routing_stats or {})
-                for rid, r in router.curr_replicas.items()}
+        return {rid.unique_id: r.routing_stats or {} for rid, r in router.curr_replicas.items()}
 
 
-def request_router_path(name: str) -> str:
-    """The `RequestRouter` class for `--router NAME`, as the import path Ray Serve loads in
-    every process that holds a handle."""
-    if name not in ROUTER_NAMES:
-        raise ValueError(f"router: unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
-    cls = RayPowerOfTwoRouter if name == RAY_POW2 else FleetRequestRouter
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def route_of(pending: PendingRequest | None) -> RouteRequest | None:
-    """The request's `RouteRequest`, passed by the ingress as the call's second argument."""
-    if pending is None or len(pending.args) < 2:
-        return None
-    route = pending.args[1]
-    return route if isinstance(route, RouteRequest) else None
-
-
-class RayPowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
-    """Ray Serve's default router, unchanged but for publishing itself on the board."""
+class ReplicaWatcher(PowerOfTwoChoicesRequestRouter):
+    """The request router Ray Serve builds in the ingress's handle: it routes nothing (the
+    handle is never called), and publishes itself on the board as replicas come and go and
+    their stats change."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         RouterBoard.publish(self)
 
 
-class FleetRequestRouter(RequestRouter):
-    """A `fastserve.fleet` policy deciding for Ray Serve.
+WATCHER_PATH = f"{ReplicaWatcher.__module__}:{ReplicaWatcher.__qualname__}"
 
-    `request_router_kwargs`: `policy` (a name for `make_router`) and `seed`. Each candidate's
-    latest `ReplicaStats` is handed to the policy before it ranks; Ray then sends the request
-    to the first ranked replica that accepts it, and `on_request_routed` books it there.
-    """
 
-    def initialize_state(self, policy: str = "fastserve", seed: int = 0, **options: Any) -> None:
-        self.policy: Router = make_router(policy, seed=seed, **options)
+@dataclass(frozen=True)
+class Target:
+    """The replica chosen for a request."""
+
+    replica_id: str
+    url: str  # its HTTP server, "http://host:port"
+
+
+class ReplicaTable:
+    """The replicas the ingress can send to, where each listens, and the policy that picks
+    one. Read from the board at each choice; used on the ingress's event loop only."""
+
+    def __init__(self, app_name: str, policy: Router) -> None:
+        self.app_name = app_name
+        self.policy = policy
+        self.urls: dict[str, str] = {}  # replica id -> its HTTP server
         self._stats_time: dict[str, float] = {}  # per replica: the snapshot the policy has
+        self._down_until: dict[str, float] = {}  # replicas that refused a connection
+        self._ids = itertools.count()
 
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        live = {r.replica_id.unique_id for r in replicas}
-        for rid in [rid for rid in self.policy.views if rid not in live]:
+    def choose(self, route: RouteRequest | None, exclude: frozenset[str] = frozenset()
+               ) -> Target | None:
+        """The replica for a request (None: no replica to send to, now), noted as sent there.
+        `route` is its prompt's `RouteRequest` (None for a request that has none)."""
+        self.refresh()
+        now = time.time()
+        ids = [rid for rid in self.urls
+               if rid not in exclude and self._down_until.get(rid, 0.0) <= now]
+        if not ids:
+            return None
+        # NOTE: a request without a prompt is booked too (as one token): pow2 and the
+        # imbalance bound count what was sent since the last snapshot.
+        route = route or RouteRequest(f"no-prompt-{next(self._ids)}", 1)
+        rid = self.policy.rank(route, now, ids)[0]
+        self.policy.note_sent(route, rid, now)
+        return Target(rid, self.urls[rid])
+
+    def mark_down(self, replica_id: str) -> None:
+        """A connection to this replica failed: leave it out for a while."""
+        self._down_until[replica_id] = time.time() + _DOWN_S
+
+    def refresh(self) -> None:
+        """Take the board's replicas: new ones join, gone ones leave, newer stats reach the
+        policy."""
+        live = RouterBoard.replica_stats(self.app_name)
+        for rid in [rid for rid in self.urls if rid not in live]:
+            self.urls.pop(rid)
             self.policy.remove(rid)
             self._stats_time.pop(rid, None)
-        RouterBoard.publish(self)
+            self._down_until.pop(rid, None)
+        for rid, stats in live.items():
+            url = stats.get(ADDRESS_KEY)
+            if not url:  # not reported yet: not reachable yet
+                continue
+            if self.urls.get(rid) != url:
+                self.urls[rid] = url
+                self._down_until.pop(rid, None)
+            self._update(rid, stats.get(STATS_KEY))
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for rid, replica in by_id.items():
-            self._refresh(rid, replica)
-        route = route_of(pending_request)
-        now = time.time()
-        ranked = self.policy.rank(route or _NO_PROMPT, now, by_id)
-        if route is not None:
-            # NOTE: booked here, not in `on_request_routed`: Ray calls that only under strict
-            # max_ongoing_requests. The replicas never refuse (their max_ongoing_requests is
-            # far above any engine queue: the engine answers 429 itself), so Ray sends every
-            # request to the first rank's replica.
-            self.policy.note_sent(route, ranked[0], now)
-        rest = [rid for rid in by_id if rid not in ranked]  # a policy may rank only a sample
-        return [[by_id[rid]] for rid in ranked] + ([[by_id[rid] for rid in rest]] if rest else [])
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self.policy.remove(replica_id.unique_id)
-        self._stats_time.pop(replica_id.unique_id, None)
-
-    def _refresh(self, rid: str, replica: RunningReplica) -> None:
+    def _update(self, rid: str, raw: dict[str, Any] | None) -> None:
         """Hand the policy this replica's snapshot when it is newer than the one it has."""
-        raw = (replica.routing_stats or {}).get(STATS_KEY)
         if not raw or raw.get("time_s", 0.0) <= self._stats_time.get(rid, -1.0):
             return
         try:

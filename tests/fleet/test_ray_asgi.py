@@ -1,17 +1,30 @@
-"""The replica side of the fleet's forwarding (`fastserve.cluster.asgi`), without Ray: a request
-run through a real FastAPI app in-process comes back as its status, headers and body; a
-caller that stops reading is a client that went away, as the app sees it."""
+"""The fleet's HTTP path without Ray: a replica's own HTTP server (`ReplicaHTTP`, stream
+batching on) behind the ingress (`FleetIngress`), over real sockets. A stream comes through
+whole, its first token and its end at once; a replica that is not there costs a retry, not
+the request; none at all is a 503; a client that goes away is a disconnect the replica's app
+sees."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
+import httpx
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastserve.cluster.asgi import ForwardedRequest, ResponseStart, run_app
+pytest.importorskip("ray.serve", reason="the fleet needs Ray Serve: pip install 'fastserve[cluster]'")
+
+from fastserve.cluster.asgi import BatchedStreams  # noqa: E402
+from fastserve.cluster.ingress import FleetIngress  # noqa: E402
+from fastserve.cluster.metrics import FleetMetrics  # noqa: E402
+from fastserve.cluster.proxy import ReplicaClient  # noqa: E402
+from fastserve.cluster.replica import ReplicaHTTP  # noqa: E402
+from fastserve.cluster.router import Target  # noqa: E402
+from fastserve.fleet.router import RouteRequest  # noqa: E402
 
 
 def _app(events: list[str]) -> FastAPI:
@@ -51,56 +64,130 @@ def _app(events: list[str]) -> FastAPI:
     return app
 
 
-def _req(method: str, path: str, body: bytes = b"", query: bytes = b"") -> ForwardedRequest:
-    headers = ((b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()))
-    return ForwardedRequest(method, path, query, headers, body, ("127.0.0.1", 5000))
+class FixedReplicas:
+    """A table of fixed replicas, tried in order, those marked down left out (the ingress's
+    `Replicas`, as `router.ReplicaTable` keeps them)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.targets = [Target(f"r{i}", url) for i, url in enumerate(urls)]
+        self.down: list[str] = []
+
+    def choose(self, route: RouteRequest | None,
+               exclude: frozenset[str] = frozenset()) -> Target | None:
+        return next((t for t in self.targets
+                     if t.replica_id not in exclude and t.replica_id not in self.down), None)
+
+    def mark_down(self, replica_id: str) -> None:
+        self.down.append(replica_id)
 
 
-def test_a_request_comes_back_whole() -> None:
-    async def run() -> list[ResponseStart | bytes]:
-        return [item async for item in run_app(_app([]), _req("POST", "/echo", b'{"a": 1}', b"x=2"))]
-
-    items = asyncio.run(run())
-    start = items[0]
-    assert isinstance(start, ResponseStart) and start.status == 201
-    assert (b"x-seen", b"yes") in start.headers
-    body = start.body + b"".join(i for i in items[1:] if isinstance(i, bytes))
-    assert body == b'{"got":{"a":1},"q":"x=2"}'
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nobody listens there once closed
 
 
-def test_stopping_to_read_is_a_disconnect() -> None:
+@pytest.fixture(scope="module")
+def replica() -> Iterator[tuple[ReplicaHTTP, list[str]]]:
     events: list[str] = []
+    http = ReplicaHTTP(BatchedStreams(_app(events), 0.05), "127.0.0.1")
+    yield http, events
+    asyncio.run(http.stop())
 
-    async def run() -> list[bytes]:
-        got = []
-        items = run_app(_app(events), _req("GET", "/stream"))
-        async for item in items:
-            got.append(item.body if isinstance(item, ResponseStart) else item)
-            if len(got) == 3:
-                break
-        await items.aclose()  # what Ray does when the ingress cancels the call
-        return got
 
-    got = asyncio.run(run())
-    assert got[0].startswith(b"data: 0")
+def _ingress(urls: list[str], attempts: int = 3) -> FleetIngress:
+    return FleetIngress(FixedReplicas(urls), ReplicaClient(), FleetMetrics(dict), None, 1 << 20,
+                        max_attempts=attempts)
+
+
+def _serve(app: FleetIngress) -> tuple[str, Callable[[], None]]:
+    """`app` on a uvicorn of its own thread, as the fleet serves it; (url, stop it)."""
+    import threading
+
+    import uvicorn
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+
+    async def serve() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            await app.client.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def test_a_request_and_a_stream_come_through_whole(replica: tuple[ReplicaHTTP, list[str]]) -> None:
+    http, _ = replica
+    ingress = _ingress([_closed_port_url(), http.url])
+    url, stop = _serve(ingress)
+    try:
+        echoed = httpx.post(url + "/echo?x=2", json={"a": 1}, timeout=30)
+        assert echoed.status_code == 201 and echoed.headers["x-seen"] == "yes"
+        assert echoed.json() == {"got": {"a": 1}, "q": "x=2"}
+        t0 = time.perf_counter()
+        chunks, first_s = [], 0.0
+        with httpx.stream("GET", url + "/tokens", timeout=30) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            for chunk in resp.iter_raw():
+                first_s = first_s or time.perf_counter() - t0
+                chunks.append(chunk)
+        whole_s = time.perf_counter() - t0
+    finally:
+        stop()
+    whole = b"".join(f"data: {i}\n\n".encode() for i in range(40)) + b"data: [DONE]\n\n"
+    assert b"".join(chunks) == whole  # nothing lost, nothing reordered
+    assert len(chunks) <= 10  # ~200 ms of tokens in 50 ms batches, not one write per token
+    assert first_s < 0.5 and whole_s < 1.0  # the first token and the end are not held
+    # The replica that was not listening was tried once, then left out.
+    assert isinstance(ingress.replicas, FixedReplicas) and ingress.replicas.down == ["r0"]
+
+
+def test_no_replica_is_a_503_after_the_attempts() -> None:
+    url, stop = _serve(_ingress([_closed_port_url(), _closed_port_url()], attempts=3))
+    try:
+        resp = httpx.post(url + "/echo", json={}, timeout=30)
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+    finally:
+        stop()
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "replica_unavailable"
+    # Each tried once and left out: the third attempt finds no replica to send to.
+    assert "fastserve_fleet_retries_total 2.0" in metrics
+
+
+def test_a_client_going_away_is_a_disconnect_at_the_replica(
+        replica: tuple[ReplicaHTTP, list[str]]) -> None:
+    http, events = replica
+    url, stop = _serve(_ingress([http.url]))
+    try:
+        with httpx.stream("GET", url + "/stream", timeout=30) as resp:
+            for n, _ in enumerate(resp.iter_raw()):
+                if n == 2:
+                    break
+        deadline = time.monotonic() + 10
+        while "closed" not in events and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop()
     assert events and events[-1] == "closed"  # the app's generator ended, not left running
 
 
 def test_fleet_metrics_need_the_key_when_asked() -> None:
     """`--metrics-require-key` on a fleet: its ingress answers /metrics itself (the replicas'
     gates guard the documents and the API)."""
-    import httpx
-
-    from fastserve.cluster.ingress import FleetIngress
-    from fastserve.cluster.metrics import FleetMetrics
-
-    class NoReplicas:
-        def options(self, *, stream: bool, _by_reference: bool) -> object:
-            return self
-
     def ingress(key: str | None) -> FleetIngress:
-        return FleetIngress(NoReplicas(), FleetMetrics(dict), None, 1 << 20, max_attempts=1,
-                            metrics_key=key)
+        return FleetIngress(FixedReplicas([]), ReplicaClient(), FleetMetrics(dict), None,
+                            1 << 20, max_attempts=1, metrics_key=key)
 
     async def get(app: FleetIngress, headers: list[tuple[str, str]]) -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -116,24 +203,3 @@ def test_fleet_metrics_need_the_key_when_asked() -> None:
     shown = asyncio.run(get(keyed, [("Authorization", "Bearer sekrit")]))
     assert shown.status_code == 200 and "fastserve_fleet_requests" in shown.text
     assert asyncio.run(get(ingress(None), [])).status_code == 200  # open without the flag
-
-
-def test_a_stream_goes_in_batches_with_its_first_token_and_end_at_once() -> None:
-    async def run(batch_s: float) -> tuple[list[bytes], float, float]:
-        got: list[bytes] = []
-        t0 = time.perf_counter()
-        first_s = 0.0
-        async for item in run_app(_app([]), _req("GET", "/tokens"), batch_s):
-            if isinstance(item, ResponseStart):
-                first_s = time.perf_counter() - t0
-            got.append(item.body if isinstance(item, ResponseStart) else item)
-        return got, first_s, time.perf_counter() - t0
-
-    whole = b"".join(f"data: {i}\n\n".encode() for i in range(40)) + b"data: [DONE]\n\n"
-    each, _, each_s = asyncio.run(run(0.0))
-    batched, first_s, batched_s = asyncio.run(run(0.05))
-    assert b"".join(each) == b"".join(batched) == whole  # nothing lost, nothing reordered
-    assert len(each) >= 30  # one item per token when nothing holds them
-    assert len(batched) <= 8  # ~200 ms of tokens in 50 ms batches, the first alone
-    assert batched[0] == b"data: 0\n\n" and first_s < 0.04  # the first token is not held
-    assert batched_s < each_s + 0.04  # nor the end: [DONE] goes as soon as it is made
