@@ -15,9 +15,11 @@ Printed per setup (medians over `--reps`): output tokens/s, mean TTFT, and the r
 fleet / N plain and fleet / one; then where the fleet's CPU went during its burst: the
 ingress process (the `fastserve serve` process itself: HTTP, routing, Ray's handle and its
 threads), the replicas, and the rest of Ray (GCS, raylet, controller), per request and per
-streamed token, against what a plain server spends per token. With `--py-spy` the ingress is
-sampled by py-spy during one more burst in the last repetition, and its hottest functions
-are printed. With `--compare-tree DIR` the fleet is also run from another source tree (a
+streamed token, against what a plain server spends per token; and the engine processes' CPU
+per streamed token by thread (each process's busiest thread, the engine's; its other Python
+threads; natively named threads such as gRPC's), the plain servers' beside the replicas'.
+With `--py-spy` the ingress is sampled by py-spy during one more burst in the last
+repetition, and its hottest functions are printed. With `--compare-tree DIR` the fleet is also run from another source tree (a
 `git worktree` of an older commit) in each repetition: before and after, side by side.
 
     flock /tmp/fastserve-heavy.lock .venv/bin/python benchmarks/fleet/fleet_overhead.py [--reps 3]
@@ -154,6 +156,9 @@ class Measured:
     # Server-side histograms over the burst (`_metric_sums`): the engines' TTFT from a
     # request's arrival there, and the fleet ingress's time to the replica's first answer.
     seconds: dict[str, float] = field(default_factory=dict)
+    # CPU seconds over the burst of the engine processes' threads (the plain servers, or the
+    # fleet's replicas), by kind (`thread_kinds`).
+    threads: dict[str, float] = field(default_factory=dict)
 
     def mean_s(self, histogram: str) -> float:
         count = self.seconds.get(histogram + "_count", 0.0)
@@ -163,17 +168,20 @@ class Measured:
 def measure(urls: list[str], prompts: list[list[int]], args: argparse.Namespace,
             cpu_roots: list[int], fleet_root: int | None = None) -> Measured:
     burst(urls, prompts[:args.warmup], args.output_len)
+    engine_pids = cpu_roots if fleet_root is None else _replica_pids(fleet_root)
+    threads_before = thread_cpu(engine_pids)
     before = _cpu(cpu_roots, fleet_root)
     seconds_before = _metric_sums(urls)
     results = burst(urls, prompts[args.warmup:], args.output_len)
     after = _cpu(cpu_roots, fleet_root)
+    threads = thread_kinds(threads_before, thread_cpu(engine_pids))
     span = max(r.done_s for r in results) - min(r.sent_s for r in results)
     num_tokens = sum(r.num_tokens for r in results)
     if fleet_root is not None:
         time.sleep(1.5)  # the replicas' metrics reach the ingress with their routing stats
     seconds = {k: v - seconds_before.get(k, 0.0) for k, v in _metric_sums(urls).items()}
     return Measured(num_tokens / span, statistics.fmean(r.first_s - r.sent_s for r in results),
-                    num_tokens, {k: after[k] - before[k] for k in after}, seconds)
+                    num_tokens, {k: after[k] - before[k] for k in after}, seconds, threads)
 
 
 # Server-side latencies, summed over replicas: (sum, count) of each histogram.
@@ -191,6 +199,51 @@ def _metric_sums(urls: list[str]) -> dict[str, float]:
             if name.removesuffix("_sum").removesuffix("_count") in _HISTOGRAMS:
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _replica_pids(root: int) -> list[int]:
+    parent, _, cmd = processes()
+    return [p for p, c in cmd.items() if _REPLICA_CMD in c and is_under(p, root, parent)]
+
+
+def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, tid) -> (the thread's name, its CPU seconds so far) for every thread of `pids`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            out[pid, tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def thread_kinds(before: dict[tuple[int, int], tuple[str, float]],
+                 after: dict[tuple[int, int], tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds between `before` and `after`, by kind: in each process its busiest thread
+    ("engine thread": the engine's step loop), the other threads named as the process is
+    (Python threads: the HTTP server's event loop and the like; Python 3.11 names no thread),
+    and the natively named ones (gRPC's, Ray's core worker's, OpenMP's) under their names."""
+    out: collections.Counter[str] = collections.Counter()
+    by_pid: dict[int, list[tuple[str, float]]] = collections.defaultdict(list)
+    for (pid, tid), (name, seconds) in after.items():
+        by_pid[pid].append((name, seconds - before.get((pid, tid), (name, 0.0))[1]))
+    for pid, threads in by_pid.items():
+        threads.sort(key=lambda t: -t[1])
+        process_name = after.get((pid, pid), ("", 0.0))[0]
+        out["engine thread (the busiest)"] += threads[0][1]
+        for name, seconds in threads[1:]:
+            key = "other Python threads" if name == process_name else re.sub(r"\d+$", "#", name)
+            out[key] += seconds
+    return dict(out)
 
 
 def _cpu(roots: list[int], fleet_root: int | None) -> dict[str, float]:
@@ -376,6 +429,16 @@ def report(args: argparse.Namespace, reps: list[dict[str, Measured]]) -> None:
         for role in ("ingress", "replicas", "ray"):
             print(f"  {label} {role:<10}  {per(key, role, 'tok'):6.0f} us/token "
                   f"({per(key, role, 'req'):6.1f} ms/request)")
+    print("\nthreads of the engine processes during the burst, us per streamed token "
+          f"({n} plain servers | the fleet's {n} replicas; medians over reps):")
+    kinds = sorted({k for r in reps for key in ("plain", "fleet") for k in r[key].threads},
+                   key=lambda k: -statistics.median(r["fleet"].threads.get(k, 0.0) for r in reps))
+    for kind in kinds:
+        plain_us, fleet_us = (statistics.median(1e6 * r[key].threads.get(kind, 0.0)
+                                                / r[key].num_tokens for r in reps)
+                              for key in ("plain", "fleet"))
+        if max(plain_us, fleet_us) >= 0.5:
+            print(f"  {kind:<32} {plain_us:6.1f} | {fleet_us:6.1f}")
     ingress_us = per("fleet", "ingress", "tok")
     print(f"  one ingress core streams at most ~{1e6 / ingress_us:,.0f} tokens/s at this cost")
 
