@@ -159,6 +159,9 @@ class Measured:
     # CPU seconds over the burst of the engine processes' threads (the plain servers, or the
     # fleet's replicas), by kind (`thread_kinds`).
     threads: dict[str, float] = field(default_factory=dict)
+    # Each engine's (a plain server's, or a replica's) output tokens and iterations over the
+    # burst (`_engine_counts`): how the requests were split, and its tokens per iteration.
+    engines: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def mean_s(self, histogram: str) -> float:
         count = self.seconds.get(histogram + "_count", 0.0)
@@ -168,10 +171,13 @@ class Measured:
 def measure(urls: list[str], prompts: list[list[int]], args: argparse.Namespace,
             cpu_roots: list[int], fleet_root: int | None = None) -> Measured:
     burst(urls, prompts[:args.warmup], args.output_len)
+    if fleet_root is not None:
+        time.sleep(1.5)  # the replicas' counters after the warm-up reach the ingress
     engine_pids = cpu_roots if fleet_root is None else _replica_pids(fleet_root)
     threads_before = thread_cpu(engine_pids)
     before = _cpu(cpu_roots, fleet_root)
     seconds_before = _metric_sums(urls)
+    engines_before = _engine_counts(urls)
     results = burst(urls, prompts[args.warmup:], args.output_len)
     after = _cpu(cpu_roots, fleet_root)
     threads = thread_kinds(threads_before, thread_cpu(engine_pids))
@@ -180,8 +186,12 @@ def measure(urls: list[str], prompts: list[list[int]], args: argparse.Namespace,
     if fleet_root is not None:
         time.sleep(1.5)  # the replicas' metrics reach the ingress with their routing stats
     seconds = {k: v - seconds_before.get(k, 0.0) for k, v in _metric_sums(urls).items()}
+    engines = {k: (tokens - engines_before.get(k, (0.0, 0.0))[0],
+                   iterations - engines_before.get(k, (0.0, 0.0))[1])
+               for k, (tokens, iterations) in _engine_counts(urls).items()}
     return Measured(num_tokens / span, statistics.fmean(r.first_s - r.sent_s for r in results),
-                    num_tokens, {k: after[k] - before[k] for k in after}, seconds, threads)
+                    num_tokens, {k: after[k] - before[k] for k in after}, seconds, threads,
+                    engines)
 
 
 # Server-side latencies, summed over replicas: (sum, count) of each histogram.
@@ -199,6 +209,25 @@ def _metric_sums(urls: list[str]) -> dict[str, float]:
             if name.removesuffix("_sum").removesuffix("_count") in _HISTOGRAMS:
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+_REPLICA_LABEL = re.compile(r'replica="([^"]*)"')
+
+
+def _engine_counts(urls: list[str]) -> dict[str, tuple[float, float]]:
+    """Each engine's output tokens and iterations so far, from /metrics: a plain server's
+    under its URL, a fleet's replicas under their `replica` label."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ("fastserve_output_tokens_total", "fastserve_iterations_total"):
+                label = _REPLICA_LABEL.search(line)
+                key = label.group(1) if label else url
+                out[key][name == "fastserve_iterations_total"] += float(line.rsplit(" ", 1)[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def _replica_pids(root: int) -> list[int]:
@@ -439,6 +468,16 @@ def report(args: argparse.Namespace, reps: list[dict[str, Measured]]) -> None:
                               for key in ("plain", "fleet"))
         if max(plain_us, fleet_us) >= 0.5:
             print(f"  {kind:<32} {plain_us:6.1f} | {fleet_us:6.1f}")
+    print("\neach engine's share of the burst's output tokens and its tokens per iteration "
+          "(per rep: plain servers | replicas):")
+    for i, r in enumerate(reps):
+        line = []
+        for key in ("plain", "fleet"):
+            counts = sorted(r[key].engines.values(), key=lambda c: -c[0])
+            total = sum(tokens for tokens, _ in counts) or 1.0
+            line.append(", ".join(f"{tokens / total:.0%} at {tokens / max(1.0, its):.1f}/it"
+                                  for tokens, its in counts))
+        print(f"  rep {i + 1}: {line[0]} | {line[1]}")
     ingress_us = per("fleet", "ingress", "tok")
     print(f"  one ingress core streams at most ~{1e6 / ingress_us:,.0f} tokens/s at this cost")
 
