@@ -85,12 +85,12 @@ def test_cached_prefixes_give_the_same_tokens(config: dict[str, object],
     assert_same_greedy_tokens([got[i] for i in ids], [expected[i] for i in ids], prompts,
                               greedy_reference)
     s = engine.scheduler
-    assert s.stats().num_prefix_hit_tokens >= 44  # at least the system prompt, once
-    assert s.stats().num_prefix_query_tokens >= sum(len(p) for p in prompts)
+    assert s.stats().kv.num_prefix_hit_tokens >= 44  # at least the system prompt, once
+    assert s.stats().kv.num_prefix_query_tokens >= sum(len(p) for p in prompts)
     assert engine.scheduler.kv._kv.num_free_blocks == engine.scheduler.kv._kv.num_total_blocks
     if config.get("num_device_blocks") == 30:
         assert s.num_preemptions > 0
-        assert s.stats().num_offloads + s.stats().num_recomputes > 0
+        assert s.stats().kv.num_offloads + s.stats().kv.num_recomputes > 0
 
 
 def test_outputs_report_the_cached_prompt_tokens() -> None:
@@ -108,7 +108,7 @@ def test_outputs_report_the_cached_prompt_tokens() -> None:
                 cached[o.request_id] = o.num_cached_tokens
     # 62 tokens = 15 full blocks and 2 tokens: all 15 blocks hit the first run's cache.
     assert cached == {"again": 60, "other": 0}
-    assert engine.stats().scheduler.num_prefix_hit_tokens == 60
+    assert engine.stats().scheduler.kv.num_prefix_hit_tokens == 60
 
 
 def test_prefixes_evicted_to_the_host_tier_come_back_with_the_same_tokens(

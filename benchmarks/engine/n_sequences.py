@@ -28,7 +28,7 @@ def run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[i
     """(prompt tokens computed, seconds) for one request, run alone to the end."""
     def computed() -> int:
         s = engine.stats().scheduler
-        return s.num_prefix_query_tokens - s.num_prefix_hit_tokens
+        return s.kv.num_prefix_query_tokens - s.kv.num_prefix_hit_tokens
 
     before = computed()
     start = time.perf_counter()

@@ -57,8 +57,8 @@ class KVTotals:
             swap_in_blocks=stats.kv.num_swap_in_blocks,
             swap_wait_s=swap_wait_s,
             peak_kv_blocks=stats.kv.peak_used_blocks,
-            prefix_query_tokens=stats.num_prefix_query_tokens,
-            prefix_hit_tokens=stats.num_prefix_hit_tokens,
+            prefix_query_tokens=stats.kv.num_prefix_query_tokens,
+            prefix_hit_tokens=stats.kv.num_prefix_hit_tokens,
         )
 
 

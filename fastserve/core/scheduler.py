@@ -160,20 +160,14 @@ class Scheduler:
         return self.policy.num_in_top_queues(num_queues)
 
     def stats(self) -> SchedulerStats:
-        kv_stats = self.kv.stats()
         return SchedulerStats(
-            kv=kv_stats,
+            kv=self.kv.stats(),
             queue_lengths=self.queue_lengths(),
             num_running=self.count(RequestStatus.RUNNING),
             num_waiting=self.count(RequestStatus.WAITING),
             num_preempted=self.count(RequestStatus.PREEMPTED),
             num_swapped=self.count(RequestStatus.SWAPPED),
             num_preemptions=self.num_preemptions,
-            num_offloads=kv_stats.num_offloads,
-            num_uploads=kv_stats.num_uploads,
-            num_recomputes=kv_stats.num_recomputes,
-            num_prefix_query_tokens=kv_stats.num_prefix_query_tokens,
-            num_prefix_hit_tokens=kv_stats.num_prefix_hit_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -45,10 +45,5 @@ class SchedulerStats:
     num_preempted: int = 0
     num_swapped: int = 0
     num_preemptions: int = 0  # times a started request was taken out of the batch
-    num_offloads: int = 0  # times a request's KV was moved to host memory
-    num_uploads: int = 0  # times it was moved back
-    num_recomputes: int = 0  # times a request's KV was dropped for recompute
-    num_prefix_query_tokens: int = 0  # tokens of the jobs (re)started
-    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache
     num_draft_tokens: int = 0  # speculative tokens verified
     num_accepted_tokens: int = 0  # of those, the ones the model kept

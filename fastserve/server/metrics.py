@@ -82,11 +82,11 @@ class _EngineCollector(Collector):
             value=self.llm.seconds_since_progress)
         for name, value, doc in (
             ("fastserve_preemptions", s.num_preemptions, "requests preempted by the scheduler"),
-            ("fastserve_recomputes", s.num_recomputes, "preemptions that dropped KV to recompute"),
+            ("fastserve_recomputes", kv.num_recomputes, "preemptions that dropped KV to recompute"),
             ("fastserve_iterations", stats.num_iterations, "engine iterations run"),
-            ("fastserve_prefix_cache_queries", s.num_prefix_query_tokens,
+            ("fastserve_prefix_cache_queries", kv.num_prefix_query_tokens,
              "tokens of the requests started, looked up in the prefix cache"),
-            ("fastserve_prefix_cache_hits", s.num_prefix_hit_tokens,
+            ("fastserve_prefix_cache_hits", kv.num_prefix_hit_tokens,
              "of those, tokens whose KV was found cached"),
             ("fastserve_spec_decode_draft_tokens", s.num_draft_tokens,
              "speculative decoding: drafted tokens verified (predictions, ngram lookups)"),

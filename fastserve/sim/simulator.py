@@ -101,12 +101,12 @@ class SimRun:
     @property
     def prefix_query_tokens(self) -> int:
         """Prefix cache: tokens of the jobs (re)started."""
-        return self.scheduler.num_prefix_query_tokens
+        return self.scheduler.kv.num_prefix_query_tokens
 
     @property
     def prefix_hit_tokens(self) -> int:
         """Of those, the tokens found cached."""
-        return self.scheduler.num_prefix_hit_tokens
+        return self.scheduler.kv.num_prefix_hit_tokens
 
     @property
     def prefix_host_hit_tokens(self) -> int:

@@ -100,7 +100,7 @@ def test_a_forked_step_computes_its_new_token_alone(prefix_caching: bool) -> Non
     assert [dst for _, dst in plan.copies] == [s.block_ids[2] for s in plan.scheduled]
     assert [c.num_cached_tokens for c in children] == [10, 10]
     # A forked step counts its parent's tokens as prefix hits.
-    assert sched.stats().num_prefix_hit_tokens == 20
+    assert sched.stats().kv.num_prefix_hit_tokens == 20
     sched.kv._kv.unpark(["p", "c0", "c1"])
     assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
@@ -136,7 +136,7 @@ def test_the_proactive_reserve_takes_parked_kv_before_moving_a_job() -> None:
     jobs = make_requests([14, 14], [6, 6])  # 5 blocks each, taking turns: one waits resident
     run = serve(sched, jobs)
     assert all(j.num_output_tokens == 6 for j in jobs)
-    assert sched.kv._kv.num_dropped_parked == 1 and sched.stats().num_offloads == 0
+    assert sched.kv._kv.num_dropped_parked == 1 and sched.stats().kv.num_offloads == 0
     assert not any(p.swap_out for p in run.plans)
 
 

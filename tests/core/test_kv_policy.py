@@ -155,7 +155,7 @@ def test_proactive_keeps_the_reserve_free(variant: str) -> None:
         assert_all_done_and_free(serve_checked(sched, tight_requests(), on_plan=check), 60)
         return sched
 
-    assert run("proactive").stats().num_offloads > 0
+    assert run("proactive").stats().kv.num_offloads > 0
     assert short_of_reserve == []
     # Reactive, given the same reserve, ignores it: it moves KV only when it must.
     run("reactive")
@@ -175,7 +175,7 @@ def test_the_default_reserve_is_a_twentieth_of_the_device_pool() -> None:
     assert_all_done_and_free(serve_checked(sched, tight_requests(n=120), on_plan=check), 120)
     assert isinstance(sched.kv._policy, ProactivePolicy)
     assert sched.kv._policy.reserve_blocks == 5  # ceil(5% of 100)
-    assert sched.stats().num_offloads > 0
+    assert sched.stats().kv.num_offloads > 0
     assert short_of_reserve == []
 
 
@@ -184,7 +184,7 @@ def test_a_job_that_needs_the_reserve_too_still_runs() -> None:
     sched = kv_scheduler("skip-join-mlfq", "proactive", num_blocks=25, reserve=None,
                          max_batch_size=6, max_num_batched_tokens=128)
     assert_all_done_and_free(serve_checked(sched, tight_requests(seed=3)), 60)
-    assert sched.stats().num_offloads > 0
+    assert sched.stats().kv.num_offloads > 0
 
 
 def test_proactive_uploads_ahead_of_the_turn() -> None:
@@ -197,7 +197,7 @@ def test_proactive_uploads_ahead_of_the_turn() -> None:
         batch_blocks = {b for s in plan.scheduled for b in s.block_ids}
         uploaded_ahead += sum(1 for _, dev in plan.swap_in if dev not in batch_blocks)
     assert uploaded_ahead > 0
-    assert sched.stats().num_uploads == sched.stats().num_offloads > 0
+    assert sched.stats().kv.num_uploads == sched.stats().kv.num_offloads > 0
 
 
 def test_reactive_offloads_only_when_an_allocation_fails() -> None:
@@ -206,12 +206,12 @@ def test_reactive_offloads_only_when_an_allocation_fails() -> None:
                          max_batch_size=4)
     run = serve_checked(sched, tight_requests())
     assert_all_done_and_free(run, 60)
-    assert sched.stats().num_offloads == 0
+    assert sched.stats().kv.num_offloads == 0
     # ... while proactive, told to keep 4090 blocks free, offloads ahead of any failure.
     sched = kv_scheduler("skip-join-mlfq", "proactive", num_blocks=4096, reserve=4090,
                          max_batch_size=4)
     serve_checked(sched, tight_requests())
-    assert sched.stats().num_offloads > 0
+    assert sched.stats().kv.num_offloads > 0
 
 
 def test_reactive_moves_happen_inside_failed_allocations_only() -> None:
@@ -275,14 +275,14 @@ def test_what_gives_way_to_an_urgent_new_job(kv_policy: str) -> None:
     assert short.finish_s is not None and long.finish_s is not None
     if kv_policy == "defer":
         # New jobs wait for free blocks: the short job waits for the long one to finish.
-        assert sched.stats().num_offloads == sched.stats().num_recomputes == 0
+        assert sched.stats().kv.num_offloads == sched.stats().kv.num_recomputes == 0
         assert all(not p.swap_out and not p.swap_in for p in run.plans)
         assert short.finish_s > long.finish_s
     elif kv_policy == "recompute":
-        assert sched.stats().num_recomputes == 1 and sched.stats().num_offloads == 0
+        assert sched.stats().kv.num_recomputes == 1 and sched.stats().kv.num_offloads == 0
         assert short.finish_s < long.finish_s
     else:  # the long job's KV goes to host memory and comes back
-        assert sched.stats().num_offloads == sched.stats().num_uploads == 1 and sched.stats().num_recomputes == 0
+        assert sched.stats().kv.num_offloads == sched.stats().kv.num_uploads == 1 and sched.stats().kv.num_recomputes == 0
         assert short.finish_s < long.finish_s
         assert long.num_preemptions >= 1
 
@@ -295,7 +295,7 @@ def test_host_full_means_back_pressure_not_a_crash() -> None:
     [short] = make_requests([1], [2], arrivals=[0.017], prefix="short")
     run = serve_checked(sched, [long, short])
     assert_all_done_and_free(run, 2)
-    assert sched.stats().num_offloads == 0 and sched.stats().num_recomputes == 0
+    assert sched.stats().kv.num_offloads == 0 and sched.stats().kv.num_recomputes == 0
     assert short.finish_s is not None and long.finish_s is not None
     assert short.finish_s > long.finish_s  # it waited for the blocks
 
@@ -306,7 +306,7 @@ def test_tight_host_memory_finishes_everything(kv_policy: str) -> None:
                          max_num_batched_tokens=128)
     run = serve_checked(sched, tight_requests(seed=4))
     assert_all_done_and_free(run, 60)
-    assert sched.stats().num_offloads > 0
+    assert sched.stats().kv.num_offloads > 0
 
 
 def test_swapped_jobs_are_uploaded_before_they_run() -> None:
@@ -436,7 +436,7 @@ def test_with_inline_copies_proactive_moves_only_what_the_batch_needs() -> None:
                          max_batch_size=6, max_num_batched_tokens=128)
     run = serve_checked(sched, tight_requests())
     assert_all_done_and_free(run, 60)
-    assert sched.stats().num_uploads == sched.stats().num_offloads > 0
+    assert sched.stats().kv.num_uploads == sched.stats().kv.num_offloads > 0
     for plan in run.plans:
         batch_blocks = {b for s in plan.scheduled for b in s.block_ids}
         assert {dev for _, dev in plan.swap_in} <= batch_blocks
@@ -450,7 +450,7 @@ def test_with_inline_copies_dearer_than_recompute_proactive_does_what_defer_does
     sched.cost = inline(sched.cost, 1.0)
     run = serve_checked(sched, [long, short])
     assert_all_done_and_free(run, 2)
-    assert sched.stats().num_offloads == sched.stats().num_recomputes == 0
+    assert sched.stats().kv.num_offloads == sched.stats().kv.num_recomputes == 0
     assert short.finish_s is not None and long.finish_s is not None
     assert short.finish_s > long.finish_s
     # Cheap inline copies (10 us a block) pay: the long job goes to host memory and back.
@@ -458,7 +458,7 @@ def test_with_inline_copies_dearer_than_recompute_proactive_does_what_defer_does
     sched.cost = inline(sched.cost, 1e-5)
     run = serve_checked(sched, [long, short])
     assert_all_done_and_free(run, 2)
-    assert sched.stats().num_offloads == sched.stats().num_uploads == 1
+    assert sched.stats().kv.num_offloads == sched.stats().kv.num_uploads == 1
     assert short.finish_s is not None and long.finish_s is not None
     assert short.finish_s < long.finish_s
 

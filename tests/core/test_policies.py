@@ -175,7 +175,7 @@ def test_orca_reserves_prompt_plus_max_tokens_and_admits_fewer_jobs() -> None:
     assert all(len(orca.kv.block_table(rid)) == 5 for rid in orca.requests if
                orca.kv._kv.has_blocks(rid))
     run = serve(make_scheduler("orca", num_blocks=40, block_size=16), jobs())
-    assert run.scheduler.stats().num_recomputes == 0 and len(run.finished) == 10
+    assert run.scheduler.stats().kv.num_recomputes == 0 and len(run.finished) == 10
 
 
 def test_fcfs_recomputes_when_blocks_run_out_and_every_job_still_finishes() -> None:
@@ -186,9 +186,9 @@ def test_fcfs_recomputes_when_blocks_run_out_and_every_job_still_finishes() -> N
     core, executor = make_engine(sched)
     victims: dict[str, int] = {}  # request id -> tokens generated when its KV was dropped
     while sched.has_unfinished:
-        before = sched.stats().num_recomputes
+        before = sched.stats().kv.num_recomputes
         core.step()
-        if sched.stats().num_recomputes > before:
+        if sched.stats().kv.num_recomputes > before:
             for r in reqs:
                 if r.status is RequestStatus.WAITING and r.num_output_tokens > 0:
                     assert not sched.kv._kv.has_blocks(r.request_id)  # its KV was freed

@@ -79,8 +79,8 @@ def test_a_repeated_prompt_computes_only_its_last_block(policy: str) -> None:
     fed = [(s.request_id, s.start_pos, len(s.token_ids)) for p in run.plans for s in p.scheduled]
     assert ("again", 28, 2) in fed  # 7 cached blocks; the partial 8th is computed
     assert again.num_cached_tokens == 28 and first.num_cached_tokens == 0
-    assert sched.stats().num_prefix_hit_tokens == 28
-    assert sched.stats().num_prefix_query_tokens == 60
+    assert sched.stats().kv.num_prefix_hit_tokens == 28
+    assert sched.stats().kv.num_prefix_query_tokens == 60
     assert sched.kv._kv.num_free_blocks == sched.kv._kv.num_total_blocks
 
 

@@ -40,7 +40,7 @@ def test_no_job_is_offloaded_and_uploaded_in_one_iteration() -> None:
                                  max_batch_size=6, max_num_batched_tokens=128)
             run = serve_checked(sched, tight_requests(seed=5))
             assert_all_done_and_free(run, 60)
-            assert sched.stats().num_offloads > 0
+            assert sched.stats().kv.num_offloads > 0
             for plan in run.plans:
                 # A job moved both ways would have its host blocks written and read at once.
                 assert not {h for _, h in plan.swap_out} & {h for h, _ in plan.swap_in}

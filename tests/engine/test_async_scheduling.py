@@ -118,7 +118,7 @@ def test_greedy_outputs_equal_scheduling_in_step(case: str,
     if case == "recompute":
         assert moves.num_recomputes > 0
     if "prefix" in case:
-        assert ahead.scheduler.stats().num_prefix_hit_tokens > 0
+        assert ahead.scheduler.stats().kv.num_prefix_hit_tokens > 0
     assert ahead.scheduler.kv._kv.num_free_blocks == ahead.scheduler.kv._kv.num_total_blocks
 
 

@@ -29,7 +29,7 @@ def _prompt(engine: LLMEngine, num_tokens: int, seed: int) -> list[int]:
 def _prefilled(engine: LLMEngine) -> int:
     """Prompt tokens the engine computed (those it looked up, less those found cached)."""
     s = engine.stats().scheduler
-    return s.num_prefix_query_tokens - s.num_prefix_hit_tokens
+    return s.kv.num_prefix_query_tokens - s.kv.num_prefix_hit_tokens
 
 
 def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams,

@@ -48,7 +48,7 @@ def test_every_request_gets_the_tokens_it_gets_alone(async_scheduling: bool) -> 
                 if out.finished:
                     got.setdefault(out.request_id, []).append((out.index, out.token_ids))
         kv = engine.scheduler.kv._kv
-        assert engine.scheduler.stats().num_offloads > 0 and kv.num_swap_in_blocks > 0
+        assert engine.scheduler.stats().kv.num_offloads > 0 and kv.num_swap_in_blocks > 0
         assert kv.num_dropped_parked > 0 and kv.num_host_hit_blocks > 0
         assert kv.num_requests == kv.num_parked == 0
         assert kv.num_free_blocks == kv.num_total_blocks

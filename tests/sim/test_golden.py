@@ -136,7 +136,7 @@ def engine_cases() -> Iterator[tuple[str, dict[str, Any]]]:
                 s = engine.stats().scheduler
                 row: list[Any] = [s.num_running, s.num_waiting, s.num_preempted]
                 if with_kv:
-                    row += [s.kv.num_total_blocks - s.kv.num_free_blocks, s.num_prefix_hit_tokens]
+                    row += [s.kv.num_total_blocks - s.kv.num_free_blocks, s.kv.num_prefix_hit_tokens]
                 steps.append(row)
             yield f"engine/{name}", {"steps": steps, "lengths": sorted(lengths)}
 
