@@ -182,7 +182,7 @@ class Fleet:
                 raise RuntimeError(f"{len(table.urls)} of {self.opts.num_replicas} replicas "
                                    f"reported their address within {_ADDRESS_TIMEOUT_S:.0f} s")
             await asyncio.sleep(0.1)
-        self.client = ReplicaClient()
+        self.client = ReplicaClient(sender=table.sender)
         return FleetIngress(table, self.client, self.metrics, self.hints,
                             self.opts.max_body_bytes, max_attempts=self.opts.num_replicas + 3,
                             metrics_key=self.opts.api_key if self.opts.metrics_require_key

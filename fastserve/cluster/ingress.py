@@ -123,6 +123,8 @@ class Replicas(Protocol):
 
     def mark_down(self, replica_id: str) -> None: ...
 
+    def forget(self, target: Target) -> None: ...
+
 
 class _ClientGone(Exception):
     """The client went away: nobody is left to answer."""
@@ -183,6 +185,9 @@ class _Exchange:
         self.receive = receive
         self.send = send
         self.resp: aiohttp.ClientResponse | None = None  # the current replica's response
+        # The replica the request was sent to, until its engine is known to have taken it in
+        # (its answer began with a 2xx); forgotten by the table otherwise.
+        self.target: Target | None = None
         self.gone = False
         self.started = False  # the response's start has gone to the client
         self.complete = False  # the replica's answer was read to its end
@@ -204,6 +209,8 @@ class _Exchange:
             return 500
         finally:
             watcher.cancel()
+            if self.target is not None:
+                self.ingress.replicas.forget(self.target)
             if self.resp is not None:
                 # NOTE: a connection whose answer was not read to its end is closed, not
                 # reused: the replica sees its client go and aborts the request.
@@ -224,6 +231,10 @@ class _Exchange:
                               "application/json", {"retry-after": "1"})
             return 503
         resp, body = first
+        if resp.status < 300 and self.route is not None:
+            # NOTE: a replica answers a generation request after its first output, so after
+            # its engine took the request in: the replica's count of them says so from now.
+            self.target = None
         m.first_byte.observe(time.perf_counter() - t0)
         self.started = True
         await self.send({"type": "http.response.start", "status": resp.status,
@@ -250,6 +261,7 @@ class _Exchange:
             if target is None:  # none known yet, or all restarting
                 await asyncio.sleep(_RETRY_BACKOFF_S * (attempt + 1))
                 continue
+            self.target = target
             try:
                 self.resp = await self.ingress.client.open(target.url, self.req)
                 body = await self.resp.content.readany()
@@ -262,6 +274,8 @@ class _Exchange:
                 if isinstance(exc, aiohttp.ClientConnectorError):  # not listening: down
                     self.ingress.replicas.mark_down(target.replica_id)
                 tried.add(target.replica_id)
+                self.ingress.replicas.forget(target)
+                self.target = None
                 if self.resp is not None:
                     self.resp.close()
                     self.resp = None

@@ -13,11 +13,16 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
+# The ingress names itself to the replicas in this header; each counts the requests it takes in
+# per sender (`ReplicaStats.admitted`), so the ingress's router knows which have arrived. A
+# client's own is replaced.
+SENDER_HEADER = b"x-fastserve-ingress"
 # Headers of one connection, not of the request or response (RFC 9110 7.6.1); `host` and
-# `content-length` are set by the client again, `date` and `server` by the ingress's uvicorn.
+# `content-length` are set by the client again, `date` and `server` by the ingress's uvicorn
+# (and the sender's by the ingress).
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
                          b"transfer-encoding", b"upgrade", b"proxy-authorization",
-                         b"proxy-authenticate", b"host", b"content-length"})
+                         b"proxy-authenticate", b"host", b"content-length", SENDER_HEADER})
 _NOT_FROM_REPLICA = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"trailer",
                                b"upgrade", b"date", b"server"})
 # An idle connection to a replica is closed after this long (before the replica's own limit,
@@ -41,8 +46,9 @@ class ForwardedRequest:
 class ReplicaClient:
     """Opens each forwarded request on a replica; made on the ingress's event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, sender: str | None = None) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self.sender = sender  # sent as `SENDER_HEADER` with every request (None: not sent)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -66,6 +72,8 @@ class ReplicaClient:
             target += "?" + req.query_string.decode("latin-1")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in req.headers
                    if k.lower() not in _HOP_BY_HOP]
+        if self.sender is not None:
+            headers.append((SENDER_HEADER.decode(), self.sender))
         return await self.session.request(req.method, URL(target, encoded=True),
                                           headers=headers, data=req.body or None,
                                           allow_redirects=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -26,14 +27,15 @@ import ray
 import uvicorn
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fastserve.args import engine_config_from_args
 from fastserve.cluster.asgi import BatchedStreams
 from fastserve.cluster.metrics import replica_samples
+from fastserve.cluster.proxy import SENDER_HEADER
 from fastserve.cluster.router import ADDRESS_KEY, METRICS_KEY, STATS_KEY, WATCHER_PATH
 from fastserve.core.replica_stats import ReplicaStats
-from fastserve.engine.async_llm import AsyncLLM
+from fastserve.engine.async_llm import SENDER, AsyncLLM
 from fastserve.server.app import build_app
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,26 @@ class ReplicaHTTP:
             self.sock.close()
 
 
+class SenderCounted:
+    """`app`, with each request's sender (the ingress that forwarded it, by its
+    `X-Fastserve-Ingress` header) known to the engine, which counts what it takes in from each
+    (`AsyncLLM.admitted`, reported in the routing stats)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = next((v for k, v in scope.get("headers", ()) if k == SENDER_HEADER), None)
+        if scope["type"] != "http" or sender is None:
+            await self.app(scope, receive, send)
+            return
+        token = SENDER.set(sender.decode("latin-1"))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            SENDER.reset(token)
+
+
 class EngineReplica:
     """The deployment's class (`deployment()` wraps it for Ray Serve)."""
 
@@ -139,7 +161,7 @@ class EngineReplica:
                              responses_store_mib=0)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         host = spec.host or ray.util.get_node_ip_address()
-        self.http = ReplicaHTTP(BatchedStreams(self.app, spec.stream_batch_s), host)
+        self.http = ReplicaHTTP(SenderCounted(BatchedStreams(self.app, spec.stream_batch_s)), host)
         logger.info("replica %s serving at %s (pid %d)", self.replica_id, self.http.url,
                     os.getpid())
 
@@ -173,9 +195,15 @@ class EngineReplica:
         scheduler = self.llm.engine.scheduler
         # NOTE: read on the engine thread, between iterations (the scheduler is not
         # thread-safe); `_call` is AsyncLLM's way to run a function there.
-        stats: ReplicaStats = await self.llm._call(
-            lambda: scheduler.replica_stats(self.replica_id, time.time(),
-                                            max_prefix_hashes=self.spec.max_prefix_hashes))
+
+        def snapshot() -> ReplicaStats:
+            stats = scheduler.replica_stats(self.replica_id, time.time(),
+                                            max_prefix_hashes=self.spec.max_prefix_hashes)
+            # NOTE: on the same thread and turn as the snapshot: the count and the requests in
+            # the snapshot agree.
+            return dataclasses.replace(stats, admitted=self.llm.admitted())
+
+        stats: ReplicaStats = await self.llm._call(snapshot)
         return stats
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,7 @@ class Target:
 
     replica_id: str
     url: str  # its HTTP server, "http://host:port"
+    request_id: str = ""  # the request as the router noted it sent there
 
 
 class ReplicaTable:
@@ -88,6 +90,10 @@ class ReplicaTable:
     def __init__(self, app_name: str, policy: Router) -> None:
         self.app_name = app_name
         self.policy = policy
+        # This ingress's name to the replicas (`proxy.SENDER_HEADER`): they count what they
+        # take in from it, and the policy keeps counting a request until they have it.
+        self.sender = uuid.uuid4().hex[:16]
+        policy.source = self.sender
         self.urls: dict[str, str] = {}  # replica id -> its HTTP server
         self._stats_time: dict[str, float] = {}  # per replica: the snapshot the policy has
         self._down_until: dict[str, float] = {}  # replicas that refused a connection
@@ -108,7 +114,12 @@ class ReplicaTable:
         route = route or RouteRequest(f"no-prompt-{next(self._ids)}", 1)
         rid = self.policy.rank(route, now, ids)[0]
         self.policy.note_sent(route, rid, now)
-        return Target(rid, self.urls[rid])
+        return Target(rid, self.urls[rid], route.request_id)
+
+    def forget(self, target: Target) -> None:
+        """The request sent to `target` never reached its engine (the connection failed, or
+        the replica refused it): not counted there any more."""
+        self.policy.forget(target.request_id, target.replica_id)
 
     def mark_down(self, replica_id: str) -> None:
         """A connection to this replica failed: leave it out for a while."""

@@ -52,8 +52,9 @@ class ReplicaStats:
     """One replica's state at `time_s`, as a router sees it (a snapshot, possibly stale).
 
     NOTE: `time_s` is on the same time base as the `now` the router is given (the simulator's
-    virtual clock; in Ray, `time.time()` on both sides): the router drops its own bookkeeping of
-    requests sent before `time_s`, which the snapshot already counts.
+    virtual clock; in Ray, `time.time()` on both sides). Without `admitted` the router drops its
+    own bookkeeping of the requests sent before `time_s`, which the snapshot then counts (true
+    where a request reaches the scheduler the moment it is sent: the simulator).
     """
 
     replica_id: str  # the name the router returns for it
@@ -79,6 +80,13 @@ class ReplicaStats:
     # level j or below (so reached it): how likely a new job is to meet the work queued down
     # there. Empty before any job finished (a router then counts its join level's work only).
     level_reach: tuple[float, ...] = ()
+    # Per sender (a fleet ingress's `Router.source`): how many of its requests this replica's
+    # engine has taken in, since it started, as of this snapshot. A router that sends as one of
+    # them keeps counting each request it sent here until this count includes it: between the
+    # send and the engine's intake (the network, the replica's HTTP server, its engine's next
+    # iteration) neither the snapshot nor a time stamp says whether it is in. None: not
+    # counted (the simulator, where the send is the intake).
+    admitted: dict[str, int] | None = None
 
     @property
     def num_levels(self) -> int:
@@ -91,6 +99,7 @@ class ReplicaStats:
         d["prefix_hashes"] = sorted(self.prefix_hashes)
         d["model"] = self.model.to_json()
         d["extra"] = dict(self.extra)
+        d["admitted"] = None if self.admitted is None else dict(self.admitted)
         return d
 
     @classmethod
@@ -100,4 +109,6 @@ class ReplicaStats:
         d["level_reach"] = tuple(float(x) for x in d.get("level_reach", ()))
         d["prefix_hashes"] = frozenset(int(h) for h in d["prefix_hashes"])
         d["model"] = ReplicaModel.from_json(d["model"])
+        if d.get("admitted") is not None:
+            d["admitted"] = {str(k): int(v) for k, v in d["admitted"].items()}
         return cls(**d)

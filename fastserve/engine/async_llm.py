@@ -18,8 +18,9 @@ import gc
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,12 @@ logger = logging.getLogger(__name__)
 _STATS_PERIOD_S = 0.05
 # How often a loop with nothing to run but requests waiting for their grammars looks again.
 _PREPARATION_POLL_S = 0.01
+# Who sent the request being handled, when a fleet's ingress did (its `X-Fastserve-Ingress`
+# header, set by the replica's HTTP server): `generate` counts its requests taken in, for the
+# ingress's router (`admitted`).
+SENDER: ContextVar[str | None] = ContextVar("fastserve_sender", default=None)
+# Senders counted at most (the oldest forgotten first): a fleet has one ingress or a few.
+_MAX_SENDERS = 64
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
@@ -91,6 +98,8 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Per sender (`SENDER`): requests taken in; changed and read on the engine thread.
+        self._admitted: OrderedDict[str, int] = OrderedDict()
         self._stopping = False
         self._closed = False  # set by the engine thread once it takes no more commands
         self._is_released = False  # set by `shutdown` once the engine (model, KV pool) is freed
@@ -176,6 +185,7 @@ class AsyncLLM:
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
+        sender = SENDER.get()
         if params is not None and (params.bad_words or params.prediction):
             # NOTE: tokenized here, off the engine thread: a long prediction takes a while
             params = await asyncio.to_thread(self.engine.tokenize_texts, params)
@@ -192,6 +202,8 @@ class AsyncLLM:
                                           oracle_output_len=oracle_output_len, priority=priority,
                                           lora=lora, cache_salt=cache_salt)
             self._streams[req.request_id] = stream
+            if sender is not None:
+                self._count_admitted(sender)
             return req.request_id
 
         added = self._submit_checked(add)
@@ -398,6 +410,17 @@ class AsyncLLM:
             reason = self.dead_reason or "the engine has stopped"
             self._fail_all(EngineShutdownError(reason) if self._stopping else EngineDeadError(reason))
         self._close()
+
+    def admitted(self) -> dict[str, int]:
+        """Per sender (`SENDER`), the requests the engine has taken in from it.
+        NOTE: call it on the engine thread (`_call`), with what it must agree with."""
+        return dict(self._admitted)
+
+    def _count_admitted(self, sender: str) -> None:
+        self._admitted[sender] = self._admitted.get(sender, 0) + 1
+        self._admitted.move_to_end(sender)
+        if len(self._admitted) > _MAX_SENDERS:
+            self._admitted.popitem(last=False)
 
     def _stats_now(self) -> EngineStats:
         self._stats = self.engine.stats()

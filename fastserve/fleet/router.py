@@ -14,12 +14,20 @@ The calls, in the order a host makes them:
   sent to the first. A host that may send elsewhere (Ray when the first is full) calls
   `rank(...)` and then `note_sent(...)` with the replica it actually used; `choose` is exactly
   those two calls.
+- `forget(request_id, replica_id)`: a request sent there never reached its engine.
 - `remove(replica_id)`: a replica left the fleet.
 
 Staleness: a snapshot is as old as its period. Between two, the router keeps its own
 optimistic bookkeeping of what it sent each replica (one more request, the work of the level it
-was predicted to join, its prefix blocks as cached there, its blocks as used), and drops it for
-the requests sent before a newer snapshot's `time_s` (which already counts them).
+was predicted to join, its prefix blocks as cached there, its blocks as used) until a snapshot
+counts the request. A router with a `source` (a fleet's ingress) drops its oldest requests sent
+to a replica as that replica's count of requests taken in from the source
+(`ReplicaStats.admitted`) grows: a request on its way (the network, the replica's HTTP server,
+the wait for the engine's next iteration) is in neither the snapshot nor a time stamp's past,
+and a burst sent within one period would otherwise be forgotten before it arrives. A host that
+learns a request never reached a replica's engine (refused, or the connection failed) calls
+`forget`. Without counts (the simulator, whose sends arrive at once), the requests sent before
+a newer snapshot's `time_s` are dropped.
 
 Determinism: the candidates are taken in sorted order whatever order the host passes them,
 and the only randomness (power of two choices) comes from a `random.Random(seed)` the router
@@ -30,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +47,11 @@ from fastserve.core.policies.mlfq_settings import ChargeModel
 from fastserve.core.replica_stats import ReplicaModel, ReplicaStats
 
 __all__ = ["ReplicaModel", "ReplicaStats", "RouteRequest", "Router", "ReplicaView"]
+
+
+# A send that no snapshot has counted as taken in (`ReplicaStats.admitted`) is dropped after
+# this long: a replica takes a request in within a second of its arrival, before it queues.
+UNACKED_SEND_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class RouteRequest:
 class _Sent:
     """A request the router sent a replica since that replica's last snapshot."""
 
+    request_id: str
     sent_s: float
     level: int  # the level it was predicted to join there
     num_blocks: int  # KV blocks its prompt needs there, less its hit
@@ -82,12 +96,26 @@ class ReplicaView:
 
     replica_id: str
     stats: ReplicaStats | None = None
-    sent: list[_Sent] = field(default_factory=list)
+    sent: deque[_Sent] = field(default_factory=deque)  # oldest first
     _sent_hashes: Counter[int] = field(default_factory=Counter)
+    # The replica's count of requests taken in from the router's source, at the last snapshot
+    # that had one: the sends it covers were dropped.
+    num_admitted: int = 0
 
-    def update(self, stats: ReplicaStats) -> None:
+    def update(self, stats: ReplicaStats, source: str | None = None) -> None:
         self.stats = stats
-        kept = [s for s in self.sent if s.sent_s >= stats.time_s]
+        if source is not None and stats.admitted is not None:
+            admitted = stats.admitted.get(source, 0)
+            # NOTE: a request forgotten here that the replica took in after all (it failed
+            # after its intake) takes a later send with it: undercounted until a snapshot.
+            for _ in range(min(admitted - self.num_admitted, len(self.sent))):
+                self._drop(self.sent.popleft())
+            self.num_admitted = max(self.num_admitted, admitted)
+            # A send its host neither saw arrive nor forgot (lost) counts this long at most.
+            while self.sent and self.sent[0].sent_s < stats.time_s - UNACKED_SEND_S:
+                self._drop(self.sent.popleft())
+            return
+        kept = deque(s for s in self.sent if s.sent_s >= stats.time_s)
         if len(kept) != len(self.sent):
             self.sent = kept
             self._sent_hashes = Counter(h for s in kept for h in s.block_hashes)
@@ -95,6 +123,20 @@ class ReplicaView:
     def note_sent(self, sent: _Sent) -> None:
         self.sent.append(sent)
         self._sent_hashes.update(sent.block_hashes)
+
+    def forget(self, request_id: str) -> None:
+        """A request sent here never reached the engine: stop counting it."""
+        for s in self.sent:
+            if s.request_id == request_id:
+                self.sent.remove(s)
+                self._drop(s)
+                return
+
+    def _drop(self, sent: _Sent) -> None:
+        self._sent_hashes.subtract(sent.block_hashes)
+        for h in sent.block_hashes:
+            if self._sent_hashes[h] <= 0:
+                del self._sent_hashes[h]
 
     def num_requests(self) -> int:
         """Unfinished requests, counting those sent since the snapshot."""
@@ -143,6 +185,9 @@ class Router(ABC):
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
+        # Who sends (a fleet ingress names itself to its replicas, which count its requests in
+        # `ReplicaStats.admitted`); None: a host whose sends arrive at once (the simulator).
+        self.source: str | None = None
         self.views: dict[str, ReplicaView] = {}
         self._charges: dict[ReplicaModel, ChargeModel] = {}  # per replica model, built once
 
@@ -150,7 +195,14 @@ class Router(ABC):
 
     def update(self, stats: ReplicaStats) -> None:
         """Take a replica's new snapshot (a replica not seen before joins the fleet)."""
-        self._view(stats.replica_id).update(stats)
+        self._view(stats.replica_id).update(stats, self.source)
+
+    def forget(self, request_id: str, replica_id: str) -> None:
+        """The request sent to `replica_id` never reached its engine (refused there, or the
+        connection failed): stop counting it there."""
+        view = self.views.get(replica_id)
+        if view is not None:
+            view.forget(request_id)
 
     def remove(self, replica_id: str) -> None:
         """A replica left the fleet: forget it."""
@@ -187,7 +239,7 @@ class Router(ABC):
             level = self.join_level(req, view, model, hit)
         need = 0 if model is None else max(
             0, num_blocks_for(req.num_prompt_tokens, model.block_size) - hit)
-        view.note_sent(_Sent(now, level, need, req.block_hashes))
+        view.note_sent(_Sent(req.request_id, now, level, need, req.block_hashes))
 
     # -- shared predictions -----------------------------------------------------------------
 

@@ -17,7 +17,9 @@ Format (one JSON object; version 1):
         "request": {"request_id": "a", "num_prompt_tokens": 900, "block_hashes": [...]},
         "ranked": ["r1", "r0"]},
        {"event": "sent", "time_s": 1.25, "request_id": "a", "replica_id": "r1"},
-       {"event": "remove", "replica_id": "r0"}]}
+       {"event": "forget", "request_id": "a", "replica_id": "r1"},
+       {"event": "remove", "replica_id": "r0"}],
+     "source": "ingress-id" | null}
 
 To keep traces small, a stats event after a replica's first may give its prefix hashes as a
 change from its previous snapshot (`"prefix_added"`, `"prefix_removed"` instead of
@@ -61,6 +63,11 @@ class RecordingRouter(Router):
         self.events.append({"event": "remove", "replica_id": replica_id})
         self.inner.remove(replica_id)
 
+    def forget(self, request_id: str, replica_id: str) -> None:
+        self.events.append({"event": "forget", "request_id": request_id,
+                            "replica_id": replica_id})
+        self.inner.forget(request_id, replica_id)
+
     def rank(self, req: RouteRequest, now: float,
              candidates: Iterable[str] | None = None) -> list[str]:
         cands = None if candidates is None else sorted(set(candidates))
@@ -83,7 +90,7 @@ class RecordingRouter(Router):
 
     def to_json(self) -> dict[str, Any]:
         return {"format": TRACE_FORMAT, "version": TRACE_VERSION, "router": self.spec,
-                "seed": self.seed, "events": self.events}
+                "seed": self.seed, "events": self.events, "source": self.inner.source}
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
@@ -132,6 +139,7 @@ def replay(trace: dict[str, Any], router: Router | None = None) -> list[Mismatch
     """Feed a recorded trace to `router` (default: a fresh one of the trace's spec and seed);
     returns the rank events whose ranking differs from the recorded one (empty: all match)."""
     router = router or make_router(trace["router"], seed=int(trace["seed"]))
+    router.source = trace.get("source")
     hashes: dict[str, frozenset[int]] = {}
     models: dict[str, ReplicaModel] = {}
     requests: dict[str, RouteRequest] = {}
@@ -151,6 +159,8 @@ def replay(trace: dict[str, Any], router: Router | None = None) -> list[Mismatch
         elif kind == "sent":
             router.note_sent(requests.pop(ev["request_id"]), ev["replica_id"],
                              float(ev["time_s"]))
+        elif kind == "forget":
+            router.forget(ev["request_id"], ev["replica_id"])
         elif kind == "remove":
             router.remove(ev["replica_id"])
         else:

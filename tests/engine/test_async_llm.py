@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fastserve.args import engine_config
-from fastserve.engine.async_llm import AsyncLLM
+from fastserve.engine.async_llm import SENDER, AsyncLLM
 from fastserve.request import RequestOutput, SamplingParams
 from tests.conftest import TEST_DTYPE
 
@@ -107,6 +107,30 @@ def test_bad_request_fails_alone(llm: AsyncLLM) -> None:
     outs, message = asyncio.run(run())
     assert "maximum context length" in message
     assert outs[-1].finished and len(outs[-1].token_ids) == 8
+
+
+def test_requests_taken_in_are_counted_per_sender(llm: AsyncLLM) -> None:
+    """What a fleet replica reports to its ingress's router: the requests its engine took in
+    from that ingress (`SENDER`), a refused one not among them, nobody's not counted."""
+    good = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def as_sender(sender: str | None, prompt: list[int]) -> None:
+        token = SENDER.set(sender)
+        try:
+            await _collect(llm, prompt, good)
+        finally:
+            SENDER.reset(token)
+
+    async def run() -> dict[str, int]:
+        before = await llm._call(llm.admitted)
+        await asyncio.gather(as_sender("ingress-a", [4, 5]), as_sender("ingress-a", [6, 7]),
+                             as_sender("ingress-b", [8]), as_sender(None, [9]))
+        with pytest.raises(ValueError):
+            await as_sender("ingress-a", list(range(3, 3000)))  # refused: not taken in
+        after: dict[str, int] = await llm._call(llm.admitted)
+        return {k: v - before.get(k, 0) for k, v in after.items()}
+
+    assert asyncio.run(run()) == {"ingress-a": 2, "ingress-b": 1}
 
 
 @pytest.mark.parametrize("coalesce", [False, True])

@@ -22,8 +22,9 @@ from fastserve.cluster.asgi import BatchedStreams  # noqa: E402
 from fastserve.cluster.ingress import FleetIngress  # noqa: E402
 from fastserve.cluster.metrics import FleetMetrics  # noqa: E402
 from fastserve.cluster.proxy import ReplicaClient  # noqa: E402
-from fastserve.cluster.replica import ReplicaHTTP  # noqa: E402
+from fastserve.cluster.replica import ReplicaHTTP, SenderCounted  # noqa: E402
 from fastserve.cluster.router import Target  # noqa: E402
+from fastserve.engine.async_llm import SENDER  # noqa: E402
 from fastserve.fleet.router import RouteRequest  # noqa: E402
 
 
@@ -35,6 +36,10 @@ def _app(events: list[str]) -> FastAPI:
         body = await request.json()
         return JSONResponse({"got": body, "q": request.url.query}, status_code=201,
                             headers={"x-seen": "yes"})
+
+    @app.get("/sender")
+    async def sender() -> JSONResponse:  # who the engine would count this request for
+        return JSONResponse({"sender": SENDER.get()})
 
     @app.get("/tokens")
     async def tokens() -> StreamingResponse:
@@ -71,6 +76,7 @@ class FixedReplicas:
     def __init__(self, urls: list[str]) -> None:
         self.targets = [Target(f"r{i}", url) for i, url in enumerate(urls)]
         self.down: list[str] = []
+        self.forgotten: list[str] = []
 
     def choose(self, route: RouteRequest | None,
                exclude: frozenset[str] = frozenset()) -> Target | None:
@@ -79,6 +85,9 @@ class FixedReplicas:
 
     def mark_down(self, replica_id: str) -> None:
         self.down.append(replica_id)
+
+    def forget(self, target: Target) -> None:
+        self.forgotten.append(target.replica_id)
 
 
 def _closed_port_url() -> str:
@@ -90,14 +99,14 @@ def _closed_port_url() -> str:
 @pytest.fixture(scope="module")
 def replica() -> Iterator[tuple[ReplicaHTTP, list[str]]]:
     events: list[str] = []
-    http = ReplicaHTTP(BatchedStreams(_app(events), 0.05), "127.0.0.1")
+    http = ReplicaHTTP(SenderCounted(BatchedStreams(_app(events), 0.05)), "127.0.0.1")
     yield http, events
     asyncio.run(http.stop())
 
 
 def _ingress(urls: list[str], attempts: int = 3) -> FleetIngress:
-    return FleetIngress(FixedReplicas(urls), ReplicaClient(), FleetMetrics(dict), None, 1 << 20,
-                        max_attempts=attempts)
+    return FleetIngress(FixedReplicas(urls), ReplicaClient(sender="ingress-1"),
+                        FleetMetrics(dict), None, 1 << 20, max_attempts=attempts)
 
 
 def _serve(app: FleetIngress) -> tuple[str, Callable[[], None]]:
@@ -135,6 +144,9 @@ def test_a_request_and_a_stream_come_through_whole(replica: tuple[ReplicaHTTP, l
         echoed = httpx.post(url + "/echo?x=2", json={"a": 1}, timeout=30)
         assert echoed.status_code == 201 and echoed.headers["x-seen"] == "yes"
         assert echoed.json() == {"got": {"a": 1}, "q": "x=2"}
+        # The replica's engine counts the request for the ingress, whatever the client says.
+        sender = httpx.get(url + "/sender", headers={"x-fastserve-ingress": "forged"}, timeout=30)
+        assert sender.json() == {"sender": "ingress-1"}
         t0 = time.perf_counter()
         chunks, first_s = [], 0.0
         with httpx.stream("GET", url + "/tokens", timeout=30) as resp:
@@ -149,8 +161,10 @@ def test_a_request_and_a_stream_come_through_whole(replica: tuple[ReplicaHTTP, l
     assert b"".join(chunks) == whole  # nothing lost, nothing reordered
     assert len(chunks) <= 10  # ~200 ms of tokens in 50 ms batches, not one write per token
     assert first_s < 0.5 and whole_s < 1.0  # the first token and the end are not held
-    # The replica that was not listening was tried once, then left out.
+    # The replica that was not listening was tried once, then left out, and the request sent
+    # there not counted there; a request that is not a generation is not counted either.
     assert isinstance(ingress.replicas, FixedReplicas) and ingress.replicas.down == ["r0"]
+    assert ingress.replicas.forgotten == ["r0", "r1", "r1", "r1"]
 
 
 def test_no_replica_is_a_503_after_the_attempts() -> None:

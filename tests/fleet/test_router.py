@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -104,6 +105,42 @@ def test_bookkeeping_spreads_a_burst_between_snapshots_and_yields_to_a_newer_one
     assert view.num_requests() == 2
     router.update(reps[0].stats(time_s=0.1))  # newer: its count (0, none arrived) stands
     assert view.num_requests() == 0
+
+
+def test_a_send_counts_until_the_replica_says_it_took_it_in() -> None:
+    """An ingress's router (with a `source`): a snapshot taken after a send but before the
+    replica's engine took the request in does not drop it; the replica's count does, and a
+    request that never arrived is forgotten by name."""
+    reps = fleet(2)
+    router = make_router("fastserve")
+    router.source = "ingress-a"
+
+    def snapshot(rep: Replica, time_s: float, admitted: int) -> None:
+        stats = dataclasses.replace(rep.stats(time_s), admitted={"ingress-a": admitted,
+                                                                 "ingress-b": 7})
+        router.update(stats)
+
+    for r in reps:
+        snapshot(r, 0.0, 0)
+    got = Counter(router.choose(short_job(f"b{i}"), 0.05) for i in range(8))
+    assert sorted(got.values()) == [4, 4]
+    view = router.views["r0"]
+    snapshot(reps[0], 1.0, 0)  # newer than every send, none arrived yet: all still count
+    assert view.num_requests() == 4
+    reps[0].add(*(request(f"x{i}", prompt(i, 8), 4) for i in range(3)))
+    snapshot(reps[0], 1.1, 3)  # three arrived: the snapshot counts them, the router the 4th
+    assert view.num_requests() == 4
+    sent = [s.request_id for s in view.sent]
+    assert len(sent) == 1
+    router.forget(sent[0], "r0")  # it never reached the engine
+    assert view.num_requests() == 3
+    # Another ingress's requests are not this router's: the same count drops nothing more.
+    router.choose(short_job("c0"), 1.2, ["r0"])
+    snapshot(reps[0], 1.3, 3)
+    assert view.num_requests() == 4
+    # A send no snapshot ever counted stops counting after UNACKED_SEND_S.
+    snapshot(reps[0], 1.2 + 61.0, 3)
+    assert view.num_requests() == 3
 
 
 def test_bad_router_specs_are_refused_by_name() -> None:
