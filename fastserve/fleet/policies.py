@@ -85,8 +85,13 @@ class FastServeRouter(Router):
 
     Bound on imbalance: only candidates with at most `max_imbalance` more unfinished
     requests than the least busy one are eligible, so affinity for a prefix or an empty top
-    level never piles jobs onto one replica. Equal scores go to the replica with fewer
-    requests, then the lower id.
+    level never piles jobs onto one replica. Scores within `near_ratio` of the best count as
+    equal, and among them the replica with fewer requests goes first (then the lower score,
+    then the lower id): the score stands in the lowest level's quantum for each job's unknown
+    rest, so where replicas differ by that little it is noise, while each job they hold takes
+    a batch slot until it ends. Without this a burst of like requests was split by such noise
+    up to the bound (130/134 of 264 in the simulator), and the replica given more ran its
+    last jobs in a batch of a few (issue 60's burst: 0.88x the tokens/s of an even split).
     """
 
     name = "fastserve"
@@ -94,12 +99,16 @@ class FastServeRouter(Router):
     # Defaults from benchmarks/fleet/fleet_sim.py (16 replicas, load 0.9): a bound of 8 requests
     # made mean JCT on the Zipf trace 1.6% worse than power of two's (4: even), and 4 costs
     # 1% of it on Mooncake against 8; weighting the deeper levels evened p99 on Zipf.
+    # `near_ratio`: see docs/results/2026-12-07-fleet-ingress-overhead.md.
     def __init__(self, seed: int = 0, max_imbalance: float = 4, load_weight: float = 0.0,
-                 deep_weight: float = 1.0) -> None:
+                 deep_weight: float = 1.0, near_ratio: float = 0.2) -> None:
         super().__init__(seed)
         if max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
+        if near_ratio < 0:
+            raise ValueError(f"near_ratio must be >= 0, got {near_ratio}")
         self.max_imbalance = max_imbalance
+        self.near_ratio = near_ratio
         self.load_weight = load_weight  # weight of the total queued work, beyond the job's level
         self.deep_weight = deep_weight  # weight of deeper levels' work (0: its join level's)
 
@@ -111,7 +120,20 @@ class FastServeRouter(Router):
         least = min(n for _, n, _ in scored)
         eligible = sorted(s for s in scored if s[1] <= least + self.max_imbalance)
         rest = sorted(s for s in scored if s[1] > least + self.max_imbalance)
-        return [rid for _, _, rid in eligible + rest]
+        # Near the best: as good a prefix hit, and a score within near_ratio of its.
+        best_s, _, best = eligible[0]
+        hit = self._hit_blocks(req, best)
+        near = sorted((s for s in eligible if s[0] <= best_s * (1.0 + self.near_ratio)
+                       and self._hit_blocks(req, s[2]) == hit),
+                      key=lambda s: (s[1], s[0], s[2]))
+        far = [s for s in eligible if s not in near]
+        return [rid for _, _, rid in near + far + rest]
+
+    def _hit_blocks(self, req: RouteRequest, rid: str) -> int:
+        view = self.views[rid]
+        model = self._model_for(view)
+        return 0 if model is None else view.hit_blocks(req.block_hashes,
+                                                        self.max_hit_blocks(req, model))
 
     def score_s(self, req: RouteRequest, view: ReplicaView) -> float:
         """Predicted wait plus prefill of `req` on that replica (see the class docstring)."""

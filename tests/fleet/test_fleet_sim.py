@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from fastserve.request import WorkItem
 from fastserve.sim.fleet import simulate_fleet
 from fastserve.sim.simulator import simulate_run
 
+REPO = Path(__file__).resolve().parents[2]
 COST = CostModel(fixed_s=10e-3, per_prefill_token_s=5e-5, per_decode_s=1e-4,
                  per_context_token_s=2e-7)
 CONFIG = engine_config(policy="skip-join-mlfq", max_batch_size=8)
@@ -60,7 +63,31 @@ def test_prefix_aware_routers_keep_conversations_where_their_prefix_is() -> None
            for name in ("prefix-affinity", "fastserve", "round-robin")}
     rate = {k: r.prefix_hit_tokens / r.prefix_query_tokens for k, r in hit.items()}
     assert rate["prefix-affinity"] > rate["round-robin"] + 0.2
-    assert rate["fastserve"] > rate["round-robin"] + 0.2
+    # NOTE: fastserve also weighs each replica's queue: over these 70 jobs on 4 replicas it
+    # caches 0.42 of prompt tokens (0.47 with near-ratio=0: a conversation's first turn then
+    # goes to the busier replica whose prediction is lower by a hair), round robin 0.27.
+    assert rate["fastserve"] > rate["round-robin"] + 0.1
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_burst_of_like_requests_is_split_evenly(seed: int) -> None:
+    """Issue 60's burst, small: like requests (100 tokens out, prompts of 64-127 tokens, so
+    they skip-join different levels) all at once on two replicas of this machine's measured
+    profile. Split as predicted-work noise says, one replica gets a few more, runs its last
+    jobs in a batch of a few, and the burst ends later; split evenly, it does not."""
+    cost = CostModel(**json.loads((REPO / "profiles" / "cpu-tiny-2threads-quiet.json")
+                                  .read_text())["cost_model"])
+    config = engine_config(policy="skip-join-mlfq", max_batch_size=16, warmup=False)
+    rng = random.Random(seed)
+    work = [WorkItem(0.01 * i, rng.randint(64, 127), 100) for i in range(8)]  # warm-up
+    work += [WorkItem(5.0, rng.randint(64, 127), 100) for _ in range(64)]
+    ends = {}
+    for spec in ("fastserve", "fastserve:near-ratio=0"):
+        run = simulate_fleet(work, config, cost, 2, make_router(spec), 4000, stats_period_s=0.5)
+        split = sorted(Counter(run.placements.values()).values())
+        ends[spec] = max(r.finish_s for r in run.finished if r.finish_s is not None) - 5.0
+        assert (split == [36, 36]) == (spec == "fastserve"), (spec, split)
+    assert ends["fastserve:near-ratio=0"] > 1.15 * ends["fastserve"]
 
 
 def test_recorded_trace_replays_to_the_simulators_placements(tmp_path: Path) -> None:

@@ -150,6 +150,8 @@ def test_bad_router_specs_are_refused_by_name() -> None:
         make_router("fastserve:oops")
     with pytest.raises(ValueError, match="max_imbalance"):
         make_router("fastserve:max-imbalance=-1")
+    with pytest.raises(ValueError, match="near_ratio"):
+        make_router("fastserve:near-ratio=-0.1")
     with pytest.raises(ValueError, match="no replica"):
         make_router("pow2").choose(short_job("x"), 0.0)
 
