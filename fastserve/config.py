@@ -215,6 +215,10 @@ class SchedulerConfig:
     # before it plus its own, expected from finished jobs' lengths) joins the oldest jobs: it
     # runs in arrival order ahead of every level. 0 = off.
     mlfq_fcfs_deadline: float = 0.0
+    # ... passes its arrival plus this many times the p99 of the finished jobs' FCFS times in
+    # the system as estimated (the same way, with their lengths now known). 0 = off; with
+    # mlfq_fcfs_deadline too, a job is urgent once it passes both bounds.
+    mlfq_fcfs_p99: float = 0.0
     mlfq_variant: str = "robust"
     # srpt-oracle and gittins: a job's key (lower runs first) is its rank plus this many
     # seconds per second of its arrival time, so a job gains `age_weight` seconds of rank per
@@ -271,6 +275,8 @@ class SchedulerConfig:
         )
         _check(self.mlfq_fcfs_deadline >= 0,
                f"mlfq_fcfs_deadline must be >= 0 (0 = off), got {self.mlfq_fcfs_deadline}")
+        _check(self.mlfq_fcfs_p99 >= 0,
+               f"mlfq_fcfs_p99 must be >= 0 (0 = off), got {self.mlfq_fcfs_p99}")
         _check(self.age_weight >= 0, f"age_weight must be >= 0, got {self.age_weight}")
         _check(self.urgent_after_s >= 0,
                f"urgent_after_s must be >= 0 (0 = off), got {self.urgent_after_s}")

@@ -14,9 +14,11 @@ A cell where no knob value of either family meets both lines cannot meet them wi
 knowledge: the mean's gain and the tail's bound conflict there. The same two rules on the
 non-clairvoyant `gittins` order (which ranks by the lengths of finished jobs; urgency by age
 alone) are the candidate for a default, and the default (skip-join-mlfq) is run beside them.
-A fifth family, default+deadline (not run unless named in --families), is the default with
-the non-clairvoyant `--mlfq-fcfs-deadline` factor: a job whose expected finish, were it to
-start only now, passes that factor times its estimated FCFS time runs ahead of the rest.
+Two more families, run only when named in --families, are the default with a
+non-clairvoyant urgency bound (fastserve/core/policies/fcfs_deadline.py): a job whose
+expected finish, were it to start only now, passes its arrival plus a factor times its own
+estimated FCFS time (default+deadline, `--mlfq-fcfs-deadline`) or times the estimated p99
+of finished jobs' FCFS times (default+fcfs-p99, `--mlfq-fcfs-p99`) runs ahead of the rest.
 
 For each cell (simulator, batch 16, ample KV, one workload, as tail_grid.py) it prints FCFS's
 p99, srpt-oracle's mean, and per family the best knob value (the lowest mean among those
@@ -52,22 +54,28 @@ GITTINS = "gittins"
 WEIGHTS = (0.3, 1.0, 3.0, 10.0)
 FRACTIONS = (0.3, 0.5, 0.6, 0.7, 0.85, 1.0)
 DEADLINE_FACTORS = (0.8, 1.0, 1.25, 1.5, 2.0)
+P99_FACTORS = (0.6, 0.8, 1.0)
 # (family name, base policy, knob): each family's members are the base with one knob value.
 FAMILIES = (("oracle+age", ORACLE, "age-weight"), ("oracle+urgent", ORACLE, "urgent-after-s"),
             ("gittins+age", GITTINS, "age-weight"), ("gittins+urgent", GITTINS, "urgent-after-s"),
-            ("default+deadline", DEFAULT, "mlfq-fcfs-deadline"))
+            ("default+deadline", DEFAULT, "mlfq-fcfs-deadline"),
+            ("default+fcfs-p99", DEFAULT, "mlfq-fcfs-p99"))
 Result = dict[str, float]
 
 
 def members(base: str, knob: str, fcfs_p99: float, weights: tuple[float, ...] = WEIGHTS,
             fractions: tuple[float, ...] = FRACTIONS,
-            factors: tuple[float, ...] = DEADLINE_FACTORS) -> list[tuple[float, str]]:
-    """(knob value as reported, policy spec) of one family in a cell: age weights and FCFS
-    deadline factors as they are, urgency bounds as fractions of FCFS's p99 there."""
+            factors: tuple[float, ...] = DEADLINE_FACTORS,
+            p99_factors: tuple[float, ...] = P99_FACTORS) -> list[tuple[float, str]]:
+    """(knob value as reported, policy spec) of one family in a cell: age weights and the
+    default's estimated-FCFS factors as they are, urgency bounds as fractions of FCFS's p99
+    there (measured: the clairvoyant families)."""
     if knob == "age-weight":
         return [(w, f"{base}:age-weight={w:g}") for w in weights]
     if knob == "mlfq-fcfs-deadline":
         return [(f, f"{base}:mlfq-fcfs-deadline={f:g}") for f in factors]
+    if knob == "mlfq-fcfs-p99":
+        return [(f, f"{base}:mlfq-fcfs-p99={f:g}") for f in p99_factors]
     return [(f, f"{base}:urgent-after-s={f * fcfs_p99:.6g}") for f in fractions]
 
 
@@ -242,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-factors", default=",".join(f"{f:g}" for f in DEADLINE_FACTORS),
                     help="default+deadline: the factors of each job's estimated FCFS time "
                          "tried (--mlfq-fcfs-deadline)")
+    ap.add_argument("--p99-factors", default=",".join(f"{f:g}" for f in P99_FACTORS),
+                    help="default+fcfs-p99: the factors of the estimated FCFS p99 tried "
+                         "(--mlfq-fcfs-p99)")
     ap.add_argument("--out", help="every run's metrics and the summary, JSON")
     ap.add_argument("--md", help="the per-cell table, markdown")
     ap.add_argument("--plot", help="PNG: per cell, the lowest mean over the oracle's that keeps "
@@ -262,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = grid(args.profiles.split(","), floats(args.loads), floats(args.cvs),
                      floats(args.thetas))
         res, specs = simulate(args, cells, fams, floats(args.weights), floats(args.fractions),
-                              floats(args.deadline_factors))
+                              floats(args.deadline_factors), floats(args.p99_factors))
     report(args, cells, res, specs, fams)
     return 0
 
@@ -278,7 +289,8 @@ def load(path: str) -> tuple[list[Cell], dict[Cell, dict[str, Result]], Specs]:
 
 def simulate(args: argparse.Namespace, cells: list[Cell], fams: tuple[Family, ...],
              weights: tuple[float, ...], fractions: tuple[float, ...],
-             factors: tuple[float, ...] = DEADLINE_FACTORS
+             factors: tuple[float, ...] = DEADLINE_FACTORS,
+             p99_factors: tuple[float, ...] = P99_FACTORS
              ) -> tuple[dict[Cell, dict[str, Result]], Specs]:
     start = time.perf_counter()
     res: dict[Cell, dict[str, Result]] = {c: {} for c in cells}
@@ -296,7 +308,7 @@ def simulate(args: argparse.Namespace, cells: list[Cell], fams: tuple[Family, ..
         jobs: list[tuple[Cell, str]] = []
         for c in cells:
             specs[c] = {name: members(base, knob, res[c][FCFS]["jct_p99"], weights, fractions,
-                                      factors)
+                                      factors, p99_factors)
                         for name, base, knob in fams}
             jobs += [(c, p) for p in bases]
             jobs += [(c, s) for fam in specs[c].values() for _, s in fam]

@@ -21,13 +21,14 @@ NUM_WARM = 20  # short jobs that finish first, so the length estimate exists
 LONG = f"r{NUM_WARM}"
 
 
-def _long_job_and_stream(factor: float) -> tuple[dict[str, float], int]:
+def _long_job_and_stream(factor: float, p99_factor: float = 0.0
+                         ) -> tuple[dict[str, float], int]:
     """20 short jobs (3 tokens) arrive at once and finish; at 100 ms a long job (60 tokens)
     arrives to an idle engine and runs down to the lowest level; from 120 ms 40 more short
     jobs arrive faster than the two slots serve them. (Finish ms per job, jobs made urgent.)"""
     sched = make_scheduler("skip-join-mlfq", cost=UNIT_COST, base_quantum_ms=2.0,
                            mlfq_levels=4, max_batch_size=2, mlfq_oldest_slots=0,
-                           mlfq_fcfs_deadline=factor)
+                           mlfq_fcfs_deadline=factor, mlfq_fcfs_p99=p99_factor)
     policy = sched.policy
     assert isinstance(policy, MLFQBase)
     arrivals = [0.0] * NUM_WARM + [0.100] + [0.120 + 0.0015 * i for i in range(40)]
@@ -55,18 +56,30 @@ def test_long_old_job_becomes_urgent_and_runs_ahead_of_a_stream_of_short_jobs() 
     assert on[LONG] < stream_on <= stream_off + 61
 
 
+def test_the_estimated_fcfs_p99_bound_lifts_the_long_job_too() -> None:
+    off, _ = _long_job_and_stream(0)
+    on, num_on = _long_job_and_stream(0, p99_factor=1.0)
+    # The warm-up's FCFS times (all 20 at once, two slots) end near 70-120 ms: once the long
+    # job's expected finish passes that after its arrival, it runs every iteration.
+    assert num_on >= 1
+    assert on[LONG] <= 221 < off[LONG]
+    assert on[LONG] < max(v for k, v in on.items() if k != LONG)
+
+
 def test_a_factor_no_job_reaches_leaves_the_order_unchanged() -> None:
     off, _ = _long_job_and_stream(0)
-    loose, num_loose = _long_job_and_stream(1e6)
-    assert num_loose == 0
-    assert loose == off
+    for loose, num_loose in (_long_job_and_stream(1e6), _long_job_and_stream(0, 1e6)):
+        assert num_loose == 0
+        assert loose == off
 
 
 def test_residual_length_is_the_mean_excess_over_finished_lengths() -> None:
     est = FCFSDeadlineEstimate(UNIT_COST, 2)
     assert not est.is_ready
-    for n in [10] * (DEADLINE_MIN_SAMPLES - 4) + [100] * 4:
-        est.add(n)
+    lengths = [10] * (DEADLINE_MIN_SAMPLES - 4) + [100] * 4
+    for req, n in zip(make_requests([1] * len(lengths), lengths), lengths, strict=True):
+        req.output_token_ids = [1] * n  # finished
+        est.add(req, None)
     assert est.is_ready
     mean = (10 * (DEADLINE_MIN_SAMPLES - 4) + 400) / DEADLINE_MIN_SAMPLES
     assert est.residual_tokens(0) == pytest.approx(mean)
@@ -78,5 +91,8 @@ def test_deadline_is_off_by_default_and_rejected_below_zero() -> None:
     assert MLFQSettings.from_config(SchedulerConfig(), CostModel()).fcfs_deadline == 0
     sched = make_scheduler("skip-join-mlfq")
     assert isinstance(sched.policy, MLFQBase) and sched.policy.num_urgent == 0
+    assert MLFQSettings.from_config(SchedulerConfig(), CostModel()).fcfs_p99 == 0
     with pytest.raises(ValueError, match="mlfq_fcfs_deadline"):
         SchedulerConfig(mlfq_fcfs_deadline=-1)
+    with pytest.raises(ValueError, match="mlfq_fcfs_p99"):
+        SchedulerConfig(mlfq_fcfs_p99=-1)

@@ -18,6 +18,8 @@ its arrival plus `factor` x (estimated FCFS finish - arrival); see `MLFQSettings
 from __future__ import annotations
 
 import bisect
+import math
+from collections import deque
 from collections.abc import Iterable
 from itertools import accumulate
 
@@ -38,6 +40,10 @@ class FCFSDeadlineEstimate:
                                         DEADLINE_MIN_SAMPLES)
         self._sorted: list[int] = []
         self._suffix: list[int] = []  # _suffix[i] = sum(_sorted[i:])
+        # The finished jobs' FCFS times in the system as estimated: the work ahead of each at
+        # its arrival plus its time alone with the length it turned out to have.
+        self._fcfs_jcts: deque[float] = deque(maxlen=DEADLINE_WINDOW)
+        self.fcfs_p99_s: float | None = None  # their p99, renewed with the lengths
         self.recalibrate(cost)
 
     def recalibrate(self, cost: CostModel) -> None:
@@ -55,13 +61,29 @@ class FCFSDeadlineEstimate:
         """Whether enough jobs have finished for an estimate."""
         return bool(self._sorted)
 
-    def add(self, num_output_tokens: int) -> bool:
-        """Record a finished job's length; True when the estimate was just renewed."""
-        if not self._lengths.add(num_output_tokens):
+    def add(self, req: Request, wait_s: float | None) -> bool:
+        """Record a finished job's length, and its estimated FCFS time in the system if the
+        work ahead of it at its arrival (`wait_s`) was estimated; True when the estimate was
+        just renewed."""
+        if wait_s is not None:
+            self._fcfs_jcts.append(wait_s + self.job_time_alone_s(req))
+        # The first FCFS time renews the p99 at once (else it waits for the lengths' next).
+        first = self.fcfs_p99_s is None and bool(self._fcfs_jcts)
+        if self._lengths.add(req.num_output_tokens):
+            self._sorted = sorted(self._lengths.values)
+            self._suffix = list(accumulate(reversed(self._sorted)))[::-1]
+        elif not first:
             return False
-        self._sorted = sorted(self._lengths.values)
-        self._suffix = list(accumulate(reversed(self._sorted)))[::-1]
+        if self._fcfs_jcts:
+            jcts = sorted(self._fcfs_jcts)
+            self.fcfs_p99_s = jcts[max(0, math.ceil(0.99 * len(jcts)) - 1)]
         return True
+
+    def job_time_alone_s(self, req: Request) -> float:
+        """A finished job's whole time alone (its prefill, then its decode steps)."""
+        prompt, out = req.num_prompt_tokens, req.num_output_tokens
+        return (self.cost.prefill_s(prompt) + max(0, out - 1)
+                * (self._latency_step_s + self._latency_ctx_s * (prompt + out / 2)))
 
     def residual_tokens(self, attained: int) -> float:
         """Expected output tokens still to come from a job that has produced `attained`."""
@@ -93,7 +115,7 @@ class FCFSDeadlineEstimate:
         prefill = self.cost.prefill_s(to_prefill, done - to_prefill) if to_prefill else 0.0
         return prefill + tokens * (self._latency_step_s + self._latency_ctx_s * ctx)
 
-    def fcfs_finish_s(self, now: float, req: Request, ahead: Iterable[Request]) -> float:
-        """The job's FCFS finish as estimated now, `ahead` being the unfinished jobs that
-        arrived before it."""
-        return now + sum(self.work_s(r) for r in ahead) + self.time_alone_s(req)
+    def work_ahead_s(self, ahead: Iterable[Request]) -> float:
+        """Expected bottleneck time the jobs `ahead` still cost: FCFS's wait for a job that
+        arrives now behind them."""
+        return sum(self.work_s(r) for r in ahead)

@@ -65,9 +65,11 @@ class _Job:
     # chunk and drop behind, and under memory pressure the next would recompute it away:
     # none would ever finish its prefill.
     turn: tuple[float, float] = (0.0, 0.0)
-    # fcfs_deadline: its arrival + factor x (estimated FCFS finish - arrival), inf until the
-    # first estimate; and the earliest time its entry in `_urgent_due` says it may be urgent.
-    deadline_s: float = math.inf
+    # fcfs_deadline / fcfs_p99: the work ahead of it at its arrival and its estimated FCFS
+    # time in the system (that plus its expected time alone), None / inf until the first
+    # estimate; and the earliest time its entry in `_urgent_due` says it may be urgent.
+    fcfs_wait_s: float | None = None
+    fcfs_jct_s: float = math.inf
     urgent_due_s: float = math.inf
 
 
@@ -100,11 +102,12 @@ class MLFQBase(SchedulingPolicy):
         # fcfs_deadline: the estimate, and (earliest time it may be urgent, seq, request id)
         # per job, a min-heap.
         self._deadline = (FCFSDeadlineEstimate(cost, config.max_batch_size)
-                          if self.settings.fcfs_deadline > 0 else None)
+                          if self.settings.fcfs_deadline > 0 or self.settings.fcfs_p99 > 0
+                          else None)
         self._urgent_due: list[tuple[float, int, str]] = []
         self.num_demotions = 0
         self.num_promotions = 0
-        self.num_urgent = 0  # jobs the FCFS deadline made urgent
+        self.num_urgent = 0  # jobs the FCFS deadline or p99 made urgent
 
     def recalibrate(self, cost: CostModel) -> None:
         # Quanta derived from the decode step keep their length in steps (a quantum set in
@@ -257,7 +260,8 @@ class MLFQBase(SchedulingPolicy):
         if self._tail is not None and length is not None and self._tail.add(length):
             self._set_lowest(len(self._quanta_s) - 1 if self._tail.is_heavy
                              else self._shallow_lowest)
-        if self._deadline is not None and length is not None and self._deadline.add(length):
+        if (self._deadline is not None and job is not None and length is not None
+                and self._deadline.add(req, job.fcfs_wait_s)):
             self._renew_deadlines(now)
 
     def _set_lowest(self, lowest: int) -> None:
@@ -314,21 +318,29 @@ class MLFQBase(SchedulingPolicy):
     # -- fcfs_deadline ---------------------------------------------------------------------
 
     def _set_deadline(self, job: _Job, ahead: Iterable[_Job], now: float) -> None:
-        """The job's deadline from its FCFS finish estimated now, `ahead` being the unfinished
-        jobs that arrived before it."""
+        """The job's estimated FCFS time in the system, `ahead` being the unfinished jobs that
+        arrived before it (as if it arrived `now`)."""
         assert self._deadline is not None
-        finish_s = self._deadline.fcfs_finish_s(now, job.req, (j.req for j in ahead))
-        job.deadline_s = job.arrived_s + self.settings.fcfs_deadline * (finish_s - job.arrived_s)
+        job.fcfs_wait_s = now - job.arrived_s + self._deadline.work_ahead_s(j.req for j in ahead)
+        job.fcfs_jct_s = job.fcfs_wait_s + self._deadline.time_alone_s(job.req)
         self._push_urgent(job)
 
     def _urgent_at_s(self, job: _Job) -> float:
-        """When the job's expected finish, were it to start then, passes its deadline."""
+        """When the job's expected finish, were it to start then, passes its bound: its
+        arrival plus `fcfs_deadline` x its estimated FCFS time, or plus `fcfs_p99` x the
+        estimated p99 of FCFS's times, or (both on) the later of the two; inf while unknown."""
         assert self._deadline is not None
-        return job.deadline_s - self._deadline.time_alone_s(job.req)
+        bound_s = 0.0
+        if self.settings.fcfs_deadline > 0:
+            bound_s = self.settings.fcfs_deadline * job.fcfs_jct_s
+        if self.settings.fcfs_p99 > 0:
+            p99_s = self._deadline.fcfs_p99_s
+            bound_s = max(bound_s, math.inf if p99_s is None else self.settings.fcfs_p99 * p99_s)
+        return job.arrived_s + bound_s - self._deadline.time_alone_s(job.req)
 
     def _push_urgent(self, job: _Job) -> None:
         """Queue the job's urgency check, if it is due earlier than the one queued."""
-        if job.is_oldest or not math.isfinite(job.deadline_s):
+        if job.is_oldest:
             return
         due_s = self._urgent_at_s(job)
         if due_s < job.urgent_due_s:
@@ -341,7 +353,7 @@ class MLFQBase(SchedulingPolicy):
         check is moved up where it is now due earlier. O(jobs)."""
         older: list[_Job] = []
         for job in self._jobs.values():  # in arrival order
-            if not math.isfinite(job.deadline_s):
+            if job.fcfs_wait_s is None:
                 self._set_deadline(job, older, now)
             else:
                 self._push_urgent(job)
