@@ -319,7 +319,9 @@ class MLFQBase(SchedulingPolicy):
 
     def _set_deadline(self, job: _Job, ahead: Iterable[_Job], now: float) -> None:
         """The job's estimated FCFS time in the system, `ahead` being the unfinished jobs that
-        arrived before it (as if it arrived `now`)."""
+        arrived before it (as if it arrived `now`). NOTE: O(unfinished jobs) per arrival,
+        which an option measured in the simulator can afford; a serving default would keep
+        the sum of their expected work up to date instead."""
         assert self._deadline is not None
         job.fcfs_wait_s = now - job.arrived_s + self._deadline.work_ahead_s(j.req for j in ahead)
         job.fcfs_jct_s = job.fcfs_wait_s + self._deadline.time_alone_s(job.req)
