@@ -44,6 +44,7 @@ class FCFSDeadlineEstimate:
         # its arrival plus its time alone with the length it turned out to have.
         self._fcfs_jcts: deque[float] = deque(maxlen=DEADLINE_WINDOW)
         self.fcfs_p99_s: float | None = None  # their p99, renewed with the lengths
+        self._has_jcts = False
         self.recalibrate(cost)
 
     def recalibrate(self, cost: CostModel) -> None:
@@ -68,21 +69,34 @@ class FCFSDeadlineEstimate:
         if wait_s is not None:
             self._fcfs_jcts.append(wait_s + self.job_time_alone_s(req))
         # The first FCFS time renews the p99 at once (else it waits for the lengths' next).
-        first = self.fcfs_p99_s is None and bool(self._fcfs_jcts)
+        first = not self._has_jcts and bool(self._fcfs_jcts)
+        self._has_jcts = bool(self._fcfs_jcts)
         if self._lengths.add(req.num_output_tokens):
             self._sorted = sorted(self._lengths.values)
             self._suffix = list(accumulate(reversed(self._sorted)))[::-1]
         elif not first:
             return False
-        if self._fcfs_jcts:
-            jcts = sorted(self._fcfs_jcts)
-            self.fcfs_p99_s = jcts[max(0, math.ceil(0.99 * len(jcts)) - 1)]
         return True
 
-    def job_time_alone_s(self, req: Request) -> float:
-        """A finished job's whole time alone (its prefill, then its decode steps)."""
-        prompt, out = req.num_prompt_tokens, req.num_output_tokens
-        return (self.cost.prefill_s(prompt) + max(0, out - 1)
+    def renew_p99(self, live: Iterable[tuple[float, Request]]) -> None:
+        """The p99 of FCFS's times over the finished jobs' and the unfinished jobs' (`live`:
+        the work ahead of each at its arrival, and the job), each of the latter with its
+        expected length. Without them the p99 lags a burst: its slowest jobs under FCFS
+        (long jobs deep in it) are the last the MLFQ finishes."""
+        jcts = list(self._fcfs_jcts)
+        for wait_s, req in live:
+            out = req.num_output_tokens + self.residual_tokens(req.num_output_tokens)
+            jcts.append(wait_s + self.job_time_alone_s(req, out))
+        if jcts:
+            jcts.sort()
+            self.fcfs_p99_s = jcts[max(0, math.ceil(0.99 * len(jcts)) - 1)]
+
+    def job_time_alone_s(self, req: Request, num_output_tokens: float | None = None) -> float:
+        """A job's whole time alone (its prefill, then its decode steps) with this many
+        output tokens (None: those it has, for a finished job)."""
+        prompt = req.num_prompt_tokens
+        out = req.num_output_tokens if num_output_tokens is None else num_output_tokens
+        return (self.cost.prefill_s(prompt) + max(0.0, out - 1)
                 * (self._latency_step_s + self._latency_ctx_s * (prompt + out / 2)))
 
     def residual_tokens(self, attained: int) -> float:

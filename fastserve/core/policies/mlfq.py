@@ -353,13 +353,17 @@ class MLFQBase(SchedulingPolicy):
         """The length estimate changed: jobs that came before the first get their deadline
         (as if they arrived now, behind the jobs older than them), and every job's urgency
         check is moved up where it is now due earlier. O(jobs)."""
+        assert self._deadline is not None
         older: list[_Job] = []
         for job in self._jobs.values():  # in arrival order
             if job.fcfs_wait_s is None:
                 self._set_deadline(job, older, now)
-            else:
-                self._push_urgent(job)
             older.append(job)
+        if self.settings.fcfs_p99 > 0:
+            self._deadline.renew_p99((j.fcfs_wait_s, j.req) for j in older
+                                     if j.fcfs_wait_s is not None)
+        for job in older:
+            self._push_urgent(job)
 
     def _mark_urgent(self, now: float) -> None:
         """Mark the jobs whose expected finish, were they to start now, passes their deadline
