@@ -151,8 +151,8 @@ _HELP = {
                           "the system (expected from finished jobs' lengths) runs with the "
                           "oldest jobs, ahead of every queue (0 = off)",
     "mlfq_fcfs_p99": "MLFQ: as --mlfq-fcfs-deadline, with this many times the p99 of the "
-                     "finished jobs' estimated FCFS times in the system as the bound (0 = off; "
-                     "with both on, a job is urgent once past both)",
+                     "jobs' estimated FCFS times in the system as the bound (0 = off; with "
+                     "both on, a job is urgent once past both)",
     "age_weight": "srpt-oracle, gittins: seconds of rank a job gains per second of age (0 = "
                   "the plain rank; large = arrival order)",
     "urgent_after_s": "srpt-oracle, gittins: a job whose age plus its remaining time alone "

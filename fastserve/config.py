@@ -215,9 +215,9 @@ class SchedulerConfig:
     # before it plus its own, expected from finished jobs' lengths) joins the oldest jobs: it
     # runs in arrival order ahead of every level. 0 = off.
     mlfq_fcfs_deadline: float = 0.0
-    # ... passes its arrival plus this many times the p99 of the finished jobs' FCFS times in
-    # the system as estimated (the same way, with their lengths now known). 0 = off; with
-    # mlfq_fcfs_deadline too, a job is urgent once it passes both bounds.
+    # ... passes its arrival plus this many times the p99 of the jobs' FCFS times in the system
+    # as estimated the same way (finished jobs with their lengths, the unfinished with their
+    # expected ones). 0 = off; with mlfq_fcfs_deadline too, urgent once past both bounds.
     mlfq_fcfs_p99: float = 0.0
     mlfq_variant: str = "robust"
     # srpt-oracle and gittins: a job's key (lower runs first) is its rank plus this many

@@ -12,7 +12,9 @@ job 1/batch of a full batch's stage time); a job's own time alone is its tokens 
 batch's iteration.
 
 The policy makes a job urgent once its expected finish, if it started only now, would pass
-its arrival plus `factor` x (estimated FCFS finish - arrival); see `MLFQSettings.fcfs_deadline`.
+its arrival plus a factor x its estimated FCFS time in the system (`MLFQSettings.fcfs_deadline`)
+or x the p99 of the jobs' estimated FCFS times (`MLFQSettings.fcfs_p99`; `renew_p99`).
+Measured: docs/results/2026-12-08-fcfs-urgency.md.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class FCFSDeadlineEstimate:
         # The finished jobs' FCFS times in the system as estimated: the work ahead of each at
         # its arrival plus its time alone with the length it turned out to have.
         self._fcfs_jcts: deque[float] = deque(maxlen=DEADLINE_WINDOW)
-        self.fcfs_p99_s: float | None = None  # their p99, renewed with the lengths
+        self.fcfs_p99_s: float | None = None  # `renew_p99`'s
         self._has_jcts = False
         self.recalibrate(cost)
 

@@ -196,8 +196,8 @@ class MLFQSettings:
     # times its estimated FCFS time in the system (`fcfs_deadline.py`) joins the oldest jobs
     # (0 = off).
     fcfs_deadline: float = 0.0
-    # ... passes its arrival plus this many times the p99 of the finished jobs' FCFS times in
-    # the system as estimated (0 = off; with both on, the later of the two bounds).
+    # ... passes its arrival plus this many times the p99 of the jobs' FCFS times in the
+    # system as estimated (0 = off; with both on, the later of the two bounds).
     fcfs_p99: float = 0.0
 
     @property
