@@ -146,6 +146,13 @@ _HELP = {
     "mlfq_max_wait_steps": "robust MLFQ: a job that has waited this long in all (its age "
                            "less its time in iterations, in full-batch decode iterations) runs "
                            "with the oldest jobs, ahead of every queue (None = 0 = never)",
+    "mlfq_fcfs_deadline": "MLFQ: a job whose expected finish, were it to start only now, "
+                          "passes its arrival plus this many times its estimated FCFS time in "
+                          "the system (expected from finished jobs' lengths) runs with the "
+                          "oldest jobs, ahead of every queue (0 = off)",
+    "mlfq_fcfs_p99": "MLFQ: as --mlfq-fcfs-deadline, with this many times the p99 of the "
+                     "jobs' estimated FCFS times in the system as the bound (0 = off; with "
+                     "both on, a job is urgent once past both)",
     "age_weight": "srpt-oracle, gittins: seconds of rank a job gains per second of age (0 = "
                   "the plain rank; large = arrival order)",
     "urgent_after_s": "srpt-oracle, gittins: a job whose age plus its remaining time alone "

@@ -210,6 +210,15 @@ class SchedulerConfig:
     # full-batch decode iterations) joins the oldest jobs: it runs in arrival order ahead of
     # every level, in as many slots as such jobs need. None = the variant's default; 0 = off.
     mlfq_max_wait_steps: float | None = None
+    # A job whose expected finish, were it to start only now, passes its arrival plus this many
+    # times its estimated FCFS time in the system (the work of the unfinished jobs that came
+    # before it plus its own, expected from finished jobs' lengths) joins the oldest jobs: it
+    # runs in arrival order ahead of every level. 0 = off.
+    mlfq_fcfs_deadline: float = 0.0
+    # ... passes its arrival plus this many times the p99 of the jobs' FCFS times in the system
+    # as estimated the same way (finished jobs with their lengths, the unfinished with their
+    # expected ones). 0 = off; with mlfq_fcfs_deadline too, urgent once past both bounds.
+    mlfq_fcfs_p99: float = 0.0
     mlfq_variant: str = "robust"
     # srpt-oracle and gittins: a job's key (lower runs first) is its rank plus this many
     # seconds per second of its arrival time, so a job gains `age_weight` seconds of rank per
@@ -264,6 +273,10 @@ class SchedulerConfig:
             self.mlfq_max_wait_steps is None or self.mlfq_max_wait_steps >= 0,
             f"mlfq_max_wait_steps must be >= 0 (0 = off), got {self.mlfq_max_wait_steps}",
         )
+        _check(self.mlfq_fcfs_deadline >= 0,
+               f"mlfq_fcfs_deadline must be >= 0 (0 = off), got {self.mlfq_fcfs_deadline}")
+        _check(self.mlfq_fcfs_p99 >= 0,
+               f"mlfq_fcfs_p99 must be >= 0 (0 = off), got {self.mlfq_fcfs_p99}")
         _check(self.age_weight >= 0, f"age_weight must be >= 0, got {self.age_weight}")
         _check(self.urgent_after_s >= 0,
                f"urgent_after_s must be >= 0 (0 = off), got {self.urgent_after_s}")

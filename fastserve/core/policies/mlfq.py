@@ -24,12 +24,13 @@ import bisect
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from fastserve.config import SchedulerConfig
 from fastserve.core.cost_model import CostModel
 from fastserve.core.plan import ExecutorOutput, ScheduledRequest, SchedulerOutput
+from fastserve.core.policies.fcfs_deadline import FCFSDeadlineEstimate
 from fastserve.core.policies.finished_lengths import finished_length
 from fastserve.core.policies.keyed_order import Key, KeyedOrder
 from fastserve.core.policies.mlfq_settings import ChargeModel, MLFQSettings, TailEstimate
@@ -64,6 +65,12 @@ class _Job:
     # chunk and drop behind, and under memory pressure the next would recompute it away:
     # none would ever finish its prefill.
     turn: tuple[float, float] = (0.0, 0.0)
+    # fcfs_deadline / fcfs_p99: the work ahead of it at its arrival and its estimated FCFS
+    # time in the system (that plus its expected time alone), None / inf until the first
+    # estimate; and the earliest time its entry in `_urgent_due` says it may be urgent.
+    fcfs_wait_s: float | None = None
+    fcfs_jct_s: float = math.inf
+    urgent_due_s: float = math.inf
 
 
 class MLFQBase(SchedulingPolicy):
@@ -92,14 +99,23 @@ class MLFQBase(SchedulingPolicy):
         self._final_levels: deque[int] = deque(maxlen=FINAL_LEVELS_WINDOW)
         # Request id -> its latest job (live or finished), for the jobs that continue it.
         self._service: OrderedDict[str, _Job] = OrderedDict()
+        # fcfs_deadline: the estimate, and (earliest time it may be urgent, seq, request id)
+        # per job, a min-heap.
+        self._deadline = (FCFSDeadlineEstimate(cost, config.max_batch_size)
+                          if self.settings.fcfs_deadline > 0 or self.settings.fcfs_p99 > 0
+                          else None)
+        self._urgent_due: list[tuple[float, int, str]] = []
         self.num_demotions = 0
         self.num_promotions = 0
+        self.num_urgent = 0  # jobs the FCFS deadline or p99 made urgent
 
     def recalibrate(self, cost: CostModel) -> None:
         # Quanta derived from the decode step keep their length in steps (a quantum set in
         # milliseconds keeps its milliseconds); the jobs' charges so far stand.
         old_step_s = self.charge.step_s
         super().recalibrate(cost)
+        if self._deadline is not None:
+            self._deadline.recalibrate(cost)
         self.charge = ChargeModel(cost, self.settings.charge, self.config.max_batch_size)
         if self.config.base_quantum_ms <= 0 and old_step_s > 0:
             factor = self.charge.step_s / old_step_s
@@ -208,6 +224,8 @@ class MLFQBase(SchedulingPolicy):
             heapq.heappush(self._wait_due, (now + self.settings.max_wait_s, job.seq,
                                             req.request_id))
         self._continue_service(job)
+        if self._deadline is not None and self._deadline.is_ready:
+            self._set_deadline(job, self._jobs.values(), now)
         self._jobs[req.request_id] = job
         self._level_counts[level] += 1
         if self.settings.starve_limit_s > 0:
@@ -242,6 +260,9 @@ class MLFQBase(SchedulingPolicy):
         if self._tail is not None and length is not None and self._tail.add(length):
             self._set_lowest(len(self._quanta_s) - 1 if self._tail.is_heavy
                              else self._shallow_lowest)
+        if (self._deadline is not None and job is not None and length is not None
+                and self._deadline.add(req, job.fcfs_wait_s)):
+            self._renew_deadlines(now)
 
     def _set_lowest(self, lowest: int) -> None:
         """Use levels 0..`lowest`: jobs below a raised lowest level join it, and the old and
@@ -265,6 +286,8 @@ class MLFQBase(SchedulingPolicy):
             self._mark_oldest()
         if self._wait_due:
             self._mark_held_back(now)
+        if self._urgent_due:
+            self._mark_urgent(now)
         return self._queue.items()
 
     def _mark_oldest(self) -> None:
@@ -292,6 +315,75 @@ class MLFQBase(SchedulingPolicy):
             else:
                 heapq.heappush(self._wait_due, (due_s, seq, rid))
 
+    # -- fcfs_deadline ---------------------------------------------------------------------
+
+    def _set_deadline(self, job: _Job, ahead: Iterable[_Job], now: float) -> None:
+        """The job's estimated FCFS time in the system, `ahead` being the unfinished jobs that
+        arrived before it (as if it arrived `now`). NOTE: O(unfinished jobs) per arrival,
+        which an option measured in the simulator can afford; a serving default would keep
+        the sum of their expected work up to date instead."""
+        assert self._deadline is not None
+        job.fcfs_wait_s = now - job.arrived_s + self._deadline.work_ahead_s(j.req for j in ahead)
+        job.fcfs_jct_s = job.fcfs_wait_s + self._deadline.time_alone_s(job.req)
+        self._push_urgent(job)
+
+    def _urgent_at_s(self, job: _Job) -> float:
+        """When the job's expected finish, were it to start then, passes its bound: its
+        arrival plus `fcfs_deadline` x its estimated FCFS time, or plus `fcfs_p99` x the
+        estimated p99 of FCFS's times, or (both on) the later of the two; inf while unknown."""
+        assert self._deadline is not None
+        bound_s = 0.0
+        if self.settings.fcfs_deadline > 0:
+            bound_s = self.settings.fcfs_deadline * job.fcfs_jct_s
+        if self.settings.fcfs_p99 > 0:
+            p99_s = self._deadline.fcfs_p99_s
+            bound_s = max(bound_s, math.inf if p99_s is None else self.settings.fcfs_p99 * p99_s)
+        return job.arrived_s + bound_s - self._deadline.time_alone_s(job.req)
+
+    def _push_urgent(self, job: _Job) -> None:
+        """Queue the job's urgency check, if it is due earlier than the one queued."""
+        if job.is_oldest:
+            return
+        due_s = self._urgent_at_s(job)
+        if due_s < job.urgent_due_s:
+            job.urgent_due_s = due_s
+            heapq.heappush(self._urgent_due, (due_s, job.seq, job.req.request_id))
+
+    def _renew_deadlines(self, now: float) -> None:
+        """The length estimate changed: jobs that came before the first get their deadline
+        (as if they arrived now, behind the jobs older than them), and every job's urgency
+        check is moved up where it is now due earlier. O(jobs)."""
+        assert self._deadline is not None
+        older: list[_Job] = []
+        for job in self._jobs.values():  # in arrival order
+            if job.fcfs_wait_s is None:
+                self._set_deadline(job, older, now)
+            older.append(job)
+        if self.settings.fcfs_p99 > 0:
+            self._deadline.renew_p99((j.fcfs_wait_s, j.req) for j in older
+                                     if j.fcfs_wait_s is not None)
+        for job in older:
+            self._push_urgent(job)
+
+    def _mark_urgent(self, now: float) -> None:
+        """Mark the jobs whose expected finish, were they to start now, passes their deadline
+        as oldest. An entry is checked against the job's state now: one not yet due is
+        queued again at its new time."""
+        heap = self._urgent_due
+        while heap and heap[0][0] <= now:
+            due_s, seq, rid = heapq.heappop(heap)
+            job = self._jobs.get(rid)
+            if job is None or job.is_oldest or due_s != job.urgent_due_s:
+                continue  # gone, already ahead, or a stale entry
+            due_s = self._urgent_at_s(job)
+            if due_s <= now:
+                job.is_oldest = True
+                self.num_urgent += 1
+                self._rekey(job)
+            else:
+                job.urgent_due_s = due_s
+                heapq.heappush(heap, (due_s, seq, rid))
+
     def on_iteration(self, plan: SchedulerOutput, out: ExecutorOutput, now: float) -> None:
         charges = self.charge.charges(plan, out.duration_s)
         for sched, charge_s in zip(plan.scheduled, charges, strict=True):
@@ -299,6 +391,8 @@ class MLFQBase(SchedulingPolicy):
             if job is not None:  # None: aborted while the iteration ran
                 job.ran_s += out.duration_s
                 self._charge(job, sched, charge_s, now)
+                if self._deadline is not None:
+                    self._push_urgent(job)
 
     # -- accounting -----------------------------------------------------------------------
 

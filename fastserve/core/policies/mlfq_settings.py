@@ -192,6 +192,13 @@ class MLFQSettings:
     # A job that has waited this long in all (seconds of its age not spent in iterations)
     # joins the oldest jobs, whatever their number (inf = never).
     max_wait_s: float = math.inf
+    # A job whose expected finish, were it to start now, passes its arrival plus this many
+    # times its estimated FCFS time in the system (`fcfs_deadline.py`) joins the oldest jobs
+    # (0 = off).
+    fcfs_deadline: float = 0.0
+    # ... passes its arrival plus this many times the p99 of the jobs' FCFS times in the
+    # system as estimated (0 = off; with both on, the later of the two bounds).
+    fcfs_p99: float = 0.0
 
     @property
     def num_levels(self) -> int:
@@ -243,6 +250,8 @@ class MLFQSettings:
             oldest_slots=oldest,
             max_wait_s=(wait_steps * cost.iteration_s(0, config.max_batch_size, 0)
                         if wait_steps > 0 else math.inf),
+            fcfs_deadline=config.mlfq_fcfs_deadline,
+            fcfs_p99=config.mlfq_fcfs_p99,
         )
 
 
