@@ -91,7 +91,8 @@ class FastServeRouter(Router):
     rest, so where replicas differ by that little it is noise, while each job they hold takes
     a batch slot until it ends. Without this a burst of like requests was split by such noise
     up to the bound (130/134 of 264 in the simulator), and the replica given more ran its
-    last jobs in a batch of a few (issue 60's burst: 0.88x the tokens/s of an even split).
+    last jobs in a batch of a few (the burst of benchmarks/fleet/fleet_overhead.py: 0.88x
+    the tokens/s of an even split).
     """
 
     name = "fastserve"
