@@ -106,6 +106,8 @@ class ReplicaView:
         self.stats = stats
         if source is not None and stats.admitted is not None:
             admitted = stats.admitted.get(source, 0)
+            if admitted < self.num_admitted:  # a count begun again: the replica restarted
+                self.num_admitted = 0
             # NOTE: a request forgotten here that the replica took in after all (it failed
             # after its intake) takes a later send with it: undercounted until a snapshot.
             for _ in range(min(admitted - self.num_admitted, len(self.sent))):

@@ -141,6 +141,11 @@ def test_a_send_counts_until_the_replica_says_it_took_it_in() -> None:
     # A send no snapshot ever counted stops counting after UNACKED_SEND_S.
     snapshot(reps[0], 1.2 + 61.0, 3)
     assert view.num_requests() == 3
+    # A replica that restarted counts from 0 again: its first count covers the sends again.
+    router.choose(short_job("d0"), 70.0, ["r0"])
+    router.choose(short_job("d1"), 70.0, ["r0"])
+    snapshot(reps[0], 70.5, 1)
+    assert view.num_requests() == 3 + 1
 
 
 def test_bad_router_specs_are_refused_by_name() -> None:
