@@ -51,18 +51,12 @@ class PrefixAffinity(PowerOfTwo):
     name = "prefix-affinity"
 
     def _rank(self, req: RouteRequest, ids: list[str], now: float) -> list[str]:
-        hits = {rid: self._hit(req, self.views[rid]) for rid in ids}
+        hits = {rid: self.hit_of(req, self.views[rid]) for rid in ids}
         best = max(hits.values())
         tied = [rid for rid in ids if hits[rid] == best]
         first = self.two_choices(tied)
         rest = sorted((r for r in ids if r not in first), key=lambda r: -hits[r])
         return first + rest
-
-    def _hit(self, req: RouteRequest, view: ReplicaView) -> int:
-        model = self._model_for(view)
-        if model is None:
-            return 0
-        return view.hit_blocks(req.block_hashes, self.max_hit_blocks(req, model))
 
 
 class FastServeRouter(Router):
@@ -114,36 +108,32 @@ class FastServeRouter(Router):
         self.deep_weight = deep_weight  # weight of deeper levels' work (0: its join level's)
 
     def _rank(self, req: RouteRequest, ids: list[str], now: float) -> list[str]:
-        scored = []
+        scored = []  # (score, requests, id, prefix hit)
         for rid in ids:
             view = self.views[rid]
-            scored.append((self.score_s(req, view), view.num_requests(), rid))
-        least = min(n for _, n, _ in scored)
+            hit = self.hit_of(req, view)
+            scored.append((self.score_s(req, view, hit), view.num_requests(), rid, hit))
+        least = min(s[1] for s in scored)
         eligible = sorted(s for s in scored if s[1] <= least + self.max_imbalance)
         rest = sorted(s for s in scored if s[1] > least + self.max_imbalance)
         # Near the best: as good a prefix hit, and a score within near_ratio of its.
-        best_s, _, best = eligible[0]
-        hit = self._hit_blocks(req, best)
-        near = sorted((s for s in eligible if s[0] <= best_s * (1.0 + self.near_ratio)
-                       and self._hit_blocks(req, s[2]) == hit),
+        best_s, best_hit = eligible[0][0], eligible[0][3]
+        is_near = [s[0] <= best_s * (1.0 + self.near_ratio) and s[3] == best_hit
+                   for s in eligible]
+        near = sorted((s for s, n in zip(eligible, is_near) if n),
                       key=lambda s: (s[1], s[0], s[2]))
-        far = [s for s in eligible if s not in near]
-        return [rid for _, _, rid in near + far + rest]
+        far = [s for s, n in zip(eligible, is_near) if not n]
+        return [s[2] for s in near + far + rest]
 
-    def _hit_blocks(self, req: RouteRequest, rid: str) -> int:
-        view = self.views[rid]
-        model = self._model_for(view)
-        return 0 if model is None else view.hit_blocks(req.block_hashes,
-                                                        self.max_hit_blocks(req, model))
-
-    def score_s(self, req: RouteRequest, view: ReplicaView) -> float:
-        """Predicted wait plus prefill of `req` on that replica (see the class docstring)."""
+    def score_s(self, req: RouteRequest, view: ReplicaView, hit: int | None = None) -> float:
+        """Predicted wait plus prefill of `req` on that replica (see the class docstring);
+        `hit`: its prefix hit there, when already known (`hit_of`)."""
         model = self._model_for(view)
         if model is None:  # nothing reported yet anywhere: the count decides
             return 0.0
         quanta = model.quanta_s
         parallel = model.max_batch_size if model.charge_mode == "iteration" else 1
-        hit = view.hit_blocks(req.block_hashes, self.max_hit_blocks(req, model))
+        hit = self.hit_of(req, view) if hit is None else hit
         level = self.join_level(req, view, model, hit)
         score = self.work_ahead_s(view, level, quanta) / parallel + self.prefill_s(req, model, hit)
         if self.load_weight > 0 or view.stats is not None:

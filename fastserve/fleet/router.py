@@ -235,15 +235,20 @@ class Router(ABC):
         taken after `now` does."""
         view = self._view(replica_id)
         model = self._model_for(view)
-        level, hit = 0, 0
-        if model is not None:
-            hit = view.hit_blocks(req.block_hashes, self.max_hit_blocks(req, model))
-            level = self.join_level(req, view, model, hit)
+        hit = self.hit_of(req, view)
+        level = 0 if model is None else self.join_level(req, view, model, hit)
         need = 0 if model is None else max(
             0, num_blocks_for(req.num_prompt_tokens, model.block_size) - hit)
         view.note_sent(_Sent(req.request_id, now, level, need, req.block_hashes))
 
     # -- shared predictions -----------------------------------------------------------------
+
+    def hit_of(self, req: RouteRequest, view: ReplicaView) -> int:
+        """Leading blocks of the request's prompt cached on that replica (0 while no replica
+        has reported)."""
+        model = self._model_for(view)
+        return 0 if model is None else view.hit_blocks(req.block_hashes,
+                                                        self.max_hit_blocks(req, model))
 
     def max_hit_blocks(self, req: RouteRequest, model: ReplicaModel) -> int:
         """A hit leaves at least one prompt token to compute (its logits give the first
